@@ -1,0 +1,39 @@
+# stormshard: one-command setup, tests, lint and the quickstart training job.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.stormshard-installed
+NPROC ?= 2
+
+export OMP_NUM_THREADS ?= 1
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export WANDB_MODE ?= offline
+
+.PHONY: setup test lint train bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.15" torch==2.13.0
+	$(PIP) install -q -e ".[dev]" torch==2.13.0
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests
+
+lint: setup
+	$(PY) -m ruff check stormshard launch tests benchmarks examples
+
+train: setup
+	$(PY) -m stormshard.data.synthetic --grid o16 --steps 600 --out data/synthetic.zarr --if-missing
+	DS_ACCELERATOR=cpu $(VENV)/bin/deepspeed --num_accelerators $(NPROC) launch/train.py --config configs/quickstart.json
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache
