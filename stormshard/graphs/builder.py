@@ -1,0 +1,285 @@
+"""The graph of an encoder-processor-decoder model, built from a small config, cached in a file.
+
+``build_graph(config, data_latlon)`` returns a ``torch_geometric.data.HeteroData`` with
+
+- node types ``"data"`` and ``"hidden"``: ``x`` ``(nodes, 2)`` float32 (lat, lon) in radians and
+  ``area_weight`` ``(nodes,)`` float32 (spherical Voronoi areas, mean 1). Data nodes keep the order of
+  the given coordinates (the dataset's order); hidden nodes are the mesh/grid nodes in their own order.
+- edge types ``("data", "to", "hidden")`` (encoder), ``("hidden", "to", "hidden")`` (processor) and
+  ``("hidden", "to", "data")`` (decoder): ``edge_index`` ``(2, E)`` int64 [row 0 = source, row 1 =
+  destination], sorted by destination then source, and ``edge_attr`` ``(E, 3)`` float32
+  ``[length / max length, east, north]`` (see ``stormshard.graphs.attributes``).
+- graph attributes ``config_hash`` (str) and ``coverage_edges`` (dict: edges added so that every data
+  point reaches the hidden mesh and receives from it, see ``stormshard.graphs.edges``).
+
+``load_or_build_graph(config, path, data_latlon)`` loads the file when its hash (config + data
+coordinates + format version) matches and otherwise builds the graph and saves it (plain tensors and
+strings, loadable with ``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch_geometric.data import HeteroData
+
+from stormshard.graphs.attributes import area_weights, edge_attributes
+from stormshard.graphs.edges import cover_destinations, cover_sources, cutoff_edges, knn_edges
+from stormshard.graphs.grids import grid_from_name
+from stormshard.graphs.icosahedral import icosahedral_mesh, multimesh_edges
+from stormshard.graphs.sphere import check_latlon_degrees, latlon_to_xyz
+
+__all__ = [
+    "KNNEdges",
+    "CutoffEdges",
+    "MultimeshEdges",
+    "GraphConfig",
+    "build_graph",
+    "graph_hash",
+    "save_graph",
+    "load_graph",
+    "load_or_build_graph",
+    "ENCODER",
+    "PROCESSOR",
+    "DECODER",
+]
+
+GRAPH_FORMAT_VERSION = 1
+ENCODER = ("data", "to", "hidden")
+PROCESSOR = ("hidden", "to", "hidden")
+DECODER = ("hidden", "to", "data")
+_ICO = re.compile(r"ico(\d+)")
+
+
+class KNNEdges(BaseModel):
+    """Every destination node receives from its ``num_neighbours`` nearest source nodes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["knn"] = "knn"
+    num_neighbours: int = Field(3, ge=1)
+
+
+class CutoffEdges(BaseModel):
+    """Every destination receives from all sources within ``factor`` * (largest nearest-neighbour
+    distance among the destination nodes); AIFS uses 0.6 for the encoder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["cutoff"] = "cutoff"
+    factor: float = Field(0.6, gt=0)
+
+
+class MultimeshEdges(BaseModel):
+    """The union of the triangle edges of every icosahedral refinement level (icosahedral hidden only)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["multimesh"] = "multimesh"
+
+
+MapperEdges = Annotated[KNNEdges | CutoffEdges, Field(discriminator="kind")]
+ProcessorEdges = Annotated[MultimeshEdges | KNNEdges, Field(discriminator="kind")]
+
+
+class GraphConfig(BaseModel):
+    """What the encoder-processor-decoder graph is built from.
+
+    ``data_grid``: a grid name (``"o96"``, ``"1.0"``, see ``grid_from_name``), or None when the data
+    coordinates are passed to ``build_graph`` (a dataset's own lat/lon, possibly a limited area).
+    ``hidden``: ``"ico<r>"`` (refined icosahedral mesh, 10 * 4**r + 2 nodes) or a grid name (``"o48"``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    data_grid: str | None = None
+    hidden: str = "ico5"
+    encoder: MapperEdges = CutoffEdges(factor=0.6)
+    processor: ProcessorEdges = MultimeshEdges()
+    decoder: MapperEdges = KNNEdges(num_neighbours=3)
+    area_clip_factor: float | None = Field(4.0, gt=1)
+
+    @field_validator("data_grid")
+    @classmethod
+    def _check_data_grid(cls, value: str | None) -> str | None:
+        if value is not None:
+            grid_from_name(value)  # raises a ValueError naming the accepted forms
+        return value
+
+    @field_validator("hidden")
+    @classmethod
+    def _check_hidden(cls, value: str) -> str:
+        m = _ICO.fullmatch(value.strip().lower())
+        if m:
+            level = int(m.group(1))
+            if level > 8:
+                raise ValueError(f"hidden={value!r}: icosahedral levels above 8 (2.6M nodes) are not supported")
+            return f"ico{level}"
+        try:
+            grid_from_name(value)
+        except ValueError:
+            raise ValueError(
+                f"hidden={value!r} is neither 'ico<r>' (icosahedral mesh of level r, e.g. 'ico5') nor a grid "
+                "name ('o48', '2.0')"
+            ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_processor(self) -> GraphConfig:
+        if isinstance(self.processor, MultimeshEdges) and not self.hidden.startswith("ico"):
+            raise ValueError(
+                f"processor multimesh edges need an icosahedral hidden mesh, but hidden={self.hidden!r}; "
+                "use hidden='ico<r>' or processor={'kind': 'knn', 'num_neighbours': ...}"
+            )
+        return self
+
+    @property
+    def icosahedral_level(self) -> int | None:
+        m = _ICO.fullmatch(self.hidden)
+        return int(m.group(1)) if m else None
+
+
+def _data_coordinates(config: GraphConfig, data_latlon: tuple | None) -> tuple[np.ndarray, np.ndarray]:
+    """Data lat/lon in degrees, from exactly one of ``config.data_grid`` and ``data_latlon``."""
+    if data_latlon is None and config.data_grid is None:
+        raise ValueError(
+            "no data coordinates: set GraphConfig.data_grid (e.g. 'o96') or pass data_latlon=(lat, lon) in degrees"
+        )
+    if data_latlon is not None and config.data_grid is not None:
+        raise ValueError(
+            f"both GraphConfig.data_grid={config.data_grid!r} and data_latlon are given; "
+            "set data_grid=None to use the dataset's coordinates, or drop data_latlon"
+        )
+    if data_latlon is not None:
+        if not isinstance(data_latlon, (tuple, list)) or len(data_latlon) != 2:
+            raise TypeError("data_latlon must be a pair (latitudes, longitudes) of 1-D arrays in degrees")
+        lat, lon = check_latlon_degrees(data_latlon[0], data_latlon[1], "data_latlon")
+        if lat.size < 4:
+            raise ValueError(f"data_latlon has {lat.size} points; a graph needs at least 4 data points")
+        return lat, lon
+    return grid_from_name(config.data_grid)
+
+
+def graph_hash(config: GraphConfig, data_latlon: tuple | None = None) -> str:
+    """SHA-256 of the graph format version, the config and the data coordinates (float64 degrees)."""
+    lat, lon = _data_coordinates(config, data_latlon)
+    h = hashlib.sha256()
+    h.update(f"stormshard-graph-v{GRAPH_FORMAT_VERSION}".encode())
+    h.update(config.model_dump_json().encode())
+    h.update(np.ascontiguousarray(lat, dtype=np.float64).tobytes())
+    h.update(np.ascontiguousarray(lon, dtype=np.float64).tobytes())
+    return h.hexdigest()
+
+
+def _mapper_edges(spec: KNNEdges | CutoffEdges, src_xyz: np.ndarray, dst_xyz: np.ndarray) -> np.ndarray:
+    if isinstance(spec, KNNEdges):
+        if spec.num_neighbours > src_xyz.shape[0]:
+            raise ValueError(
+                f"knn num_neighbours={spec.num_neighbours} exceeds the {src_xyz.shape[0]} source nodes; lower it"
+            )
+        return knn_edges(src_xyz, dst_xyz, spec.num_neighbours)
+    return cutoff_edges(src_xyz, dst_xyz, spec.factor)[0]
+
+
+def build_graph(config: GraphConfig, data_latlon: tuple | None = None) -> HeteroData:
+    """Build the data/hidden graph; ``data_latlon`` = (lat, lon) in degrees when ``config.data_grid`` is None."""
+    lat_deg, lon_deg = _data_coordinates(config, data_latlon)
+    digest = graph_hash(config, data_latlon)
+    data_lat, data_lon = np.radians(lat_deg), np.radians(lon_deg)
+    data_xyz = latlon_to_xyz(data_lat, data_lon)
+
+    level = config.icosahedral_level
+    if level is not None:
+        mesh = icosahedral_mesh(level)
+        hid_xyz = mesh.vertices
+        hid_lat, hid_lon = mesh.latlon()
+    else:
+        hlat, hlon = grid_from_name(config.hidden)
+        hid_lat, hid_lon = np.radians(hlat), np.radians(hlon)
+        hid_xyz = latlon_to_xyz(hid_lat, hid_lon)
+
+    enc = _mapper_edges(config.encoder, data_xyz, hid_xyz)
+    enc, enc_added = cover_sources(enc, data_xyz, hid_xyz)
+    dec = _mapper_edges(config.decoder, hid_xyz, data_xyz)
+    dec, dec_added = cover_destinations(dec, hid_xyz, data_xyz)
+    if isinstance(config.processor, MultimeshEdges):
+        proc = multimesh_edges(mesh)
+    else:
+        proc = knn_edges(hid_xyz, hid_xyz, config.processor.num_neighbours, exclude_self=True)
+
+    graph = HeteroData()
+    for name, lat, lon in (("data", data_lat, data_lon), ("hidden", hid_lat, hid_lon)):
+        graph[name].x = torch.from_numpy(np.stack([lat, lon], axis=1)).float()
+        graph[name].area_weight = torch.from_numpy(area_weights(lat, lon, config.area_clip_factor)).float()
+    latlon = {"data": (data_lat, data_lon), "hidden": (hid_lat, hid_lon)}
+    for edge_type, edges in ((ENCODER, enc), (PROCESSOR, proc), (DECODER, dec)):
+        src, _, dst = edge_type
+        graph[edge_type].edge_index = torch.from_numpy(np.ascontiguousarray(edges, dtype=np.int64))
+        graph[edge_type].edge_attr = torch.from_numpy(edge_attributes(edges, latlon[src], latlon[dst])).float()
+    graph.config_hash = digest
+    graph.coverage_edges = {"encoder": enc_added, "decoder": dec_added}
+    return graph
+
+
+def save_graph(graph: HeteroData, path: str | os.PathLike, config: GraphConfig | None = None) -> None:
+    """Write ``graph`` as a dict of tensors and strings (atomically: temp file, then rename)."""
+    path = Path(path)
+    payload = {
+        "format": GRAPH_FORMAT_VERSION,
+        "config_hash": str(graph.config_hash),
+        "config": config.model_dump_json() if config is not None else "",
+        "coverage_edges": json.dumps(dict(graph.coverage_edges)),
+        "nodes": {t: {k: graph[t][k] for k in graph[t].keys()} for t in graph.node_types},
+        "edges": {"__".join(t): {k: graph[t][k] for k in graph[t].keys()} for t in graph.edge_types},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_graph(path: str | os.PathLike) -> HeteroData:
+    """Read a graph written by ``save_graph``."""
+    payload = torch.load(path, weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != GRAPH_FORMAT_VERSION:
+        raise ValueError(
+            f"{path} is not a stormshard graph file of format {GRAPH_FORMAT_VERSION}; delete it to rebuild"
+        )
+    graph = HeteroData()
+    for node_type, store in payload["nodes"].items():
+        for key, value in store.items():
+            graph[node_type][key] = value
+    for name, store in payload["edges"].items():
+        for key, value in store.items():
+            graph[tuple(name.split("__"))][key] = value
+    graph.config_hash = payload["config_hash"]
+    graph.coverage_edges = json.loads(payload["coverage_edges"])
+    return graph
+
+
+def load_or_build_graph(
+    config: GraphConfig, path: str | os.PathLike, data_latlon: tuple | None = None
+) -> HeteroData:
+    """Load the graph at ``path`` if it was built from this config and these coordinates, else build and save."""
+    digest = graph_hash(config, data_latlon)
+    path = Path(path)
+    if path.exists():
+        try:
+            graph = load_graph(path)
+        except Exception:  # unreadable or foreign file: rebuild below, overwriting it
+            graph = None
+        if graph is not None and graph.config_hash == digest:
+            return graph
+    graph = build_graph(config, data_latlon)
+    save_graph(graph, path, config)
+    return graph
