@@ -1,0 +1,400 @@
+"""Tensor-parallel linears (Megatron-style column / row split) with optional sequence parallelism.
+
+Layouts: inputs are ``(..., seq, channels)``; the sequence is dimension ``-2`` and channels ``-1``.
+A *tensor-parallel region* is a computation whose channels are split over ``group``; a
+*sequence-parallel region* is one whose sequence is split over ``group`` (uneven shards allowed,
+``shard_sizes`` lists every rank's local length in rank order).
+
+Region mappings (autograd collectives of :mod:`stormshard.parallel.comm`):
+
+===========================================  =====================  ==========================
+mapping                                      forward                backward
+===========================================  =====================  ==========================
+``copy_tensor`` (copy to TP region)          identity               all-reduce
+``reduce_tensor`` (reduce from TP region)    all-reduce             identity
+``scatter_to_tensor_parallel_region``        keep channel slice     all-gather channels
+``gather_from_tensor_parallel_region``       all-gather channels    keep channel slice
+``gather_from_sequence_parallel_region``     all-gather sequence    reduce-scatter sequence
+``reduce_scatter_to_sequence_parallel_region``  reduce-scatter seq  all-gather sequence
+===========================================  =====================  ==========================
+
+Parameters are sliced evenly: a size that the group size does not divide raises ValueError. Each
+sliced parameter carries a :class:`~stormshard.parallel.partition.Partition`. Fresh layers build
+the full ``nn.Linear`` from torch's default generator exactly as ``nn.Linear`` does and keep their
+slice, so for the same seed every layout holds the same full weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from stormshard.parallel.comm import (
+    all_gather_along,
+    copy_tensor,
+    gather_tensor,
+    reduce_shard_tensor,
+    reduce_tensor,
+    shard_tensor,
+    sync_tensor,
+)
+from stormshard.parallel.partition import Partition, get_partition, set_partition
+from stormshard.parallel.shapes import balanced_sizes, group_rank, group_size
+from stormshard.parallel.te_backend import LocalLinear, resolve_use_te
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "copy_tensor",
+    "reduce_tensor",
+    "scatter_to_tensor_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "replicated_parameter",
+    "divide",
+    "slice_partition",
+    "gather_partition",
+    "full_state_dict",
+    "load_full_state_dict",
+]
+
+ProcessGroup = dist.ProcessGroup
+
+SEQ_DIM = -2
+
+
+# --------------------------------------------------------------------------------------------
+# sizes and region mappings
+# --------------------------------------------------------------------------------------------
+
+
+def divide(size: int, group: ProcessGroup | None, name: str) -> int:
+    """``size / group_size(group)``; ValueError naming ``name``, the size and the group size if uneven."""
+    parts = group_size(group)
+    if size % parts != 0:
+        raise ValueError(
+            f"{name}={size} is not divisible by the tensor-parallel group size {parts}: choose {name} "
+            f"a multiple of {parts}, or a group whose size divides {size}"
+        )
+    return size // parts
+
+
+def _channel_sizes(x: Tensor, group: ProcessGroup | None) -> list[int]:
+    return [x.shape[-1]] * group_size(group)
+
+
+def scatter_to_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Keep this rank's even slice of the channels of the replicated ``x (..., C)``.
+
+    Backward all-gathers the channel slices of the gradient.
+    """
+    local = divide(x.shape[-1], group, "channels of the input")
+    return shard_tensor(x, -1, [local] * group_size(group), group)
+
+
+def gather_from_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """All-gather the channel slices ``x (..., C/p)`` into ``(..., C)``; backward keeps this rank's slice."""
+    return gather_tensor(x, -1, _channel_sizes(x, group), group)
+
+
+def _sequence_sizes(x: Tensor, shard_sizes: Sequence[int] | None, group: ProcessGroup | None) -> list[int]:
+    world, rank = group_size(group), group_rank(group)
+    if x.dim() < 2:
+        raise ValueError(f"sequence parallelism needs an input (..., seq, channels), got shape {tuple(x.shape)}")
+    if shard_sizes is None:
+        if world == 1:
+            return [x.shape[SEQ_DIM]]
+        raise ValueError(
+            "shard_sizes is None but the sequence is sharded over a group of "
+            f"{world} ranks: pass every rank's local sequence length, in rank order"
+        )
+    sizes = [int(s) for s in shard_sizes]
+    if len(sizes) != world:
+        raise ValueError(f"shard_sizes has {len(sizes)} entries but the group has {world} ranks: pass one per rank")
+    if sizes[rank] != x.shape[SEQ_DIM]:
+        raise ValueError(
+            f"shard_sizes[{rank}]={sizes[rank]} but this rank's input holds {x.shape[SEQ_DIM]} tokens "
+            f"along the sequence dimension (shape {tuple(x.shape)})"
+        )
+    return sizes
+
+
+def gather_from_sequence_parallel_region(
+    x: Tensor, shard_sizes: Sequence[int] | None, group: ProcessGroup | None
+) -> Tensor:
+    """All-gather the sequence shards ``x (..., seq_local, C)`` into ``(..., seq, C)``.
+
+    Backward reduce-scatters the gradient along the sequence (each rank's full-sequence gradient
+    is a partial sum: it holds only its channel slice's contribution).
+    """
+    return sync_tensor(x, SEQ_DIM, _sequence_sizes(x, shard_sizes, group), group)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: Tensor, shard_sizes: Sequence[int] | None, group: ProcessGroup | None
+) -> Tensor:
+    """Sum the partial ``x (..., seq, C)`` over the group and keep this rank's sequence shard.
+
+    ``shard_sizes`` None means balanced shards. Backward all-gathers the gradient along the sequence.
+    """
+    full = x.shape[SEQ_DIM]
+    sizes = balanced_sizes(full, group_size(group)) if shard_sizes is None else [int(s) for s in shard_sizes]
+    if sum(sizes) != full:
+        raise ValueError(f"shard_sizes {sizes} sum to {sum(sizes)} but the sequence has {full} tokens")
+    return reduce_shard_tensor(x, SEQ_DIM, sizes, group)
+
+
+def replicated_parameter(param: Tensor, group: ProcessGroup | None, sequence_parallel: bool) -> Tensor:
+    """``param`` as used on sequence-sharded activations: its gradient is all-reduced over ``group``.
+
+    A replicated parameter (layer-norm weights, the row-parallel bias) applied to this rank's
+    sequence shard only sees that shard's tokens; the identity-forward / all-reduce-backward
+    ``copy_tensor`` makes its gradient the full one on every rank, within autograd.
+    """
+    return copy_tensor(param, group) if sequence_parallel else param
+
+
+# --------------------------------------------------------------------------------------------
+# partitioned parameters
+# --------------------------------------------------------------------------------------------
+
+
+def slice_partition(full: Tensor, partition: Partition) -> Tensor:
+    """This rank's slice (a new tensor) of ``full`` as ``partition`` describes it; no communication."""
+    if full.shape[partition.dim] != partition.full_size:
+        raise ValueError(
+            f"cannot slice a tensor of shape {tuple(full.shape)} for {partition}: dimension "
+            f"{partition.dim} should have size {partition.full_size}"
+        )
+    return full.detach().narrow(partition.dim, partition.offset, partition.sizes[partition.index]).clone()
+
+
+def gather_partition(param: Tensor, group: ProcessGroup | None) -> Tensor:
+    """The full tensor ``param`` is a slice of (all-gather along its partition), or a copy if replicated."""
+    part = get_partition(param)
+    data = param.detach()
+    if part is None:
+        return data.clone()
+    if part.parts != group_size(group):
+        raise ValueError(f"parameter is split in {part.parts} parts but the group has {group_size(group)} ranks")
+    return all_gather_along(data.contiguous(), part.dim, part.sizes, group).clone()
+
+
+def full_state_dict(module: nn.Module, group: ProcessGroup | None) -> dict[str, Tensor]:
+    """``module``'s state dict with every partitioned parameter gathered to its full shape.
+
+    The keys and full shapes equal those of the single-process module. Communicates one
+    all-gather per partitioned parameter.
+    """
+    return {name: gather_partition(value, group) for name, value in module.state_dict(keep_vars=True).items()}
+
+
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Tensor]) -> None:
+    """Copy full (single-process) tensors into ``module``, slicing partitioned ones; no communication."""
+    own = module.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not match the module: missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        for name, target in own.items():
+            part = get_partition(target)
+            source = state_dict[name] if part is None else slice_partition(state_dict[name], part)
+            if source.shape != target.shape:
+                raise ValueError(f"{name}: shape {tuple(source.shape)} does not fit {tuple(target.shape)}")
+            target.copy_(source)
+
+
+# --------------------------------------------------------------------------------------------
+# layers
+# --------------------------------------------------------------------------------------------
+
+
+def _check_features(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+class _ParallelLinear(nn.Module):
+    """Shared set-up: slice a full ``nn.Linear`` along ``split_dim`` of its weight (0 rows, 1 columns)."""
+
+    split_dim: int
+
+    def _setup(self, full: nn.Linear, group: ProcessGroup | None, use_te: bool | None) -> None:
+        self.in_features, self.out_features = full.in_features, full.out_features
+        self.group = group
+        self.parts, self.rank = group_size(group), group_rank(group)
+        self._local = LocalLinear(resolve_use_te(use_te))
+        name = "out_features" if self.split_dim == 0 else "in_features"
+        divide(full.weight.shape[self.split_dim], group, name)
+        part = Partition(self.split_dim, self.parts, self.rank, full.weight.shape[self.split_dim])
+        self.weight = nn.Parameter(slice_partition(full.weight, part))
+        set_partition(self.weight, part)
+        if full.bias is None:
+            self.register_parameter("bias", None)
+        elif self.split_dim == 0:
+            bias_part = Partition(0, self.parts, self.rank, full.out_features)
+            self.bias = nn.Parameter(slice_partition(full.bias, bias_part))
+            set_partition(self.bias, bias_part)
+        else:
+            self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def to_linear(self) -> nn.Linear:
+        """The full ``nn.Linear`` on every rank (all-gathers the weight and bias slices)."""
+        weight = gather_partition(self.weight, self.group)
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(gather_partition(self.bias, self.group))
+        return linear
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"parts={self.parts}, rank={self.rank}, sequence_parallel={self.sequence_parallel}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with the output features (rows of ``W`` and ``b``) split over ``group``.
+
+    Input ``x (..., seq, in_features)``: replicated over the group, or, with
+    ``sequence_parallel``, this rank's sequence shard (all-gathered along ``seq``; backward
+    reduce-scatters). Output ``(..., seq, out_features / p)``, or ``(..., seq, out_features)``
+    replicated with ``gather_output`` (an all-gather of the channels). Without sequence
+    parallelism the input gradient is all-reduced (``copy_tensor``).
+    """
+
+    split_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: ProcessGroup | None = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        *,
+        use_te: bool | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_features("in_features", in_features)
+        divide(_check_features("out_features", out_features), group, "out_features")
+        self.gather_output = _check_flag("gather_output", gather_output)
+        self.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        resolve_use_te(use_te)
+        full = nn.Linear(in_features, out_features, bias=_check_flag("bias", bias), device=device, dtype=dtype)
+        self._setup(full, group, use_te)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: ProcessGroup | None = None, gather_output: bool = False,
+        sequence_parallel: bool = False, *, use_te: bool | None = None,
+    ) -> ColumnParallelLinear:
+        """This rank's column-parallel slice of the full ``linear`` (no communication)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        divide(linear.out_features, group, "out_features")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.gather_output = _check_flag("gather_output", gather_output)
+        layer.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        layer._setup(linear, group, use_te)
+        return layer
+
+    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None) -> Tensor:
+        """``x (..., seq[_local], in)`` -> ``(..., seq, out/p)`` (or ``out`` with gather_output)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} channels but in_features={self.in_features}")
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, shard_sizes, self.group)
+        else:
+            x = copy_tensor(x, self.group)
+        y = self._local(x, self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_parallel_region(y, self.group)
+        return y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with the input features (columns of ``W``) split over ``group``.
+
+    Input ``x (..., seq, in_features / p)`` (``input_is_parallel``), or replicated
+    ``(..., seq, in_features)`` of which this rank keeps its channel slice. The partial products
+    are summed over the group: all-reduced (output replicated ``(..., seq, out)``), or with
+    ``sequence_parallel`` reduce-scattered along ``seq`` (output this rank's shard
+    ``(..., shard_sizes[rank], out)``; ``shard_sizes`` None = balanced). The bias is replicated and
+    added after the sum; under sequence parallelism its gradient is all-reduced.
+    """
+
+    split_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group: ProcessGroup | None = None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        *,
+        use_te: bool | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        divide(_check_features("in_features", in_features), group, "in_features")
+        _check_features("out_features", out_features)
+        self.input_is_parallel = _check_flag("input_is_parallel", input_is_parallel)
+        self.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        resolve_use_te(use_te)
+        full = nn.Linear(in_features, out_features, bias=_check_flag("bias", bias), device=device, dtype=dtype)
+        self._setup(full, group, use_te)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: ProcessGroup | None = None, input_is_parallel: bool = True,
+        sequence_parallel: bool = False, *, use_te: bool | None = None,
+    ) -> RowParallelLinear:
+        """This rank's row-parallel slice of the full ``linear`` (no communication)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        divide(linear.in_features, group, "in_features")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.input_is_parallel = _check_flag("input_is_parallel", input_is_parallel)
+        layer.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        layer._setup(linear, group, use_te)
+        return layer
+
+    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None) -> Tensor:
+        """``x (..., seq, in/p)`` (or ``in`` if not input_is_parallel) -> ``(..., seq[_local], out)``."""
+        expected = self.weight.shape[1] if self.input_is_parallel else self.in_features
+        if x.shape[-1] != expected:
+            raise ValueError(
+                f"input has {x.shape[-1]} channels but this rank expects {expected} "
+                f"(in_features={self.in_features}, input_is_parallel={self.input_is_parallel})"
+            )
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        y = self._local(x, self.weight, None)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, shard_sizes, self.group)
+        else:
+            y = reduce_tensor(y, self.group)
+        if self.bias is not None:
+            y = y + replicated_parameter(self.bias, self.group, self.sequence_parallel)
+        return y
