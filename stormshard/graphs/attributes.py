@@ -96,4 +96,3 @@ def area_weights(lat: np.ndarray, lon: np.ndarray, clip_factor: float | None = 4
     if clip_factor is not None:
         area = np.minimum(area, clip_factor * np.median(area))
     return area * (n / area.sum())
-

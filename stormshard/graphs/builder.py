@@ -118,7 +118,9 @@ class GraphConfig(BaseModel):
         if m:
             level = int(m.group(1))
             if level > 8:
-                raise ValueError(f"hidden={value!r}: icosahedral levels above 8 (2.6M nodes) are not supported")
+                raise ValueError(
+                    f"hidden={value!r}: icosahedral levels above 8 (2.6M nodes) are not supported"
+                )
             return f"ico{level}"
         try:
             grid_from_name(value)
@@ -220,7 +222,9 @@ def build_graph(config: GraphConfig, data_latlon: tuple | None = None) -> Hetero
     for edge_type, edges in ((ENCODER, enc), (PROCESSOR, proc), (DECODER, dec)):
         src, _, dst = edge_type
         graph[edge_type].edge_index = torch.from_numpy(np.ascontiguousarray(edges, dtype=np.int64))
-        graph[edge_type].edge_attr = torch.from_numpy(edge_attributes(edges, latlon[src], latlon[dst])).float()
+        graph[edge_type].edge_attr = torch.from_numpy(
+            edge_attributes(edges, latlon[src], latlon[dst])
+        ).float()
     graph.config_hash = digest
     graph.coverage_edges = {"encoder": enc_added, "decoder": dec_added}
     return graph

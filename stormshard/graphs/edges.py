@@ -34,7 +34,9 @@ __all__ = [
 def _check_xyz(xyz: np.ndarray, name: str) -> np.ndarray:
     xyz = np.asarray(xyz, dtype=np.float64)
     if xyz.ndim != 2 or xyz.shape[1] != 3 or xyz.shape[0] == 0:
-        raise ValueError(f"{name} must be a non-empty array of unit vectors (nodes, 3), got shape {xyz.shape}")
+        raise ValueError(
+            f"{name} must be a non-empty array of unit vectors (nodes, 3), got shape {xyz.shape}"
+        )
     return xyz
 
 

@@ -14,7 +14,14 @@ import re
 
 import numpy as np
 
-__all__ = ["gaussian_latitudes", "octahedral_ring_sizes", "octahedral_grid", "regular_latlon_grid", "grid_from_name"]
+__all__ = [
+    "gaussian_latitudes",
+    "octahedral_ring_sizes",
+    "octahedral_grid",
+    "regular_latlon_grid",
+    "latlon_patch",
+    "grid_from_name",
+]
 
 
 def gaussian_latitudes(n: int) -> np.ndarray:
@@ -43,13 +50,39 @@ def octahedral_grid(n: int) -> tuple[np.ndarray, np.ndarray]:
 def regular_latlon_grid(resolution: float, include_poles: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """A regular grid with ``resolution`` degrees spacing, flattened row by row (north first)."""
     if resolution <= 0 or 180.0 / resolution != round(180.0 / resolution):
-        raise ValueError(f"resolution {resolution} must be positive and divide 180 degrees evenly (e.g. 0.25, 1, 2.5)")
+        raise ValueError(
+            f"resolution {resolution} must be positive and divide 180 degrees evenly (e.g. 0.25, 1, 2.5)"
+        )
     nlat = int(round(180.0 / resolution))
     if include_poles:
         lats = np.linspace(90.0, -90.0, nlat + 1)
     else:
         lats = 90.0 - resolution / 2 - resolution * np.arange(nlat)
     lons = np.arange(int(round(360.0 / resolution))) * resolution
+    lat, lon = np.meshgrid(lats, lons, indexing="ij")
+    return lat.ravel(), lon.ravel()
+
+
+def latlon_patch(
+    lat_range: tuple[float, float], lon_range: tuple[float, float], resolution: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """A limited-area regular grid: latitudes ``lat_range`` (south, north) and longitudes ``lon_range``
+    (west, east; east < west wraps across 0) in degrees, every ``resolution`` degrees, both ends included,
+    flattened row by row (north first). Longitudes are returned in [0, 360)."""
+    (south, north), (west, east) = lat_range, lon_range
+    if not (-90.0 <= south < north <= 90.0):
+        raise ValueError(
+            f"lat_range {lat_range} must be (south, north) with -90 <= south < north <= 90 degrees"
+        )
+    if not resolution > 0:
+        raise ValueError(f"resolution {resolution} must be a positive number of degrees")
+    width = (east - west) % 360.0
+    if width == 0.0:
+        raise ValueError(
+            f"lon_range {lon_range} spans no longitudes; use regular_latlon_grid for a global grid"
+        )
+    lats = north - resolution * np.arange(int(np.floor((north - south) / resolution + 1e-9)) + 1)
+    lons = np.mod(west + resolution * np.arange(int(np.floor(width / resolution + 1e-9)) + 1), 360.0)
     lat, lon = np.meshgrid(lats, lons, indexing="ij")
     return lat.ravel(), lon.ravel()
 
