@@ -1,0 +1,547 @@
+"""Read and write datasets in the anemoi-datasets zarr layout.
+
+The layout (as written by ``anemoi-datasets create``), one zarr group:
+
+==============================  ======================================  =========================
+array                           shape, dtype                            ``_ARRAY_DIMENSIONS``
+==============================  ======================================  =========================
+``data``                        ``(dates, variables, ensemble, cells)``  time, variable, ensemble,
+                                float32, chunks ``(1, V, 1, cells)``     cell
+``dates``                       ``(dates,)`` datetime64[s]               time
+``latitudes``, ``longitudes``   ``(cells,)`` float64, degrees            cell
+``mean``, ``stdev``,            ``(variables,)`` float64                 variable
+``minimum``, ``maximum``
+``sums``, ``squares``           ``(variables,)`` float64 (optional)      variable
+``count``, ``has_nans``         ``(variables,)`` int64 / bool (optional) variable
+==============================  ======================================  =========================
+
+Group attributes: ``variables`` (list of names; older stores have ``name_to_index`` instead),
+``frequency`` (e.g. ``"6h"``), ``start_date``, ``end_date`` (ISO), ``resolution``,
+``ensemble_dimension``, ``flatten_grid``, ``missing_dates``, ``statistics_start_date``,
+``statistics_end_date``, ``version``, ... Anything but ``data``, ``dates``, the coordinates, the
+four statistics and ``variables`` may be absent (current anemoi-datasets releases omit some), and
+extra attributes are kept and ignored.
+
+We write zarr format 2, as anemoi-datasets does, and read formats 2 and 3. A malformed store
+raises :class:`AnemoiLayoutError` (a ValueError) naming the array or attribute that is wrong.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zarr
+
+__all__ = [
+    "AnemoiLayoutError",
+    "Statistics",
+    "AnemoiDataset",
+    "compute_statistics",
+    "write_anemoi_dataset",
+    "parse_frequency",
+    "frequency_to_string",
+    "as_datetime64",
+    "LAYOUT_VERSION",
+]
+
+LAYOUT_VERSION = "0.30"
+"""The ``version`` attribute we write (anemoi-datasets' own layout version at the time of writing)."""
+
+STATISTICS_REQUIRED = ("mean", "stdev", "minimum", "maximum")
+STATISTICS_OPTIONAL = ("sums", "squares", "count", "has_nans")
+
+
+class AnemoiLayoutError(ValueError):
+    """A store does not follow the anemoi-datasets layout; the message names what is wrong."""
+
+
+# --------------------------------------------------------------------------------------------
+# dates and frequencies
+# --------------------------------------------------------------------------------------------
+
+_FREQ = re.compile(r"^\s*(\d+)\s*([smhdSMHD]?)\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "": 3600}
+
+
+def parse_frequency(value: str | int | datetime.timedelta | np.timedelta64) -> datetime.timedelta:
+    """A frequency as a timedelta: ``"6h"``, ``"30m"``, ``"1d"``, ``"3600s"``, ``6`` (hours) or ``"06:00:00"``."""
+    if isinstance(value, datetime.timedelta):
+        td = value
+    elif isinstance(value, np.timedelta64):
+        td = datetime.timedelta(seconds=float(value / np.timedelta64(1, "s")))
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        td = datetime.timedelta(hours=int(value))
+    elif isinstance(value, str):
+        m = _FREQ.match(value)
+        if m:
+            td = datetime.timedelta(seconds=int(m.group(1)) * _UNIT_SECONDS[m.group(2).lower()])
+        elif re.fullmatch(r"\d+:\d\d(:\d\d)?", value.strip()):
+            parts = [int(p) for p in value.strip().split(":")] + [0]
+            td = datetime.timedelta(hours=parts[0], minutes=parts[1], seconds=parts[2])
+        else:
+            raise ValueError(
+                f"frequency {value!r} is not understood: use a number and a unit such as '6h', '30m', '1d', "
+                "'3600s', or hours as an integer"
+            )
+    else:
+        raise TypeError(f"frequency must be a string, an int (hours) or a timedelta, got {type(value).__name__}")
+    if td.total_seconds() <= 0 or td.total_seconds() != int(td.total_seconds()):
+        raise ValueError(f"frequency {value!r} must be a positive whole number of seconds")
+    return td
+
+
+def frequency_to_string(td: datetime.timedelta) -> str:
+    """``6h``, ``1d``, ``30m`` or ``90s``: the largest unit that divides the frequency (anemoi's spelling)."""
+    seconds = int(parse_frequency(td).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def as_datetime64(value: Any, what: str = "date") -> np.datetime64:
+    """A date (ISO string, datetime, np.datetime64, or an int year) as ``datetime64[s]``."""
+    try:
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return np.datetime64(f"{int(value):04d}-01-01T00:00:00", "s")
+        return np.datetime64(value, "s")
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"{what} {value!r} is not a date: give an ISO string such as '2020-01-01T06:00', a datetime, "
+            "a numpy datetime64 or a year"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """Per-variable statistics, each of shape ``(variables,)`` in the dataset's variable order."""
+
+    mean: np.ndarray
+    stdev: np.ndarray
+    minimum: np.ndarray
+    maximum: np.ndarray
+    sums: np.ndarray | None = None
+    squares: np.ndarray | None = None
+    count: np.ndarray | None = None
+    has_nans: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n = None
+        for name in STATISTICS_REQUIRED + STATISTICS_OPTIONAL:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = np.asarray(value)
+            if value.ndim != 1:
+                raise ValueError(f"statistics '{name}' must be 1-d (one value per variable), got shape {value.shape}")
+            if n is None:
+                n = len(value)
+            elif len(value) != n:
+                raise ValueError(f"statistics '{name}' has {len(value)} values but 'mean' has {n}")
+            object.__setattr__(self, name, value)
+
+    def __len__(self) -> int:
+        return len(self.mean)
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        """The arrays that are present, by their anemoi names."""
+        return {k: getattr(self, k) for k in STATISTICS_REQUIRED + STATISTICS_OPTIONAL if getattr(self, k) is not None}
+
+
+def compute_statistics(data: np.ndarray) -> Statistics:
+    """Statistics per variable over dates, members and cells of ``data`` ``(dates, variables, ensemble, cells)``.
+
+    NaNs are skipped (and flagged in ``has_nans``); computed in float64 as anemoi-datasets does
+    (``stdev = sqrt(squares / count - mean**2)``, clipped at zero).
+    """
+    if data.ndim != 4:
+        raise ValueError(f"data must be (dates, variables, ensemble, cells), got shape {data.shape}")
+    n_vars = data.shape[1]
+    count = np.zeros(n_vars, dtype=np.int64)
+    sums, squares = np.zeros(n_vars), np.zeros(n_vars)
+    minimum, maximum = np.full(n_vars, np.nan), np.full(n_vars, np.nan)
+    has_nans = np.zeros(n_vars, dtype=bool)
+    for v in range(n_vars):
+        x = np.asarray(data[:, v], dtype=np.float64)
+        finite = ~np.isnan(x)
+        count[v] = int(finite.sum())
+        if count[v] == 0:
+            raise ValueError(f"variable index {v} has no values that are not NaN: cannot compute its statistics")
+        has_nans[v] = count[v] < x.size
+        xz = np.where(finite, x, 0.0) if has_nans[v] else x
+        sums[v], squares[v] = xz.sum(), (xz * xz).sum()
+        minimum[v], maximum[v] = np.nanmin(x), np.nanmax(x)
+    mean = sums / count
+    variance = np.maximum(squares / count - mean * mean, 0.0)
+    return Statistics(
+        mean=mean,
+        stdev=np.sqrt(variance),
+        minimum=minimum,
+        maximum=maximum,
+        sums=sums,
+        squares=squares,
+        count=count,
+        has_nans=has_nans,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------
+
+
+def _create(group: zarr.Group, name: str, array: np.ndarray, dims: tuple[str, ...], zarr_format: int,
+            chunks: tuple[int, ...] | None = None) -> zarr.Array:
+    kwargs: dict[str, Any] = {"shape": array.shape, "dtype": array.dtype, "chunks": chunks or array.shape}
+    if zarr_format == 3:
+        kwargs["dimension_names"] = dims
+    out = group.create_array(name, **kwargs)
+    out[...] = array
+    out.attrs["_ARRAY_DIMENSIONS"] = list(dims)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=lambda o: o.isoformat() if hasattr(o, "isoformat") else str(o)))
+
+
+def write_anemoi_dataset(
+    path: str | os.PathLike,
+    data: np.ndarray,
+    dates: Sequence | np.ndarray,
+    latitudes: np.ndarray,
+    longitudes: np.ndarray,
+    variables: Sequence[str],
+    *,
+    frequency: str | int | datetime.timedelta | None = None,
+    statistics: Statistics | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    resolution: str | None = None,
+    missing_dates: Sequence = (),
+    dtype: str | np.dtype = np.float32,
+    zarr_format: int = 2,
+    overwrite: bool = False,
+) -> None:
+    """Write ``data`` ``(dates, variables, ensemble, cells)`` and its metadata in the anemoi layout.
+
+    ``statistics`` default to :func:`compute_statistics` over the whole of ``data``; ``frequency``
+    defaults to the spacing of ``dates``. ``attributes`` are added to the group (they may not
+    override the layout's own). Format 2 is what anemoi-datasets writes; 3 is for tests of the reader.
+    """
+    data = np.asarray(data)
+    if data.ndim != 4:
+        raise ValueError(f"data must have 4 dims (dates, variables, ensemble, cells), got shape {data.shape}")
+    n_dates, n_vars, n_ens, n_cells = data.shape
+    dates = np.array([as_datetime64(d, "dates entry") for d in dates], dtype="datetime64[s]")
+    lat, lon = np.asarray(latitudes, dtype=np.float64), np.asarray(longitudes, dtype=np.float64)
+    variables = [str(v) for v in variables]
+    checks = [
+        (len(dates) == n_dates, f"dates has {len(dates)} entries but data has {n_dates} dates"),
+        (lat.shape == (n_cells,), f"latitudes has shape {lat.shape} but data has {n_cells} cells"),
+        (lon.shape == (n_cells,), f"longitudes has shape {lon.shape} but data has {n_cells} cells"),
+        (len(variables) == n_vars, f"variables lists {len(variables)} names but data has {n_vars} variables"),
+        (len(set(variables)) == n_vars, f"variables {variables} has duplicate names"),
+        (zarr_format in (2, 3), f"zarr_format must be 2 or 3, got {zarr_format}"),
+        (n_dates >= 1, "data has no dates"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    if frequency is None:
+        if n_dates < 2:
+            raise ValueError("frequency is required when there is a single date")
+        frequency = datetime.timedelta(seconds=int((dates[1] - dates[0]) / np.timedelta64(1, "s")))
+    freq = parse_frequency(frequency)
+    _check_dates(dates, freq, where="dates")
+    if statistics is None:
+        statistics = compute_statistics(data)
+    if len(statistics) != n_vars:
+        raise ValueError(f"statistics have {len(statistics)} values per array but data has {n_vars} variables")
+    reserved = {"variables", "frequency", "start_date", "end_date", "ensemble_dimension", "flatten_grid"}
+    clash = reserved & set(attributes or {})
+    if clash:
+        raise ValueError(f"attributes {sorted(clash)} are set by the layout itself; remove them from attributes")
+
+    path = os.fspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path} already exists: pass overwrite=True or remove it")
+    root = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+    to_iso = lambda d: str(np.datetime64(d, "s"))  # noqa: E731
+    attrs: dict[str, Any] = dict(_jsonable(dict(attributes or {})))
+    attrs.update(
+        variables=variables,
+        frequency=frequency_to_string(freq),
+        start_date=to_iso(dates[0]),
+        end_date=to_iso(dates[-1]),
+        ensemble_dimension=n_ens,
+        flatten_grid=True,
+        field_shape=[n_cells],
+        order_by=["valid_datetime", "param_level", "number"],
+        missing_dates=[to_iso(as_datetime64(d, "missing date")) for d in missing_dates],
+        statistics_start_date=to_iso(dates[0]),
+        statistics_end_date=to_iso(dates[-1]),
+        version=LAYOUT_VERSION,
+    )
+    if resolution is not None:
+        attrs["resolution"] = str(resolution)
+    root.attrs.update(attrs)
+    data_array = root.create_array(
+        "data", shape=data.shape, dtype=np.dtype(dtype), chunks=(1, n_vars, 1, n_cells), fill_value=np.nan,
+        **({"dimension_names": ("time", "variable", "ensemble", "cell")} if zarr_format == 3 else {}),
+    )
+    data_array[...] = data.astype(dtype, copy=False)
+    data_array.attrs["_ARRAY_DIMENSIONS"] = ["time", "variable", "ensemble", "cell"]
+    _create(root, "dates", dates, ("time",), zarr_format)
+    _create(root, "latitudes", lat, ("cell",), zarr_format)
+    _create(root, "longitudes", lon, ("cell",), zarr_format)
+    for name, value in statistics.as_dict().items():
+        _create(root, name, np.asarray(value), ("variable",), zarr_format)
+    if zarr_format == 2:
+        zarr.consolidate_metadata(path, zarr_format=2)
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+
+def _check_dates(dates: np.ndarray, freq: datetime.timedelta, where: str) -> None:
+    if len(dates) < 2:
+        return
+    step = np.timedelta64(int(freq.total_seconds()), "s")
+    expected = dates[0] + step * np.arange(len(dates))
+    wrong = np.flatnonzero(dates != expected)
+    if wrong.size:
+        i = int(wrong[0])
+        raise AnemoiLayoutError(
+            f"{where}: entry {i} is {dates[i]} but a frequency of {frequency_to_string(freq)} from "
+            f"{dates[0]} puts it at {expected[i]}; the dates must be equally spaced at the 'frequency' attribute"
+        )
+
+
+@dataclass(eq=False)
+class AnemoiDataset:
+    """A dataset in the anemoi layout, opened read-only and validated (use :meth:`open`).
+
+    Coordinates and statistics are loaded at open; ``data`` is read on demand with :meth:`read`.
+    Pickles by path (safe to hand to DataLoader workers).
+    """
+
+    path: str
+    zarr_format: int
+    attributes: dict[str, Any]
+    variables: list[str]
+    dates: np.ndarray
+    frequency: datetime.timedelta
+    latitudes: np.ndarray
+    longitudes: np.ndarray
+    statistics: Statistics
+    shape: tuple[int, int, int, int]
+    dtype: np.dtype
+    missing_dates: frozenset[int] = frozenset()
+    _data: Any = field(default=None, repr=False, compare=False)
+
+    # ---------------------------------------------------------------- open / validate
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> AnemoiDataset:
+        """Open and validate the store at ``path`` (zarr format 2 or 3)."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no dataset at {path}")
+        try:
+            root = zarr.open_group(path, mode="r")
+        except Exception as exc:  # noqa: BLE001
+            raise AnemoiLayoutError(f"{path} is not a zarr group: {exc}") from None
+        return cls._from_group(path, root)
+
+    @classmethod
+    def _from_group(cls, path: str, root: zarr.Group) -> AnemoiDataset:
+        def err(message: str) -> AnemoiLayoutError:
+            return AnemoiLayoutError(f"{path}: {message}")
+
+        arrays = set(root.array_keys())
+        if "data" not in arrays:
+            raise err(f"missing the array 'data' (dates, variables, ensemble, cells); it has {sorted(arrays)}")
+        data = root["data"]
+        if data.ndim != 4:
+            raise err(
+                f"array 'data' has {data.ndim} dims (shape {data.shape}) but the anemoi layout has 4: "
+                "(dates, variables, ensemble, cells)"
+            )
+        n_dates, n_vars, n_ens, n_cells = (int(s) for s in data.shape)
+        attrs = dict(root.attrs)
+
+        if "variables" in attrs:
+            variables = [str(v) for v in attrs["variables"]]
+        elif "name_to_index" in attrs:
+            variables = [k for k, _ in sorted(attrs["name_to_index"].items(), key=lambda kv: kv[1])]
+        else:
+            raise err("missing the attribute 'variables' (and 'name_to_index'): the variable names are unknown")
+        if len(variables) != n_vars:
+            raise err(f"attribute 'variables' lists {len(variables)} names but 'data' has {n_vars} variables")
+        if len(set(variables)) != len(variables):
+            raise err(f"attribute 'variables' has duplicate names: {variables}")
+
+        if "dates" not in arrays:
+            raise err("missing the array 'dates'")
+        raw_dates = root["dates"][:]
+        try:
+            dates = raw_dates.astype("datetime64[s]")
+        except (TypeError, ValueError):
+            raise err(f"array 'dates' has dtype {raw_dates.dtype}, not datetime64") from None
+        if dates.shape != (n_dates,):
+            raise err(f"array 'dates' has shape {dates.shape} but 'data' has {n_dates} dates")
+
+        if "frequency" in attrs:
+            try:
+                frequency = parse_frequency(attrs["frequency"])
+            except (TypeError, ValueError) as exc:
+                raise err(f"attribute 'frequency': {exc}") from None
+        elif n_dates >= 2:
+            frequency = datetime.timedelta(seconds=int((dates[1] - dates[0]) / np.timedelta64(1, "s")))
+        else:
+            raise err("a single date and no attribute 'frequency': the frequency is unknown")
+        _check_dates(dates, frequency, where=f"{path}: array 'dates'")
+        for key, value in (("start_date", dates[0]), ("end_date", dates[-1])):
+            if key in attrs and as_datetime64(attrs[key], f"attribute '{key}'") != value:
+                raise err(f"attribute '{key}' is {attrs[key]} but the array 'dates' has {value}")
+
+        coords = []
+        for names in (("latitudes", "latitude"), ("longitudes", "longitude")):
+            name = next((n for n in names if n in arrays), None)
+            if name is None:
+                raise err(f"missing the array '{names[0]}'")
+            values = np.asarray(root[name][:], dtype=np.float64)
+            if values.shape != (n_cells,):
+                raise err(f"array '{name}' has shape {values.shape} but 'data' has {n_cells} cells")
+            coords.append(values)
+
+        stats: dict[str, np.ndarray] = {}
+        for name in STATISTICS_REQUIRED + STATISTICS_OPTIONAL:
+            if name not in arrays:
+                if name in STATISTICS_REQUIRED:
+                    raise err(f"missing the statistics array '{name}'")
+                continue
+            values = np.asarray(root[name][:])
+            if values.shape != (n_vars,):
+                raise err(f"statistics array '{name}' has shape {values.shape} but there are {n_vars} variables")
+            stats[name] = values
+
+        if "ensemble_dimension" in attrs and int(attrs["ensemble_dimension"]) != n_ens:
+            raise err(f"attribute 'ensemble_dimension' is {attrs['ensemble_dimension']} but 'data' has {n_ens} members")
+
+        missing = set()
+        index = {d: i for i, d in enumerate(dates)}
+        for d in attrs.get("missing_dates", []) or []:
+            i = index.get(as_datetime64(d, "attribute 'missing_dates' entry"))
+            if i is None:
+                raise err(f"attribute 'missing_dates' has {d}, which is not one of the dates")
+            missing.add(i)
+
+        return cls(
+            path=path,
+            zarr_format=int(root.metadata.zarr_format),
+            attributes=attrs,
+            variables=variables,
+            dates=dates,
+            frequency=frequency,
+            latitudes=coords[0],
+            longitudes=coords[1],
+            statistics=Statistics(**stats),
+            shape=(n_dates, n_vars, n_ens, n_cells),
+            dtype=np.dtype(data.dtype),
+            missing_dates=frozenset(missing),
+            _data=data,
+        )
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def num_dates(self) -> int:
+        return self.shape[0]
+
+    @property
+    def num_variables(self) -> int:
+        return self.shape[1]
+
+    @property
+    def ensemble_size(self) -> int:
+        """Members per date (the ``ensemble`` dim of ``data``; 1 for deterministic datasets)."""
+        return self.shape[2]
+
+    @property
+    def num_cells(self) -> int:
+        return self.shape[3]
+
+    @property
+    def name_to_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.variables)}
+
+    @property
+    def resolution(self) -> str | None:
+        value = self.attributes.get("resolution")
+        return None if value is None else str(value)
+
+    @property
+    def start_date(self) -> np.datetime64:
+        return self.dates[0]
+
+    @property
+    def end_date(self) -> np.datetime64:
+        return self.dates[-1]
+
+    def __len__(self) -> int:
+        return self.num_dates
+
+    def __repr__(self) -> str:
+        return (f"AnemoiDataset({self.path!r}, dates={self.num_dates} from {self.start_date} every "
+                f"{frequency_to_string(self.frequency)}, variables={self.variables}, "
+                f"ensemble={self.ensemble_size}, cells={self.num_cells})")
+
+    # ---------------------------------------------------------------- data access
+    @property
+    def data(self) -> zarr.Array:
+        """The zarr array ``data`` (opened lazily in each process)."""
+        if self._data is None:
+            self._data = zarr.open_group(self.path, mode="r")["data"]
+        return self._data
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_data"] = None
+        return state
+
+    def date_index(self, date: Any) -> int:
+        """Index of ``date`` in :attr:`dates`; ValueError when it is not one of them."""
+        d = as_datetime64(date)
+        i = int(np.searchsorted(self.dates, d))
+        if i >= self.num_dates or self.dates[i] != d:
+            raise ValueError(f"date {d} is not in the dataset ({self.start_date} to {self.end_date} every "
+                             f"{frequency_to_string(self.frequency)})")
+        return i
+
+    def read(self, date_indices: Sequence[int] | np.ndarray | slice, cells: slice | None = None) -> np.ndarray:
+        """``data[date_indices, :, :, cells]`` as a numpy array ``(dates, variables, ensemble, cells)``.
+
+        ``cells`` is a contiguous slice of the grid (a reader's share); only those cells are read.
+        """
+        cells = slice(None) if cells is None else cells
+        if isinstance(date_indices, slice):
+            return np.asarray(self.data[date_indices, :, :, cells])
+        idx = np.asarray(date_indices, dtype=np.int64)
+        if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= self.num_dates)):
+            raise IndexError(f"date indices {idx.tolist()} out of range for {self.num_dates} dates")
+        if idx.size and np.all(np.diff(idx) == 1):
+            return np.asarray(self.data[int(idx[0]) : int(idx[-1]) + 1, :, :, cells])
+        return np.asarray(self.data.get_orthogonal_selection((idx, slice(None), slice(None), cells)))
