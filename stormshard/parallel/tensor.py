@@ -315,11 +315,15 @@ class ColumnParallelLinear(_ParallelLinear):
         layer._setup(linear, group, use_te)
         return layer
 
-    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None) -> Tensor:
-        """``x (..., seq[_local], in)`` -> ``(..., seq, out/p)`` (or ``out`` with gather_output)."""
+    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None, *,
+                sequence_parallel: bool | None = None) -> Tensor:
+        """``x (..., seq[_local], in)`` -> ``(..., seq, out/p)`` (or ``out`` with gather_output).
+
+        ``sequence_parallel`` overrides the constructor's setting for this call (None: keep it).
+        """
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} channels but in_features={self.in_features}")
-        if self.sequence_parallel:
+        if self.sequence_parallel if sequence_parallel is None else sequence_parallel:
             x = gather_from_sequence_parallel_region(x, shard_sizes, self.group)
         else:
             x = copy_tensor(x, self.group)
@@ -380,8 +384,13 @@ class RowParallelLinear(_ParallelLinear):
         layer._setup(linear, group, use_te)
         return layer
 
-    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None) -> Tensor:
-        """``x (..., seq, in/p)`` (or ``in`` if not input_is_parallel) -> ``(..., seq[_local], out)``."""
+    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None, *,
+                sequence_parallel: bool | None = None) -> Tensor:
+        """``x (..., seq, in/p)`` (or ``in`` if not input_is_parallel) -> ``(..., seq[_local], out)``.
+
+        ``sequence_parallel`` overrides the constructor's setting for this call (None: keep it).
+        """
+        sequence_parallel = self.sequence_parallel if sequence_parallel is None else sequence_parallel
         expected = self.weight.shape[1] if self.input_is_parallel else self.in_features
         if x.shape[-1] != expected:
             raise ValueError(
@@ -391,10 +400,10 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
         y = self._local(x, self.weight, None)
-        if self.sequence_parallel:
+        if sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, shard_sizes, self.group)
         else:
             y = reduce_tensor(y, self.group)
         if self.bias is not None:
-            y = y + replicated_parameter(self.bias, self.group, self.sequence_parallel)
+            y = y + replicated_parameter(self.bias, self.group, sequence_parallel)
         return y
