@@ -1,0 +1,56 @@
+"""Edge chunking: run an edge computation over destination-node chunks to cap peak memory.
+
+The destination nodes are split into ``num_chunks`` balanced contiguous ranges; chunk ``c``
+processes exactly the edges into its range, so every per-destination reduction (softmax, sum)
+sees all of its edges in one chunk and the result equals the unchunked one. While gradients are
+recorded each chunk runs under activation checkpointing: its per-edge intermediates
+``(E_chunk, ...)`` are freed after the forward of the chunk and rebuilt in the backward, so the
+peak holds one chunk's edge tensors instead of all of them. Without checkpointing autograd would
+keep every chunk's edge tensors alive and the peak would not fall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from stormshard.parallel.graph import destination_chunks
+
+__all__ = ["map_destination_chunks", "check_num_chunks"]
+
+ChunkFn = Callable[[Tensor | None, int, int], tuple[Tensor, ...]]
+
+
+def check_num_chunks(num_chunks: object) -> int:
+    """``num_chunks`` as an int, or a ValueError naming it."""
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be a positive int (1 = no chunking), got {num_chunks!r}")
+    return num_chunks
+
+
+def map_destination_chunks(
+    fn: ChunkFn, edge_index: Tensor, num_dst: int, num_chunks: int, use_checkpoint: bool = True
+) -> tuple[list[tuple[Tensor, ...]], Tensor | None]:
+    """``([fn(edge_ids, first, end) for each chunk], edge order)``.
+
+    ``edge_ids`` ``(E_c,)`` are the ids of the edges whose destination lies in ``[first, end)``
+    (``edge_index`` is ``(2, E)``, row 1 the destination). With one chunk ``fn`` gets
+    ``edge_ids=None`` (all edges, in order) and runs without checkpointing; with several, each
+    call is checkpointed when ``use_checkpoint`` and gradients are enabled. The edge order is the
+    concatenation of the chunks' edge ids (None for one chunk): per-edge outputs concatenated
+    over chunks are in that order.
+    """
+    if num_chunks == 1:
+        return [fn(None, 0, num_dst)], None
+    recompute = use_checkpoint and torch.is_grad_enabled()
+    outs, orders = [], []
+    for first, end, ids in destination_chunks(edge_index, num_dst, num_chunks):
+        orders.append(ids)
+        if recompute:
+            outs.append(checkpoint(fn, ids, first, end, use_reentrant=False))
+        else:
+            outs.append(fn(ids, first, end))
+    return outs, torch.cat(orders)

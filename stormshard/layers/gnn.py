@@ -1,0 +1,132 @@
+"""Message-passing GNN blocks (interaction network): edge MLP, sum aggregation, node MLP, residuals.
+
+For an edge ``j -> i`` with features ``e_ji``::
+
+    m_ji = MLP_e([x_j, x_i, e_ji])          (edge_channels)
+    x_i <- x_i + MLP_n([x_i, sum_j m_ji])   (sum over the edges into i, torch-geometric scatter)
+    e_ji <- e_ji + m_ji
+
+Each MLP is Linear, GELU, Linear, LayerNorm. Layouts: node features ``(num_nodes, channels)``,
+``edge_attr`` ``(num_edges, edge_channels)``, ``edge_index`` ``(2, num_edges)`` row 0 source, row 1
+destination. Both blocks return ``(nodes, edge_attr)`` so that processors can chain edge updates.
+
+- :class:`GNNMapperBlock`: bipartite (encoder data -> hidden, decoder hidden -> data).
+- :class:`GNNProcessorBlock`: one node set (hidden -> hidden).
+
+Sharding (``shard_plan`` + model group): node inputs are this rank's slices, ``edge_attr`` the
+plan's local edges; the source features cross one halo exchange (forward and backward) and the
+outputs are this rank's destination slice and local edges. ``num_chunks > 1`` processes the edges
+in destination-node chunks with activation checkpointing per chunk; results are equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch_geometric.utils import scatter
+
+from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.graph_transformer import _check_positive, _resolve_edges
+from stormshard.parallel.graph import GraphShardPlan, exchange_halo
+
+__all__ = ["GNNMapperBlock", "GNNProcessorBlock"]
+
+
+def _mlp(in_channels: int, hidden: int, out_channels: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(in_channels, hidden), nn.GELU(), nn.Linear(hidden, out_channels), nn.LayerNorm(out_channels)
+    )
+
+
+class _GNNBase(nn.Module):
+    def __init__(
+        self, src_channels: int, dst_channels: int, edge_channels: int, mlp_ratio: float, num_chunks: int
+    ) -> None:
+        super().__init__()
+        for name, value in (("src_channels", src_channels), ("dst_channels", dst_channels),
+                            ("edge_channels", edge_channels)):
+            _check_positive(name, value)
+        if not mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be positive, got {mlp_ratio}")
+        self.src_channels, self.dst_channels, self.edge_channels = src_channels, dst_channels, edge_channels
+        self.num_chunks = check_num_chunks(num_chunks)
+        edge_in = src_channels + dst_channels + edge_channels
+        self.edge_mlp = _mlp(edge_in, max(1, round(edge_channels * mlp_ratio)), edge_channels)
+        self.node_mlp = _mlp(dst_channels + edge_channels, max(1, round(dst_channels * mlp_ratio)), dst_channels)
+
+    def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
+        for name, t, want in (("x_src", x_src, self.src_channels), ("x_dst", x_dst, self.dst_channels),
+                              ("edge_attr", edge_attr, self.edge_channels)):
+            if t.dim() != 2 or t.shape[1] != want:
+                raise ValueError(f"{name} must be (rows, {want}), got {tuple(t.shape)}")
+
+    def _message_pass(
+        self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """``x_src`` ``(num_src_ext, C_src)`` (local rows + halo when sharded)."""
+        num_dst = x_dst.shape[0]
+        edge_index = edge_index.to(x_dst.device)
+
+        def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor, Tensor]:
+            index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
+            src, dst = index[0], index[1]
+            msg = self.edge_mlp(torch.cat([x_src.index_select(0, src), x_dst.index_select(0, dst), attr], dim=-1))
+            return scatter(msg, dst - first, dim=0, dim_size=end - first, reduce="sum"), msg
+
+        outs, order = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks)
+        if len(outs) == 1:
+            agg, msg = outs[0]
+        else:
+            agg = torch.cat([o[0] for o in outs], dim=0)
+            # chunk outputs follow the chunks' edge ids: put them back in edge order
+            msg = torch.cat([o[1] for o in outs], dim=0)[torch.argsort(order)]
+        x = x_dst + self.node_mlp(torch.cat([x_dst, agg], dim=-1))
+        return x, edge_attr + msg
+
+
+class GNNMapperBlock(_GNNBase):
+    """Bipartite GNN block. ``forward(x_src (N_src, src_channels), x_dst (N_dst, dst_channels),
+    edge_attr (E, edge_channels), edge_index (2, E))`` returns ``(x_dst', edge_attr')``."""
+
+    def __init__(
+        self, src_channels: int, dst_channels: int, edge_channels: int, mlp_ratio: float = 1.0, num_chunks: int = 1
+    ) -> None:
+        super().__init__(src_channels, dst_channels, edge_channels, mlp_ratio, num_chunks)
+
+    def forward(
+        self,
+        x_src: Tensor,
+        x_dst: Tensor,
+        edge_attr: Tensor,
+        edge_index: Tensor | None,
+        shard_plan: GraphShardPlan | None = None,
+        model_comm_group=None,  # noqa: ANN001
+    ) -> tuple[Tensor, Tensor]:
+        self._check_channels(x_src, x_dst, edge_attr)
+        edge_index = _resolve_edges(x_src.shape[0], x_dst.shape[0], edge_attr, edge_index, shard_plan)
+        return self._message_pass(exchange_halo(x_src, shard_plan, model_comm_group), x_dst, edge_attr, edge_index)
+
+
+class GNNProcessorBlock(_GNNBase):
+    """GNN block on one node set. ``forward(x (N, channels), edge_attr (E, edge_channels),
+    edge_index (2, E))`` returns ``(x', edge_attr')``."""
+
+    def __init__(self, channels: int, edge_channels: int, mlp_ratio: float = 1.0, num_chunks: int = 1) -> None:
+        super().__init__(channels, channels, edge_channels, mlp_ratio, num_chunks)
+
+    def forward(
+        self,
+        x: Tensor,
+        edge_attr: Tensor,
+        edge_index: Tensor | None,
+        shard_plan: GraphShardPlan | None = None,
+        model_comm_group=None,  # noqa: ANN001
+    ) -> tuple[Tensor, Tensor]:
+        self._check_channels(x, x, edge_attr)
+        if shard_plan is not None and shard_plan.num_src != shard_plan.num_dst:
+            raise ValueError(
+                f"a processor plan must be built on one node set, got {shard_plan.num_src} sources and "
+                f"{shard_plan.num_dst} destinations: build it with num_nodes=<int>"
+            )
+        edge_index = _resolve_edges(x.shape[0], x.shape[0], edge_attr, edge_index, shard_plan)
+        return self._message_pass(exchange_halo(x, shard_plan, model_comm_group), x, edge_attr, edge_index)

@@ -1,0 +1,255 @@
+"""Graph-transformer blocks: multi-head attention of every destination node over its incoming edges.
+
+For an edge ``j -> i`` with edge features ``e_ji`` (per head ``h``, head size ``d``)::
+
+    q_i = W_q n_dst(x_i)      k_j = W_k n_src(x_j) + W_e e_ji      v_j = W_v n_src(x_j) + W_e e_ji
+    a_ji = softmax over the edges into i of (q_i . k_j / sqrt(d))
+    x_i <- x_i + W_o sum_j a_ji v_j
+    x_i <- x_i + MLP(LayerNorm(x_i))
+
+(pre-norm, residual; torch-geometric's ``softmax`` and ``scatter`` per destination node, no Python
+loop over nodes or edges). Layouts: node features ``(num_nodes, channels)``, ``edge_attr``
+``(num_edges, edge_channels)``, ``edge_index`` ``(2, num_edges)`` row 0 source, row 1 destination.
+
+Two variants:
+
+- :class:`GraphTransformerMapperBlock`: bipartite (encoder data -> hidden, decoder hidden -> data),
+  separate source and destination node sets, norms and channel counts; updates the destinations.
+- :class:`GraphTransformerProcessorBlock`: one node set (hidden -> hidden).
+
+Sharding: pass ``shard_plan`` (a :class:`~stormshard.parallel.graph.GraphShardPlan`) and the
+model group; node inputs are then this rank's node slices, ``edge_attr`` the plan's local edges
+(``plan.shard_edges``) and ``edge_index`` the plan's local index (None takes it from the plan).
+The normalised source features go through one halo exchange per block (forward and backward);
+the output is this rank's destination slice. Parameters are replicated: the caller sums their
+gradients over the model group (as DDP does).
+
+Chunking: ``num_chunks > 1`` processes the edges in destination-node chunks with activation
+checkpointing per chunk (see :mod:`stormshard.layers.chunking`); results are equal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+from torch_geometric.utils import scatter, softmax
+
+from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.parallel.graph import GraphShardPlan, exchange_halo
+
+__all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "graph_attention"]
+
+
+def graph_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    edge_emb: Tensor,
+    edge_index: Tensor,
+    num_dst: int,
+) -> Tensor:
+    """Attention of each destination node over its incoming edges.
+
+    ``query`` ``(num_dst, heads, d)``, ``key``/``value`` ``(num_src, heads, d)``, ``edge_emb``
+    ``(E, heads, d)`` (added to keys and values), ``edge_index`` ``(2, E)``. Returns
+    ``(num_dst, heads, d)``; a destination without incoming edges gets zeros.
+    """
+    src, dst = edge_index[0], edge_index[1]
+    k_j = key.index_select(0, src) + edge_emb
+    v_j = value.index_select(0, src) + edge_emb
+    q_i = query.index_select(0, dst)
+    logits = (q_i * k_j).sum(dim=-1) / math.sqrt(query.shape[-1])  # (E, heads)
+    weights = softmax(logits, dst, num_nodes=num_dst)
+    return scatter(weights.unsqueeze(-1) * v_j, dst, dim=0, dim_size=num_dst, reduce="sum")
+
+
+def _mlp(channels: int, ratio: float) -> nn.Sequential:
+    hidden = max(1, int(round(channels * ratio)))
+    return nn.Sequential(nn.Linear(channels, hidden), nn.GELU(), nn.Linear(hidden, channels))
+
+
+def _check_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _resolve_edges(
+    x_src_rows: int,
+    x_dst_rows: int,
+    edge_attr: Tensor,
+    edge_index: Tensor | None,
+    plan: GraphShardPlan | None,
+) -> Tensor:
+    """The edge index to use, after checking every shape against the plan (or the inputs)."""
+    if plan is not None:
+        if not isinstance(plan, GraphShardPlan):
+            raise TypeError(f"shard_plan must be a GraphShardPlan, got {type(plan).__name__}")
+        if edge_index is None:
+            edge_index = plan.edge_index
+        if x_src_rows != plan.num_src_local or x_dst_rows != plan.num_dst_local:
+            raise ValueError(
+                f"node inputs have {x_src_rows} source and {x_dst_rows} destination rows but rank "
+                f"{plan.rank}'s plan owns {plan.num_src_local} and {plan.num_dst_local}: pass this "
+                "rank's node slices (plan.shard_src / plan.shard_dst)"
+            )
+        if edge_index.shape[-1] != plan.num_edges_local:
+            raise ValueError(
+                f"edge_index has {edge_index.shape[-1]} edges but rank {plan.rank}'s plan owns "
+                f"{plan.num_edges_local}: pass plan.edge_index and plan.shard_edges(edge_attr)"
+            )
+    if edge_index is None:
+        raise ValueError("edge_index is None: pass the (2, num_edges) edge index (or a shard_plan)")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}")
+    if edge_attr.dim() != 2 or edge_attr.shape[0] != edge_index.shape[1]:
+        raise ValueError(
+            f"edge_attr must be (num_edges, edge_channels) with num_edges = {edge_index.shape[1]}, "
+            f"got {tuple(edge_attr.shape)}"
+        )
+    return edge_index
+
+
+class _GraphTransformerBase(nn.Module):
+    """Shared parts: projections, attention over chunks, output projection and MLP."""
+
+    def __init__(
+        self,
+        src_channels: int,
+        dst_channels: int,
+        edge_channels: int,
+        num_heads: int,
+        mlp_ratio: float,
+        num_chunks: int,
+        hidden_dim: int | None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("src_channels", src_channels), ("dst_channels", dst_channels),
+                            ("edge_channels", edge_channels), ("num_heads", num_heads)):
+            _check_positive(name, value)
+        hidden_dim = dst_channels if hidden_dim is None else _check_positive("hidden_dim", hidden_dim)
+        if hidden_dim % num_heads:
+            raise ValueError(
+                f"hidden_dim {hidden_dim} is not divisible by num_heads {num_heads}: choose heads "
+                "that divide it (or set hidden_dim)"
+            )
+        if not mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be positive, got {mlp_ratio}")
+        self.num_heads, self.hidden_dim = num_heads, hidden_dim
+        self.num_chunks = check_num_chunks(num_chunks)
+        self.src_channels, self.dst_channels, self.edge_channels = src_channels, dst_channels, edge_channels
+        self.to_q = nn.Linear(dst_channels, hidden_dim)
+        self.to_k = nn.Linear(src_channels, hidden_dim)
+        self.to_v = nn.Linear(src_channels, hidden_dim)
+        self.to_e = nn.Linear(edge_channels, hidden_dim)
+        self.proj = nn.Linear(hidden_dim, dst_channels)
+        self.norm_mlp = nn.LayerNorm(dst_channels)
+        self.mlp = _mlp(dst_channels, mlp_ratio)
+
+    def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
+        for name, t, want in (("x_src", x_src, self.src_channels), ("x_dst", x_dst, self.dst_channels),
+                              ("edge_attr", edge_attr, self.edge_channels)):
+            if t.dim() != 2 or t.shape[1] != want:
+                raise ValueError(f"{name} must be (rows, {want}), got {tuple(t.shape)}")
+
+    def _attend(self, h_src: Tensor, h_dst: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor) -> Tensor:
+        """Attention + residual + MLP. ``h_src`` ``(num_src_ext, C_src)`` and ``h_dst`` are normed."""
+        heads = self.num_heads
+        split = "n (h d) -> n h d"
+        q = rearrange(self.to_q(h_dst), split, h=heads)
+        k = rearrange(self.to_k(h_src), split, h=heads)
+        v = rearrange(self.to_v(h_src), split, h=heads)
+        num_dst = x_dst.shape[0]
+        edge_index = edge_index.to(x_dst.device)
+
+        def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
+            index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
+            if first:
+                index = torch.stack([index[0], index[1] - first])
+            emb = rearrange(self.to_e(attr), split, h=heads)
+            return (graph_attention(q[first:end], k, v, emb, index, end - first),)
+
+        outs, _ = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks)
+        attn = torch.cat([o[0] for o in outs], dim=0)
+        x = x_dst + self.proj(rearrange(attn, "n h d -> n (h d)"))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class GraphTransformerMapperBlock(_GraphTransformerBase):
+    """Bipartite graph-transformer block (encoder data -> hidden, decoder hidden -> data).
+
+    ``forward(x_src (N_src, src_channels), x_dst (N_dst, dst_channels), edge_attr (E,
+    edge_channels), edge_index (2, E))`` returns the updated destinations ``(N_dst,
+    dst_channels)``. Sharded: rows are this rank's slices; the normed sources cross one halo
+    exchange.
+    """
+
+    def __init__(
+        self,
+        src_channels: int,
+        dst_channels: int,
+        edge_channels: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        num_chunks: int = 1,
+        hidden_dim: int | None = None,
+    ) -> None:
+        super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim)
+        self.norm_src = nn.LayerNorm(src_channels)
+        self.norm_dst = nn.LayerNorm(dst_channels)
+
+    def forward(
+        self,
+        x_src: Tensor,
+        x_dst: Tensor,
+        edge_attr: Tensor,
+        edge_index: Tensor | None,
+        shard_plan: GraphShardPlan | None = None,
+        model_comm_group=None,  # noqa: ANN001
+    ) -> Tensor:
+        self._check_channels(x_src, x_dst, edge_attr)
+        edge_index = _resolve_edges(x_src.shape[0], x_dst.shape[0], edge_attr, edge_index, shard_plan)
+        h_src = exchange_halo(self.norm_src(x_src), shard_plan, model_comm_group)
+        return self._attend(h_src, self.norm_dst(x_dst), x_dst, edge_attr, edge_index)
+
+
+class GraphTransformerProcessorBlock(_GraphTransformerBase):
+    """Graph-transformer block on one node set (processor, hidden -> hidden).
+
+    ``forward(x (N, channels), edge_attr (E, edge_channels), edge_index (2, E))`` returns
+    ``(N, channels)``. Sharded: ``x`` is this rank's slice; its normed rows cross one halo exchange.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        edge_channels: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        num_chunks: int = 1,
+        hidden_dim: int | None = None,
+    ) -> None:
+        super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim)
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(
+        self,
+        x: Tensor,
+        edge_attr: Tensor,
+        edge_index: Tensor | None,
+        shard_plan: GraphShardPlan | None = None,
+        model_comm_group=None,  # noqa: ANN001
+    ) -> Tensor:
+        self._check_channels(x, x, edge_attr)
+        if shard_plan is not None and shard_plan.num_src != shard_plan.num_dst:
+            raise ValueError(
+                f"a processor plan must be built on one node set, got {shard_plan.num_src} sources and "
+                f"{shard_plan.num_dst} destinations: build it with num_nodes=<int>"
+            )
+        edge_index = _resolve_edges(x.shape[0], x.shape[0], edge_attr, edge_index, shard_plan)
+        h = self.norm(x)
+        h_src = exchange_halo(h, shard_plan, model_comm_group)
+        return self._attend(h_src, h, x, edge_attr, edge_index)

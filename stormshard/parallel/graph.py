@@ -1,0 +1,447 @@
+"""Graph sharding: edges grouped by destination node, and a halo plan for destination-node sharding.
+
+Conventions: ``edge_index`` is a ``(2, num_edges)`` integer tensor, row 0 the source node and
+row 1 the destination node of every edge; ``edge_attr`` is ``(num_edges, channels)``; node
+features are ``(num_nodes, channels...)`` with the node dimension first.
+
+Two parts:
+
+- anemoi's edge-sorting API (``get_k_hop_edges``, ``sort_edges_1hop_chunks``,
+  ``sort_edges_1hop_sharding``) with anemoi's documented arguments and returns;
+- :class:`GraphShardPlan`: the plan for sharding a (directed, possibly bipartite) graph by
+  destination nodes. Each rank of a group owns a balanced contiguous slice of the destination
+  nodes and of the source nodes (``balanced_sizes``, the way the model shards node features), the
+  edges into its destination nodes, and receives through one ``all_to_all_single`` with uneven
+  splits exactly the remote source rows those edges read (its *halo*), not an all-gather of the
+  whole source set. The backward pass sends the halo gradients back to their owners, which add
+  them to their own rows.
+
+The plan is computed once per graph and layout, on every rank, from the full ``edge_index``;
+every rank derives every other rank's needs itself, so building it needs no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch_geometric.typing import SparseTensor
+from torch_geometric.utils import k_hop_subgraph
+
+from stormshard.parallel.counter import record_communication
+from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
+
+__all__ = [
+    "get_k_hop_edges",
+    "sort_edges_1hop_chunks",
+    "sort_edges_1hop_sharding",
+    "GraphShardPlan",
+    "exchange_halo",
+    "destination_chunks",
+]
+
+ProcessGroup = dist.ProcessGroup
+
+
+# --------------------------------------------------------------------------------------------
+# input checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_edge_index(edge_index: object, name: str = "edge_index") -> Tensor:
+    if isinstance(edge_index, SparseTensor):
+        raise TypeError(
+            f"{name} is a SparseTensor; stormshard takes a dense (2, num_edges) edge index: convert "
+            "an adj_t with `row, col, _ = adj_t.coo(); edge_index = torch.stack([col, row])`"
+        )
+    if not isinstance(edge_index, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (2, num_edges), got {type(edge_index).__name__}")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(
+            f"{name} must have shape (2, num_edges) (row 0 source, row 1 destination), "
+            f"got {tuple(edge_index.shape)}"
+        )
+    if edge_index.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold int64 (or int32) node ids, got {edge_index.dtype}")
+    return edge_index
+
+
+def _check_edge_attr(edge_attr: Tensor, edge_index: Tensor) -> None:
+    if not isinstance(edge_attr, Tensor):
+        raise TypeError(f"edge_attr must be a torch.Tensor, got {type(edge_attr).__name__}")
+    if edge_attr.shape[0] != edge_index.shape[1]:
+        raise ValueError(
+            f"edge_attr has {edge_attr.shape[0]} rows but edge_index has {edge_index.shape[1]} edges: "
+            "pass one attribute row per edge, in edge_index order"
+        )
+
+
+def _split_num_nodes(num_nodes: int | tuple[int, int]) -> tuple[int | None, int]:
+    """(number of source nodes or None, number of destination nodes) from anemoi's ``num_nodes``."""
+    if isinstance(num_nodes, bool):
+        raise TypeError(f"num_nodes must be an int or a (source, destination) tuple, got {num_nodes!r}")
+    if isinstance(num_nodes, int):
+        if num_nodes < 0:
+            raise ValueError(f"num_nodes must be non-negative, got {num_nodes}")
+        return None, num_nodes
+    if isinstance(num_nodes, (tuple, list)) and len(num_nodes) == 2 and all(isinstance(n, int) for n in num_nodes):
+        if min(num_nodes) < 0:
+            raise ValueError(f"num_nodes must be non-negative, got {tuple(num_nodes)}")
+        return int(num_nodes[0]), int(num_nodes[1])
+    raise TypeError(
+        f"num_nodes must be an int (graph on one node set) or a (num_source, num_destination) tuple "
+        f"(bipartite graph), got {num_nodes!r}"
+    )
+
+
+def _check_node_range(edge_index: Tensor, num_src: int, num_dst: int) -> None:
+    if edge_index.numel() == 0:
+        return
+    lo_s, hi_s = int(edge_index[0].min()), int(edge_index[0].max())
+    lo_d, hi_d = int(edge_index[1].min()), int(edge_index[1].max())
+    if lo_s < 0 or hi_s >= num_src:
+        raise ValueError(
+            f"edge_index row 0 (sources) spans [{lo_s}, {hi_s}] but there are {num_src} source nodes: "
+            "pass the right node counts, or fix the edge index"
+        )
+    if lo_d < 0 or hi_d >= num_dst:
+        raise ValueError(
+            f"edge_index row 1 (destinations) spans [{lo_d}, {hi_d}] but there are {num_dst} destination "
+            "nodes: pass the right node counts, or fix the edge index"
+        )
+
+
+def _bucket(ids: Tensor, sizes: Sequence[int]) -> Tensor:
+    """Index of the balanced part (of sizes ``sizes``) holding each id."""
+    ends = torch.tensor(balanced_offsets(sizes)[1:] + [sum(sizes)], dtype=ids.dtype, device=ids.device)
+    return torch.bucketize(ids, ends, right=True)
+
+
+# --------------------------------------------------------------------------------------------
+# anemoi's API
+# --------------------------------------------------------------------------------------------
+
+
+def get_k_hop_edges(
+    nodes: Tensor, edge_attr: Tensor, edge_index: Tensor, num_hops: int = 1
+) -> tuple[Tensor, Tensor]:
+    """The edges of the ``num_hops``-hop neighbourhood pointing towards the destination ``nodes``.
+
+    With ``num_hops=1``: every edge whose destination is in ``nodes``, in edge_index order. With
+    more hops, torch-geometric's directed ``k_hop_subgraph`` semantics (flow source -> target).
+
+    Returns ``(edge_index_k (2, E_k), edge_attr_k (E_k, ...))`` as documented by anemoi
+    (anemoi's code returns the two the other way round).
+    """
+    edge_index = _check_edge_index(edge_index)
+    _check_edge_attr(edge_attr, edge_index)
+    if not isinstance(num_hops, int) or num_hops < 1:
+        raise ValueError(f"num_hops must be a positive int, got {num_hops!r}")
+    nodes = torch.as_tensor(nodes, dtype=edge_index.dtype, device=edge_index.device)
+    if nodes.numel() == 0 or edge_index.shape[1] == 0:
+        keep = torch.zeros(edge_index.shape[1], dtype=torch.bool, device=edge_index.device)
+    else:
+        num_nodes = int(max(edge_index.max(), nodes.max())) + 1
+        _, _, _, keep = k_hop_subgraph(nodes, num_hops, edge_index, num_nodes=num_nodes, directed=True)
+    ids = keep.nonzero().flatten()
+    return edge_index[:, ids], edge_attr[ids]
+
+
+def _chunk_edge_ids(dst: Tensor, num_dst: int, num_chunks: int) -> list[Tensor]:
+    """Edge ids per balanced destination-node chunk, each in edge order (one stable sort)."""
+    chunk = _bucket(dst, balanced_sizes(num_dst, num_chunks))
+    order = torch.sort(chunk, stable=True).indices
+    counts = torch.bincount(chunk, minlength=num_chunks).tolist()
+    return list(order.split(counts))
+
+
+def sort_edges_1hop_chunks(
+    num_nodes: int | tuple[int, int], edge_attr: Tensor, edge_index: Tensor, num_chunks: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Split the edges into ``num_chunks`` 1-hop neighbourhoods of balanced destination-node chunks.
+
+    ``num_nodes`` is the number of nodes, or ``(num_source, num_destination)`` for a bipartite
+    graph; chunk ``c`` holds every edge into the ``c``-th of ``balanced_sizes(num_destination,
+    num_chunks)`` contiguous destination ranges, in edge_index order (global node ids kept).
+
+    Returns ``(edge_attr chunks, edge_index chunks)``, two lists of ``num_chunks`` tensors.
+    """
+    edge_index = _check_edge_index(edge_index)
+    _check_edge_attr(edge_attr, edge_index)
+    num_src, num_dst = _split_num_nodes(num_nodes)
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    _check_node_range(edge_index, num_dst if num_src is None else num_src, num_dst)
+    ids = _chunk_edge_ids(edge_index[1], num_dst, num_chunks)
+    return [edge_attr[i] for i in ids], [edge_index[:, i] for i in ids]
+
+
+def sort_edges_1hop_sharding(
+    num_nodes: int | tuple[int, int],
+    edge_attr: Tensor,
+    edge_index: Tensor,
+    mgroup: ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor, list, list]:
+    """Reorder the edges so that rank ``r``'s 1-hop neighbourhood (edges into its destination
+    slice) is the ``r``-th contiguous block, for ``shard_tensor`` along the edge dimension.
+
+    Returns ``(edge_index (2, E), edge_attr (E, ...), edge_index shapes, edge_attr shapes)`` as
+    anemoi documents it (anemoi's code returns attributes first); with ``mgroup`` None the inputs
+    come back unchanged with two empty shape lists.
+    """
+    if mgroup is None:
+        return edge_index, edge_attr, [], []
+    attr_chunks, index_chunks = sort_edges_1hop_chunks(num_nodes, edge_attr, edge_index, group_size(mgroup))
+    index_shapes = [list(c.shape) for c in index_chunks]
+    attr_shapes = [list(c.shape) for c in attr_chunks]
+    return torch.cat(index_chunks, dim=1), torch.cat(attr_chunks, dim=0), index_shapes, attr_shapes
+
+
+def destination_chunks(edge_index: Tensor, num_dst: int, num_chunks: int) -> list[tuple[int, int, Tensor]]:
+    """``(first node, end node, edge ids)`` for ``num_chunks`` balanced destination ranges.
+
+    The edge ids of a chunk are those whose destination lies in ``[first, end)``; used by the
+    layers to process edges chunk by chunk (softmax groups never straddle two chunks).
+    """
+    if not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    sizes = balanced_sizes(num_dst, num_chunks)
+    starts = balanced_offsets(sizes)
+    ids = _chunk_edge_ids(edge_index[1], num_dst, num_chunks)
+    return [(s, s + n, i) for s, n, i in zip(starts, sizes, ids, strict=True)]
+
+
+# --------------------------------------------------------------------------------------------
+# halo exchange
+# --------------------------------------------------------------------------------------------
+
+
+def _all_to_all_rows(x: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup) -> Tensor:
+    """Rows of ``x`` (grouped by destination rank, ``send_splits`` each) to their ranks; returns the
+    rows received (``recv_splits`` from each rank, in rank order). One ``all_to_all_single``."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
+    me = group_rank(group)
+    row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    record_communication("all_to_all", (sum(send_splits) - send_splits[me]) * row_bytes)
+    return out
+
+
+class _HaloAllToAll(torch.autograd.Function):
+    """Forward: send rows to the ranks that need them. Backward: send their gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, send_splits: list[int], recv_splits: list[int], group):  # noqa: ANN001
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        return _all_to_all_rows(rows, send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001
+        return _all_to_all_rows(grad, ctx.recv_splits, ctx.send_splits, ctx.group), None, None, None
+
+
+@dataclass(frozen=True, eq=False)
+class GraphShardPlan:
+    """Destination-node sharding of one graph over one group layout (computed once, then reused).
+
+    Node slices: rank ``r`` owns source rows ``[src_offsets[r], src_offsets[r] + src_sizes[r])``
+    and destination rows likewise (``balanced_sizes``). Local tensors:
+
+    - ``edge_ids`` ``(E_r,)``: global ids of this rank's edges (all edges into its destination
+      rows), sorted by destination (stable); ``edge_attr_local = edge_attr[edge_ids]``;
+    - ``edge_index`` ``(2, E_r)``: those edges re-numbered: row 0 in ``[0, num_src_local +
+      num_halo)`` (own source rows first, then the halo in receive order), row 1 in
+      ``[0, num_dst_local)``;
+    - ``send_index`` ``(sum(send_splits),)``: local source rows sent to each other rank (grouped by
+      rank, ascending ids within a group); ``recv_splits``: halo rows received from each rank;
+    - ``halo_ids`` ``(num_halo,)``: global ids of the halo rows, in receive order.
+
+    Communicated by :meth:`exchange_halo`: ``sum(send_splits)`` rows forward, ``num_halo`` rows
+    backward (one ``all_to_all_single`` each way); nothing when no rank of the layout needs a halo.
+    """
+
+    num_src: int
+    num_dst: int
+    world: int
+    rank: int
+    src_sizes: tuple[int, ...]
+    dst_sizes: tuple[int, ...]
+    edge_ids: Tensor
+    edge_index: Tensor
+    send_index: Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    halo_ids: Tensor
+    edges_per_rank: tuple[int, ...]
+    halo_per_rank: tuple[int, ...]
+
+    # ----------------------------------------------------------------------------------------
+    # construction
+    # ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        edge_index: Tensor,
+        num_nodes: int | tuple[int, int],
+        group: ProcessGroup | None = None,
+    ) -> GraphShardPlan:
+        """The plan for this rank of ``group`` (None: one rank holding everything).
+
+        ``num_nodes``: the node count of a graph on one node set (processor), or
+        ``(num_source, num_destination)`` for a bipartite graph (encoder, decoder).
+        """
+        return cls.for_rank(edge_index, num_nodes, group_size(group), group_rank(group))
+
+    @classmethod
+    def for_rank(
+        cls, edge_index: Tensor, num_nodes: int | tuple[int, int], world: int, rank: int
+    ) -> GraphShardPlan:
+        """The plan of rank ``rank`` of a ``world``-rank layout (no process group needed)."""
+        edge_index = _check_edge_index(edge_index).long()
+        num_src, num_dst = _split_num_nodes(num_nodes)
+        num_src = num_dst if num_src is None else num_src
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"world must be a positive int, got {world!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
+        _check_node_range(edge_index, num_src, num_dst)
+
+        src_sizes, dst_sizes = balanced_sizes(num_src, world), balanced_sizes(num_dst, world)
+        src0, dst0 = balanced_offsets(src_sizes)[rank], balanced_offsets(dst_sizes)[rank]
+        src, dst = edge_index[0], edge_index[1]
+        edge_rank = _bucket(dst, dst_sizes)  # owner of each edge = owner of its destination
+
+        # every (needing rank, source node) pair once, sorted by rank then node id
+        need = torch.unique(edge_rank * num_src + src)
+        need_rank, need_node = need // num_src, need % num_src
+        node_owner = _bucket(need_node, src_sizes)
+        remote = node_owner != need_rank
+        halo_per_rank = torch.bincount(need_rank[remote], minlength=world).tolist()
+
+        mine = need_rank == rank  # what this rank needs: sorted by node id = grouped by owner
+        halo_ids = need_node[mine & remote]
+        recv_splits = torch.bincount(node_owner[mine & remote], minlength=world).tolist()
+        sent = remote & (node_owner == rank)  # what the others need from this rank, by needing rank
+        send_index = need_node[sent] - src0
+        send_splits = torch.bincount(need_rank[sent], minlength=world).tolist()
+
+        own = (edge_rank == rank).nonzero().flatten()
+        own = own[torch.sort(dst[own], stable=True).indices]
+        e_src, e_dst = src[own], dst[own]
+        local_src = e_src - src0
+        in_halo = (e_src < src0) | (e_src >= src0 + src_sizes[rank])
+        local_src[in_halo] = src_sizes[rank] + torch.searchsorted(halo_ids, e_src[in_halo])
+        local_index = torch.stack([local_src, e_dst - dst0])
+
+        return cls(
+            num_src=num_src, num_dst=num_dst, world=world, rank=rank,
+            src_sizes=tuple(src_sizes), dst_sizes=tuple(dst_sizes),
+            edge_ids=own, edge_index=local_index, send_index=send_index,
+            send_splits=tuple(send_splits), recv_splits=tuple(recv_splits), halo_ids=halo_ids,
+            edges_per_rank=tuple(torch.bincount(edge_rank, minlength=world).tolist()),
+            halo_per_rank=tuple(halo_per_rank),
+        )
+
+    def to(self, device: torch.device | str) -> GraphShardPlan:
+        """The same plan with its index tensors on ``device``."""
+        return replace(
+            self, edge_ids=self.edge_ids.to(device), edge_index=self.edge_index.to(device),
+            send_index=self.send_index.to(device), halo_ids=self.halo_ids.to(device),
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # sizes
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def num_src_local(self) -> int:
+        return self.src_sizes[self.rank]
+
+    @property
+    def num_dst_local(self) -> int:
+        return self.dst_sizes[self.rank]
+
+    @property
+    def num_halo(self) -> int:
+        return int(self.halo_ids.numel())
+
+    @property
+    def num_edges_local(self) -> int:
+        return int(self.edge_ids.numel())
+
+    @property
+    def src_offset(self) -> int:
+        return balanced_offsets(self.src_sizes)[self.rank]
+
+    @property
+    def dst_offset(self) -> int:
+        return balanced_offsets(self.dst_sizes)[self.rank]
+
+    def halo_bytes(self, row_bytes: int) -> int:
+        """Bytes this rank sends in one forward halo exchange of rows of ``row_bytes`` bytes."""
+        return (sum(self.send_splits) - self.send_splits[self.rank]) * row_bytes
+
+    def all_gather_bytes(self, row_bytes: int) -> int:
+        """Bytes this rank would send to all-gather the whole source set instead (the baseline)."""
+        return self.num_src_local * row_bytes * (self.world - 1)
+
+    # ----------------------------------------------------------------------------------------
+    # slicing helpers (no communication)
+    # ----------------------------------------------------------------------------------------
+
+    def shard_src(self, x: Tensor) -> Tensor:
+        """This rank's rows ``(num_src_local, ...)`` of full source-node features ``(num_src, ...)``."""
+        self._check_rows(x, self.num_src, "source-node features")
+        return x.narrow(0, self.src_offset, self.num_src_local)
+
+    def shard_dst(self, x: Tensor) -> Tensor:
+        """This rank's rows ``(num_dst_local, ...)`` of full destination-node features."""
+        self._check_rows(x, self.num_dst, "destination-node features")
+        return x.narrow(0, self.dst_offset, self.num_dst_local)
+
+    def shard_edges(self, edge_attr: Tensor) -> Tensor:
+        """This rank's edge rows ``(E_r, ...)`` of full edge attributes ``(E, ...)``, plan order."""
+        self._check_rows(edge_attr, sum(self.edges_per_rank), "edge attributes")
+        return edge_attr.index_select(0, self.edge_ids)
+
+    def _check_rows(self, x: Tensor, rows: int, what: str) -> None:
+        if x.shape[0] != rows:
+            raise ValueError(f"{what} have {x.shape[0]} rows but the plan's graph has {rows}")
+
+    # ----------------------------------------------------------------------------------------
+    # communication
+    # ----------------------------------------------------------------------------------------
+
+    def exchange_halo(self, x_src: Tensor, group: ProcessGroup | None) -> Tensor:
+        """``(num_src_local + num_halo, ...)``: this rank's source rows followed by its halo.
+
+        ``x_src`` is ``(num_src_local, ...)``. Communicates one ``all_to_all_single`` with uneven
+        splits (only the rows other ranks' edges read); its backward returns the halo gradients
+        to their owners, where they are added to the local rows' gradients.
+        """
+        if x_src.shape[0] != self.num_src_local:
+            raise ValueError(
+                f"x_src has {x_src.shape[0]} rows but rank {self.rank} owns {self.num_src_local} source "
+                f"nodes in this plan (sizes {list(self.src_sizes)}): pass this rank's slice (plan.shard_src)"
+            )
+        world = group_size(group)
+        if world != self.world or group_rank(group) != self.rank:
+            raise ValueError(
+                f"the plan was built for rank {self.rank} of {self.world} but the group gives rank "
+                f"{group_rank(group)} of {world}: build the plan with this group (GraphShardPlan.build)"
+            )
+        if sum(self.halo_per_rank) == 0:  # every rank knows this, so all skip the collective together
+            return x_src
+        rows = x_src.index_select(0, self.send_index.to(x_src.device))
+        halo = _HaloAllToAll.apply(rows, list(self.send_splits), list(self.recv_splits), group)
+        return torch.cat([x_src, halo], dim=0)
+
+
+def exchange_halo(x_src: Tensor, plan: GraphShardPlan | None, group: ProcessGroup | None) -> Tensor:
+    """``plan.exchange_halo(x_src, group)``; ``x_src`` unchanged when ``plan`` is None."""
+    return x_src if plan is None else plan.exchange_halo(x_src, group)

@@ -1,0 +1,173 @@
+"""Graph-transformer and GNN blocks: sharded by destination nodes (1-4 ranks, uneven, directed,
+bipartite, ranks without edges) equals the single-process block; chunked equals unchunked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock
+from stormshard.layers.graph_transformer import GraphTransformerMapperBlock, GraphTransformerProcessorBlock
+from stormshard.parallel.counter import CommCounter
+from stormshard.parallel.graph import GraphShardPlan
+from tests.distributed import run_distributed
+from tests.test_graph_sharding import random_graph
+
+SRC_C, DST_C, EDGE_C, HEADS = 6, 8, 5, 4
+
+# (kind, num_src, num_dst, num_edges, dst_limit)
+CASES = [
+    ("transformer_mapper", 61, 45, 300, None),  # encoder-like, uneven over 2, 3, 4
+    ("transformer_mapper", 45, 61, 220, 41),  # decoder-like; at 3 and 4 ranks the last rank has no edges
+    ("transformer_processor", 53, 53, 260, 40),
+    ("gnn_mapper", 61, 45, 300, None),
+    ("gnn_mapper", 45, 61, 220, 41),
+    ("gnn_processor", 53, 53, 260, 40),
+]
+
+
+def make_block(kind: str, num_chunks: int, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "transformer_mapper":
+        block = GraphTransformerMapperBlock(SRC_C, DST_C, EDGE_C, HEADS, mlp_ratio=2.0, num_chunks=num_chunks)
+    elif kind == "transformer_processor":
+        block = GraphTransformerProcessorBlock(DST_C, EDGE_C, HEADS, mlp_ratio=2.0, num_chunks=num_chunks)
+    elif kind == "gnn_mapper":
+        block = GNNMapperBlock(SRC_C, DST_C, EDGE_C, num_chunks=num_chunks)
+    else:
+        block = GNNProcessorBlock(DST_C, EDGE_C, num_chunks=num_chunks)
+    return block.double()
+
+
+def make_inputs(kind: str, num_src: int, num_dst: int, num_edges: int, limit: int | None, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    edge_index = random_graph(num_src, num_dst, num_edges, seed=seed, dst_limit=limit)
+    x_src = torch.randn(num_src, DST_C if kind.endswith("processor") else SRC_C, generator=g, dtype=torch.float64)
+    x_dst = x_src if kind.endswith("processor") else torch.randn(num_dst, DST_C, generator=g, dtype=torch.float64)
+    edge_attr = torch.randn(num_edges, EDGE_C, generator=g, dtype=torch.float64)
+    w_nodes = torch.randn(num_dst, DST_C, generator=g, dtype=torch.float64)
+    w_edges = torch.randn(num_edges, EDGE_C, generator=g, dtype=torch.float64)
+    return edge_index, x_src, x_dst, edge_attr, w_nodes, w_edges
+
+
+def run_block(block, kind, x_src, x_dst, edge_attr, edge_index, plan=None, group=None):
+    """Nodes out and edges out (None for the transformer)."""
+    if kind.endswith("processor"):
+        out = block(x_dst, edge_attr, edge_index, shard_plan=plan, model_comm_group=group)
+    else:
+        out = block(x_src, x_dst, edge_attr, edge_index, shard_plan=plan, model_comm_group=group)
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def reference(kind, num_chunks, inputs):
+    """Single-process forward and backward: output, edge output and every gradient."""
+    edge_index, x_src, x_dst, edge_attr, w_nodes, w_edges = inputs
+    block = make_block(kind, num_chunks)
+    xs = x_src.clone().requires_grad_()
+    xd = xs if kind.endswith("processor") else x_dst.clone().requires_grad_()
+    ea = edge_attr.clone().requires_grad_()
+    nodes, edges = run_block(block, kind, xs, xd, ea, edge_index)
+    loss = (nodes * w_nodes).sum() + (0 if edges is None else (edges * w_edges).sum())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    return nodes.detach(), None if edges is None else edges.detach(), xs.grad, xd.grad, ea.grad, grads
+
+
+def _check_sharded_blocks(rank, world, num_chunks_list):
+    group = dist.group.WORLD
+    for case, (kind, num_src, num_dst, num_edges, limit) in enumerate(CASES):
+        inputs = make_inputs(kind, num_src, num_dst, num_edges, limit, seed=100 + case)
+        edge_index, x_src, x_dst, edge_attr, w_nodes, w_edges = inputs
+        ref_nodes, ref_edges, ref_gsrc, ref_gdst, ref_gea, ref_grads = reference(kind, 1, inputs)
+        processor = kind.endswith("processor")
+        plan = GraphShardPlan.build(edge_index, num_src if processor else (num_src, num_dst), group)
+        if world >= 3 and limit is not None and case in (1, 4):
+            assert plan.edges_per_rank[-1] == 0  # the case really has a rank without edges
+        for num_chunks in num_chunks_list:
+            block = make_block(kind, num_chunks)
+            xs = plan.shard_src(x_src).clone().requires_grad_()
+            xd = xs if processor else plan.shard_dst(x_dst).clone().requires_grad_()
+            ea_full = edge_attr.clone().requires_grad_()
+            with CommCounter() as counter:
+                nodes, edges = run_block(block, kind, xs, xd, plan.shard_edges(ea_full), None, plan, group)
+                loss = (nodes * plan.shard_dst(w_nodes)).sum()
+                if edges is not None:
+                    loss = loss + (edges * plan.shard_edges(w_edges)).sum()
+                loss.backward()
+            assert counter.bytes("all_gather") == 0  # only the halo moves
+            tol = dict(rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(nodes, plan.shard_dst(ref_nodes), **tol)
+            if edges is not None:
+                torch.testing.assert_close(edges, plan.shard_edges(ref_edges), **tol)
+            torch.testing.assert_close(xs.grad, plan.shard_src(ref_gsrc), **tol)
+            if not processor:
+                torch.testing.assert_close(xd.grad, plan.shard_dst(ref_gdst), **tol)
+            # edge-attribute and parameter gradients: each rank holds its edges' share, the sum is the total
+            gea = ea_full.grad.clone()
+            dist.all_reduce(gea, group=group)
+            torch.testing.assert_close(gea, ref_gea, **tol)
+            for name, p in block.named_parameters():
+                grad = p.grad.clone()
+                dist.all_reduce(grad, group=group)
+                torch.testing.assert_close(grad, ref_grads[name], **tol, msg=lambda m, n=name, k=kind: f"{k} {n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_blocks_equal_single_process(world):
+    chunks = [1, 3] if world in (1, 3) else [1]
+    run_distributed(_check_sharded_blocks, world, chunks)
+
+
+@pytest.mark.parametrize("kind", ["transformer_mapper", "transformer_processor", "gnn_mapper", "gnn_processor"])
+def test_chunked_equals_unchunked(kind):
+    num_src, num_dst = (53, 53) if kind.endswith("processor") else (61, 45)
+    inputs = make_inputs(kind, num_src, num_dst, 300, num_dst - 6, seed=5)
+    base = reference(kind, 1, inputs)
+    for num_chunks in (2, 4, 45):
+        other = reference(kind, num_chunks, inputs)
+        for a, b in zip(base[:5], other[:5], strict=True):
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+        for name in base[5]:
+            torch.testing.assert_close(base[5][name], other[5][name], rtol=1e-12, atol=1e-13)
+    # inference (no autograd) chunks too, without checkpointing
+    with torch.no_grad():
+        edge_index, x_src, x_dst, edge_attr, _, _ = inputs
+        a = run_block(make_block(kind, 1), kind, x_src, x_dst, edge_attr, edge_index)[0]
+        b = run_block(make_block(kind, 5), kind, x_src, x_dst, edge_attr, edge_index)[0]
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_destination_without_edges_keeps_residual_path():
+    """A destination with no incoming edge gets zero attention: x + MLP(LN(x)) after the projection bias."""
+    block = make_block("transformer_mapper", 1)
+    x_src = torch.randn(4, SRC_C, dtype=torch.float64)
+    x_dst = torch.randn(3, DST_C, dtype=torch.float64)
+    edge_index = torch.tensor([[0, 1, 3], [0, 0, 1]])
+    out = block(x_src, x_dst, torch.randn(3, EDGE_C, dtype=torch.float64), edge_index)
+    x = x_dst[2] + block.proj.bias
+    torch.testing.assert_close(out[2], x + block.mlp(block.norm_mlp(x)))
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        GraphTransformerProcessorBlock(10, 4, num_heads=3)
+    with pytest.raises(ValueError, match="num_chunks"):
+        GNNProcessorBlock(8, 4, num_chunks=0)
+    with pytest.raises(ValueError, match="num_heads"):
+        GraphTransformerMapperBlock(4, 8, 2, num_heads=0)
+    block = make_block("transformer_mapper", 1)
+    x_src, x_dst = torch.randn(5, SRC_C).double(), torch.randn(4, DST_C).double()
+    edge_index = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="x_src must be"):
+        block(x_dst, x_dst, torch.randn(2, EDGE_C).double(), edge_index)
+    with pytest.raises(ValueError, match="edge_attr must be"):
+        block(x_src, x_dst, torch.randn(3, EDGE_C).double(), edge_index)
+    plan = GraphShardPlan.for_rank(edge_index, (5, 4), 2, 0)
+    with pytest.raises(ValueError, match="pass this rank's node slices"):
+        block(x_src, x_dst, torch.randn(0, EDGE_C).double(), None, plan)
+    proc = make_block("transformer_processor", 1)
+    with pytest.raises(ValueError, match="one node set"):
+        proc(x_dst[:2], torch.randn(0, EDGE_C).double(), None, plan)
