@@ -22,6 +22,7 @@ from scipy.spatial import cKDTree
 from stormshard.graphs.sphere import arc_to_chord, chord_to_arc
 
 __all__ = [
+    "unique_sorted",
     "sort_unique_edges",
     "knn_edges",
     "max_nearest_neighbour_distance",
@@ -40,10 +41,18 @@ def _check_xyz(xyz: np.ndarray, name: str) -> np.ndarray:
     return xyz
 
 
+def unique_sorted(keys: np.ndarray) -> np.ndarray:
+    """Sorted unique values of a 1-D integer array (sort + neighbour compare; faster than ``np.unique``)."""
+    keys = np.sort(np.asarray(keys).reshape(-1))
+    if keys.size == 0:
+        return keys
+    return keys[np.concatenate([[True], keys[1:] != keys[:-1]])]
+
+
 def sort_unique_edges(edge_index: np.ndarray, num_src: int) -> np.ndarray:
     """Drop duplicate edges and sort ``(2, E)`` by destination then source."""
     n = np.int64(max(num_src, 1))
-    key = np.unique(np.asarray(edge_index[1], np.int64) * n + np.asarray(edge_index[0], np.int64))
+    key = unique_sorted(np.asarray(edge_index[1], np.int64) * n + np.asarray(edge_index[0], np.int64))
     return np.stack([key % n, key // n])
 
 

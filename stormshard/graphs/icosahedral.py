@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stormshard.graphs.edges import unique_sorted
 from stormshard.graphs.sphere import xyz_to_latlon
 
 __all__ = [
@@ -123,7 +124,7 @@ def triangle_edges(faces: np.ndarray) -> np.ndarray:
     src = np.concatenate([a, b, c, b, c, a]).astype(np.int64)
     dst = np.concatenate([b, c, a, a, b, c]).astype(np.int64)
     n = np.int64(faces.max()) + 1
-    key = np.unique(dst * n + src)
+    key = unique_sorted(dst * n + src)
     return np.stack([key % n, key // n])
 
 
@@ -138,5 +139,5 @@ def multimesh_edges(mesh: IcosahedralMesh, levels: range | None = None) -> np.nd
         raise ValueError(f"levels {levels} must be a non-empty range within [0, {mesh.level}]")
     n = np.int64(mesh.num_nodes)
     keys = [triangle_edges(mesh.faces[r]) for r in levels]
-    key = np.unique(np.concatenate([e[1] * n + e[0] for e in keys]))
+    key = unique_sorted(np.concatenate([e[1] * n + e[0] for e in keys]))
     return np.stack([key % n, key // n]).astype(np.int64)
