@@ -21,7 +21,13 @@ from stormshard.data.anemoi_layout import (
     parse_frequency,
     write_anemoi_dataset,
 )
-from stormshard.data.dataset import ResumableSampler, VariableRoles, WindowedSampleDataset, split_sample
+from stormshard.data.dataset import (
+    ResumableSampler,
+    VariableRoles,
+    WindowedSampleDataset,
+    split_by_dates,
+    split_sample,
+)
 from stormshard.data.normalisation import Normaliser
 from stormshard.data.sharded_read import CellShardDataset, cell_shard, gather_cells, read_sample_sharded
 from stormshard.data.synthetic import (
@@ -107,6 +113,23 @@ def test_written_layout_is_anemois_on_disk(tmp_path):
         with open(os.path.join(path, name, ".zattrs")) as f:
             assert json.load(f)["_ARRAY_DIMENSIONS"] == expected
     assert os.path.exists(os.path.join(path, ".zmetadata"))
+
+
+def test_statistics_period_and_cell_chunks(tmp_path):
+    path = str(tmp_path / "c.zarr")
+    rng = np.random.default_rng(2)
+    data = rng.normal(size=(8, 2, 1, 40)).astype(np.float32)
+    dates = np.datetime64("2020-01-01", "s") + np.timedelta64(6, "h") * np.arange(8)
+    write_anemoi_dataset(path, data, dates, np.zeros(40), np.zeros(40), ["a", "b"], statistics_end="2020-01-02T00",
+                         cells_per_chunk=16)
+    ds = AnemoiDataset.open(path)
+    assert ds.data.chunks == (1, 2, 1, 16)
+    assert ds.attributes["statistics_end_date"] == "2020-01-02T00:00:00"
+    np.testing.assert_array_equal(ds.statistics.mean, compute_statistics(data[:5]).mean)
+    np.testing.assert_array_equal(ds.read([2, 7], cells=slice(10, 35)), data[[2, 7]][..., 10:35])
+    with pytest.raises(ValueError, match="cells_per_chunk"):
+        write_anemoi_dataset(str(tmp_path / "d.zarr"), data, dates, np.zeros(40), np.zeros(40), ["a", "b"],
+                             cells_per_chunk=0)
 
 
 def _hand_made_store(path, *, zarr_format=2, drop=(), attrs=None, data_shape=(6, 2, 1, 30), dates=None,
@@ -299,6 +322,12 @@ def test_windows_split_by_date_and_timestep(synthetic_path):
     each = WindowedSampleDataset(ds, multistep_input=1, rollout=1, ensemble="each", end=2020)
     assert len(each) == (STEPS - 1) * MEMBERS
     np.testing.assert_array_equal(each[2 * 5 + 1].numpy(), full[[5, 6], :, 1].transpose(0, 2, 1))
+    splits = split_by_dates(ds, {"train": (None, "2020-01-08T18:00"), "validation": ("2020-01-09", None)},
+                            multistep_input=2, rollout=3, timestep="12h")
+    assert list(splits["train"].window_starts) == list(train.window_starts)
+    assert list(splits["validation"].window_starts) == list(valid.window_starts)
+    with pytest.raises(ValueError, match="'train' and 'test' overlap"):
+        split_by_dates(ds, {"train": (None, 2020), "test": ("2020-01-05", None)})
     with pytest.raises(ValueError, match="not a multiple"):
         WindowedSampleDataset(ds, timestep="9h")
     with pytest.raises(ValueError, match="no window"):
@@ -325,10 +354,15 @@ def test_variable_roles_and_split():
     assert roles.input_indices == (0, 1, 2, 3) and roles.output_indices == (0, 1, 2, 4)
     assert roles.prognostic_in_input == (0, 1, 2) and roles.prognostic_in_output == (0, 1, 2)
     sample = torch.arange(4 * 2 * 3 * 5.0).reshape(4, 2, 3, 5)
-    inputs, targets = split_sample(sample, roles, multistep_input=2)
+    inputs, targets = split_sample(sample, 2, roles.input_indices, roles.output_indices)
     assert torch.equal(inputs, sample[:2][..., [0, 1, 2, 3]]) and torch.equal(targets, sample[2:][..., [0, 1, 2, 4]])
-    inputs, targets = split_sample(sample[None].expand(3, -1, -1, -1, -1), roles, 3, time_dim=1)
+    batch = sample[None].expand(3, -1, -1, -1, -1)
+    inputs, targets = split_sample(batch, 3, roles.input_indices, roles.output_indices, time_dim=1)
     assert inputs.shape == (3, 3, 2, 3, 4) and targets.shape == (3, 1, 2, 3, 4)
+    with pytest.raises(ValueError, match="needs more than multistep_input=4"):
+        split_sample(sample, 4, roles.input_indices, roles.output_indices)
+    with pytest.raises(ValueError, match="outside the sample's 5 variables"):
+        split_sample(sample, 2, [0, 5], roles.output_indices)
     with pytest.raises(ValueError, match="not in the dataset"):
         VariableRoles(VARIABLES, forcing=("sst",))
     with pytest.raises(ValueError, match="both forcing and diagnostic"):
@@ -411,8 +445,8 @@ def test_sampler_with_dataloader(synthetic_path):
     ds = AnemoiDataset.open(synthetic_path)
     samples = WindowedSampleDataset(ds, multistep_input=2, rollout=1)
     sampler = ResumableSampler(len(samples), seed=0)
-    loader = torch.utils.data.DataLoader(samples, batch_size=4, sampler=sampler)
-    batch = next(iter(loader))
+    loader = torch.utils.data.DataLoader(samples, batch_size=4, sampler=sampler, num_workers=2, timeout=120)
+    batch = next(iter(loader))  # workers (fork on Linux) read the store themselves
     first = sampler.indices()[:4]
     assert batch.shape == (4, 3, MEMBERS, ds.num_cells, len(VARIABLES))
     assert torch.equal(batch, torch.stack([samples[i] for i in first]))

@@ -230,15 +230,21 @@ def write_anemoi_dataset(
     attributes: Mapping[str, Any] | None = None,
     resolution: str | None = None,
     missing_dates: Sequence = (),
+    statistics_end: Any = None,
+    cells_per_chunk: int | None = None,
     dtype: str | np.dtype = np.float32,
     zarr_format: int = 2,
     overwrite: bool = False,
 ) -> None:
     """Write ``data`` ``(dates, variables, ensemble, cells)`` and its metadata in the anemoi layout.
 
-    ``statistics`` default to :func:`compute_statistics` over the whole of ``data``; ``frequency``
-    defaults to the spacing of ``dates``. ``attributes`` are added to the group (they may not
-    override the layout's own). Format 2 is what anemoi-datasets writes; 3 is for tests of the reader.
+    ``statistics`` default to :func:`compute_statistics` over the dates up to ``statistics_end``
+    (inclusive; default all), recorded in ``statistics_start_date`` / ``statistics_end_date``.
+    ``frequency`` defaults to the spacing of ``dates``. ``attributes`` are added to the group
+    (they may not override the layout's own). ``data`` is chunked ``(1, variables, 1, cells)``
+    as anemoi-datasets does; ``cells_per_chunk`` also splits the grid into chunks, so that a
+    reader of a slice of the cells decompresses only the chunks it needs. Format 2 is what
+    anemoi-datasets writes; 3 is for tests of the reader.
     """
     data = np.asarray(data)
     if data.ndim != 4:
@@ -265,8 +271,16 @@ def write_anemoi_dataset(
         frequency = datetime.timedelta(seconds=int((dates[1] - dates[0]) / np.timedelta64(1, "s")))
     freq = parse_frequency(frequency)
     _check_dates(dates, freq, where="dates")
+    stats_last = len(dates) - 1
+    if statistics_end is not None:
+        stats_last = int(np.searchsorted(dates, as_datetime64(statistics_end, "statistics_end"), side="right")) - 1
+        if stats_last < 0:
+            raise ValueError(f"statistics_end {statistics_end} is before the first date {dates[0]}")
     if statistics is None:
-        statistics = compute_statistics(data)
+        statistics = compute_statistics(data[: stats_last + 1])
+    if cells_per_chunk is not None and (isinstance(cells_per_chunk, bool) or not isinstance(cells_per_chunk, int)
+                                        or cells_per_chunk < 1):
+        raise ValueError(f"cells_per_chunk must be a positive integer or None, got {cells_per_chunk!r}")
     if len(statistics) != n_vars:
         raise ValueError(f"statistics have {len(statistics)} values per array but data has {n_vars} variables")
     reserved = {"variables", "frequency", "start_date", "end_date", "ensemble_dimension", "flatten_grid"}
@@ -291,14 +305,15 @@ def write_anemoi_dataset(
         order_by=["valid_datetime", "param_level", "number"],
         missing_dates=[to_iso(as_datetime64(d, "missing date")) for d in missing_dates],
         statistics_start_date=to_iso(dates[0]),
-        statistics_end_date=to_iso(dates[-1]),
+        statistics_end_date=to_iso(dates[stats_last]),
         version=LAYOUT_VERSION,
     )
     if resolution is not None:
         attrs["resolution"] = str(resolution)
     root.attrs.update(attrs)
     data_array = root.create_array(
-        "data", shape=data.shape, dtype=np.dtype(dtype), chunks=(1, n_vars, 1, n_cells), fill_value=np.nan,
+        "data", shape=data.shape, dtype=np.dtype(dtype), chunks=(1, n_vars, 1, min(cells_per_chunk or n_cells, n_cells)),
+        fill_value=np.nan,
         **({"dimension_names": ("time", "variable", "ensemble", "cell")} if zarr_format == 3 else {}),
     )
     data_array[...] = data.astype(dtype, copy=False)
@@ -534,14 +549,25 @@ class AnemoiDataset:
     def read(self, date_indices: Sequence[int] | np.ndarray | slice, cells: slice | None = None) -> np.ndarray:
         """``data[date_indices, :, :, cells]`` as a numpy array ``(dates, variables, ensemble, cells)``.
 
-        ``cells`` is a contiguous slice of the grid (a reader's share); only those cells are read.
+        ``cells`` is a contiguous slice of the grid (a reader's share). The read is widened to
+        whole chunks along the cells (zarr decodes whole chunks anyway, and aligned reads skip a
+        slow partial-chunk path), then cut to ``cells``; only the chunks that hold them are read.
         """
-        cells = slice(None) if cells is None else cells
+        start, stop, step = (cells or slice(None)).indices(self.num_cells)
+        if step != 1:
+            raise ValueError(f"cells must be a contiguous slice, got step {step}")
+        per_chunk = int(self.data.chunks[3])
+        lo, hi = (start // per_chunk) * per_chunk, min(-(-stop // per_chunk) * per_chunk, self.num_cells)
         if isinstance(date_indices, slice):
-            return np.asarray(self.data[date_indices, :, :, cells])
-        idx = np.asarray(date_indices, dtype=np.int64)
-        if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= self.num_dates)):
-            raise IndexError(f"date indices {idx.tolist()} out of range for {self.num_dates} dates")
-        if idx.size and np.all(np.diff(idx) == 1):
-            return np.asarray(self.data[int(idx[0]) : int(idx[-1]) + 1, :, :, cells])
-        return np.asarray(self.data.get_orthogonal_selection((idx, slice(None), slice(None), cells)))
+            out = np.asarray(self.data[date_indices, :, :, lo:hi])
+        else:
+            idx = np.asarray(date_indices, dtype=np.int64)
+            if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= self.num_dates)):
+                raise IndexError(f"date indices {idx.tolist()} out of range for {self.num_dates} dates")
+            if idx.size and np.all(np.diff(idx) == 1):
+                out = np.asarray(self.data[int(idx[0]) : int(idx[-1]) + 1, :, :, lo:hi])
+            else:
+                out = np.asarray(self.data.get_orthogonal_selection((idx, slice(None), slice(None), slice(lo, hi))))
+        if (lo, hi) == (start, stop):
+            return out
+        return np.ascontiguousarray(out[..., start - lo : stop - lo])

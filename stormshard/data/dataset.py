@@ -11,7 +11,8 @@ variable in dataset order:
   over windows x members).
 
 :class:`VariableRoles` says which variables are forcings (input-only) and diagnostics
-(output-only); :func:`split_sample` cuts a sample into model inputs and targets.
+(output-only); :func:`split_sample` cuts a sample into model inputs and targets;
+:func:`split_by_dates` makes train / validation / test sets from date ranges.
 
 :class:`ResumableSampler` gives a deterministic, seedable order (a permutation per epoch), shards
 it over data-parallel ranks and reports/restores its position (``state_dict``).
@@ -20,7 +21,7 @@ it over data-parallel ranks and reports/restores its position (``state_dict``).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,7 +33,7 @@ from torch.utils.data import Dataset, Sampler
 
 from stormshard.data.anemoi_layout import AnemoiDataset, as_datetime64, frequency_to_string, parse_frequency
 
-__all__ = ["VariableRoles", "WindowedSampleDataset", "split_sample", "ResumableSampler"]
+__all__ = ["VariableRoles", "WindowedSampleDataset", "split_sample", "split_by_dates", "ResumableSampler"]
 
 
 @dataclass(frozen=True)
@@ -93,22 +94,45 @@ class VariableRoles:
         return tuple(self.output_variables.index(v) for v in self.prognostic)
 
 
-def split_sample(sample: Tensor, roles: VariableRoles, multistep_input: int, time_dim: int = 0) -> tuple[Tensor, Tensor]:
+def split_sample(sample: Tensor, multistep_input: int, input_indices: Sequence[int],
+                 output_indices: Sequence[int], time_dim: int = 0) -> tuple[Tensor, Tensor]:
     """Cut a sample ``(..., variables)`` along ``time_dim`` into model inputs and targets.
 
-    ``time_dim`` is 0 for a sample from :class:`WindowedSampleDataset` and 1 for a batch of them.
-    Returns ``inputs`` (the first ``multistep_input`` times, the input variables) and ``targets``
-    (the remaining times, the output variables); both are copies.
+    ``time_dim`` is 0 for a sample from :class:`WindowedSampleDataset` and 1 for a batch of them;
+    ``input_indices`` / ``output_indices`` are dataset variable positions (e.g.
+    ``VariableRoles.input_indices``). Returns ``inputs`` (the first ``multistep_input`` times,
+    input variables) and ``targets`` (the remaining times, output variables); both are copies.
     """
-    if sample.shape[-1] != len(roles.variables):
-        raise ValueError(f"sample has {sample.shape[-1]} variables but the roles list {len(roles.variables)}")
     times = sample.shape[time_dim]
     if times <= multistep_input:
         raise ValueError(f"sample has {times} times along dim {time_dim}: it needs more than "
                          f"multistep_input={multistep_input}")
-    inputs = sample.narrow(time_dim, 0, multistep_input)[..., list(roles.input_indices)]
-    targets = sample.narrow(time_dim, multistep_input, times - multistep_input)[..., list(roles.output_indices)]
+    for name, idx in (("input_indices", input_indices), ("output_indices", output_indices)):
+        if any(not 0 <= i < sample.shape[-1] for i in idx):
+            raise ValueError(f"{name} {list(idx)} point outside the sample's {sample.shape[-1]} variables")
+    inputs = sample.narrow(time_dim, 0, multistep_input)[..., list(input_indices)]
+    targets = sample.narrow(time_dim, multistep_input, times - multistep_input)[..., list(output_indices)]
     return inputs, targets
+
+
+def split_by_dates(dataset: AnemoiDataset, ranges: Mapping[str, tuple[Any, Any]],
+                   **window_kwargs: Any) -> dict[str, WindowedSampleDataset]:
+    """One :class:`WindowedSampleDataset` per named ``(start, end)`` range (inclusive; None = open).
+
+    E.g. ``split_by_dates(ds, {"train": (None, "2020-03-31T18"), "validation": ("2020-04-01", None)},
+    multistep_input=2, rollout=1)``. The ranges must not overlap, so no date is in two splits.
+    """
+    bounds = []
+    for name, (start, end) in ranges.items():
+        lo = dataset.start_date if start is None else as_datetime64(start, f"{name} start")
+        hi = dataset.end_date if end is None else _end_of(end)
+        bounds.append((lo, hi, name))
+    bounds.sort()
+    for (_, hi_a, a), (lo_b, _, b) in zip(bounds, bounds[1:], strict=False):
+        if lo_b <= hi_a:
+            raise ValueError(f"date ranges {a!r} and {b!r} overlap ({a} ends {hi_a}, {b} starts {lo_b}): "
+                             "a date would be in both splits")
+    return {name: WindowedSampleDataset(dataset, start=lo, end=hi, **window_kwargs) for lo, hi, name in bounds}
 
 
 class WindowedSampleDataset(Dataset):

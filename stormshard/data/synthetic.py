@@ -233,9 +233,14 @@ def generate_synthetic_dataset(
     seed: int = 0,
     members: int = 1,
     start_date: Any = "2020-01-01T00:00:00",
+    statistics_end: Any = None,
+    cells_per_chunk: int | None = None,
     overwrite: bool = False,
 ) -> SyntheticDynamics:
-    """Write ``steps`` dates of the synthetic fields on ``grid`` to ``path``; return the dynamics."""
+    """Write ``steps`` dates of the synthetic fields on ``grid`` to ``path``; return the dynamics.
+
+    ``statistics_end`` and ``cells_per_chunk`` are passed to :func:`write_anemoi_dataset`.
+    """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer of at least 2 (the number of dates), got {steps!r}")
     freq = parse_frequency(frequency)
@@ -261,6 +266,8 @@ def generate_synthetic_dataset(
                 **{v: {"role": "diagnostic"} for v in DIAGNOSTIC},
             },
         },
+        statistics_end=statistics_end,
+        cells_per_chunk=cells_per_chunk,
         overwrite=overwrite,
     )
     return dynamics
