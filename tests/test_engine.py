@@ -1,0 +1,367 @@
+"""Gradient reduction inside a model group and the training engines (local, DDP, DeepSpeed ZeRO 0-2,
+PowerSGD): one sharded / data-parallel step equals the single-process step with the same batch."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache",
+                                                           "torch_extensions"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+from torch import nn  # noqa: E402
+
+from stormshard.parallel.comm import reduce_tensor  # noqa: E402
+from stormshard.parallel.compression import PowerSGDCompressor  # noqa: E402
+from stormshard.parallel.counter import CommCounter  # noqa: E402
+from stormshard.parallel.grads import (  # noqa: E402
+    clip_grad_norm_,
+    grad_norm,
+    reduce_model_parallel_gradients,
+    register_model_parallel_grad_hooks,
+)
+from stormshard.parallel.partition import Partition, set_partition  # noqa: E402
+from stormshard.parallel.shapes import balanced_sizes  # noqa: E402
+from stormshard.parallel.topology import ParallelLayout, ProcessGroups, build_process_groups  # noqa: E402
+from stormshard.training.engine import EngineError, EngineSettings, build_engine  # noqa: E402
+from stormshard.training.schedule import build_scheduler  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+NODES, CHANNELS, HIDDEN = 7, 3, 5
+
+
+# --------------------------------------------------------------------------------------------
+# a small node-sharded model: per-node MLP (replicated weights) and a per-node gain (partitioned)
+# --------------------------------------------------------------------------------------------
+
+
+class NodeModel(nn.Module):
+    """``(batch, nodes, channels) -> (batch, nodes, channels)``: Linear, LayerNorm, GELU, dropout,
+    Linear on every node, times a per-node gain. Holds ``nodes`` of the ``NODES`` nodes."""
+
+    def __init__(self, nodes: int = NODES, dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(CHANNELS, HIDDEN, dtype=dtype)
+        self.norm = nn.LayerNorm(HIDDEN, dtype=dtype)
+        self.drop = nn.Dropout(dropout)
+        self.lin2 = nn.Linear(HIDDEN, CHANNELS, dtype=dtype)
+        self.gain = nn.Parameter(torch.ones(nodes, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(F.gelu(self.norm(self.lin1(x))))
+        return self.lin2(h) * self.gain[:, None]
+
+
+def make_model(seed: int, dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> NodeModel:
+    torch.manual_seed(seed)
+    model = NodeModel(NODES, dropout, dtype)
+    with torch.no_grad():
+        model.gain.copy_(1 + 0.5 * torch.randn(NODES, dtype=dtype))
+        model.norm.weight.add_(0.3 * torch.randn(HIDDEN, dtype=dtype))
+    return model
+
+
+def shard_model(full: NodeModel, parts: int, index: int) -> NodeModel:
+    """This model-group rank's copy: all weights replicated, the gain sliced (with Partition)."""
+    sizes = balanced_sizes(NODES, parts)
+    start = sum(sizes[:index])
+    local = NodeModel(sizes[index], full.drop.p, full.gain.dtype)
+    state = {k: v.clone() for k, v in full.state_dict().items()}
+    state["gain"] = state["gain"][start : start + sizes[index]].clone()
+    local.load_state_dict(state)
+    if parts > 1:
+        set_partition(local.gain, Partition(dim=0, parts=parts, index=index, full_size=NODES))
+    return local
+
+
+def node_slice(x: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    sizes = balanced_sizes(NODES, parts)
+    return x[:, sum(sizes[:index]) : sum(sizes[: index + 1])]
+
+
+def sharded_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
+    """Mean squared error over the full batch and all nodes; each model rank sees its node slice."""
+    k, r = groups.layout.gpus_per_model, groups.model_rank
+    out = model(node_slice(x, k, r))
+    local = (out - node_slice(target, k, r)).pow(2).sum() / (x.shape[0] * NODES * CHANNELS)
+    return reduce_tensor(local, groups.model_group)
+
+
+def batch(step: int, size: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(size, NODES, CHANNELS, generator=g, dtype=dtype)
+    return x, torch.sin(x) + 0.1 * torch.randn(x.shape, generator=g, dtype=dtype)
+
+
+def groups_for(world: int, gpus_per_model: int) -> ProcessGroups:
+    return build_process_groups(ParallelLayout(world_size=world, gpus_per_model=gpus_per_model))
+
+
+# --------------------------------------------------------------------------------------------
+# grads.py: model-group sum (bucketed and hooks) and clipping
+# --------------------------------------------------------------------------------------------
+
+
+def _check_model_parallel_grads(rank: int, world: int) -> None:
+    dtype = torch.float64
+    groups = groups_for(world, world)
+    full = make_model(3, dtype=dtype)
+    x, target = batch(0, 2, dtype)
+    ref = copy.deepcopy(full)
+    ((ref(x) - target).pow(2).sum() / (2 * NODES * CHANNELS)).backward()
+    sizes = balanced_sizes(NODES, world)
+    start = sum(sizes[:rank])
+
+    def expect_close(local: NodeModel) -> None:
+        for name, p in local.named_parameters():
+            want = ref.get_parameter(name).grad
+            if name == "gain":
+                want = want[start : start + sizes[rank]]
+            torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-14, msg=name)
+
+    # without reduction the replicated gradients are partial (the test can fail)
+    local = shard_model(full, world, rank)
+    sharded_loss(local, x, target, groups).backward()
+    assert not torch.allclose(local.lin1.weight.grad, ref.lin1.weight.grad)
+
+    for cap in (None, 1e-4):  # one flat bucket; buckets of ~13 float64 elements
+        local = shard_model(full, world, rank)
+        sharded_loss(local, x, target, groups).backward()
+        with CommCounter() as counter:
+            reduce_model_parallel_gradients(local.parameters(), groups.model_group, bucket_cap_mb=cap)
+        # buckets: all 48 elements; or [15], [5, 5], [5], [15], [3] (at most 13 elements unless one tensor)
+        bucket_numels = [48] if cap is None else [15, 10, 5, 15, 3]
+        assert counter.calls("all_reduce") == len(bucket_numels)
+        assert counter.bytes("all_reduce") == sum(n * 8 * 2 * (world - 1) // world for n in bucket_numels)
+        expect_close(local)
+
+    local = shard_model(full, world, rank)
+    handles = register_model_parallel_grad_hooks(local, groups.model_group)
+    assert len(handles) == 6  # lin1, norm, lin2 weights and biases; the gain is partitioned
+    for _ in range(2):  # two accumulated backwards: twice the gradient
+        sharded_loss(local, x, target, groups).backward()
+    for p in local.parameters():
+        p.grad.div_(2)
+    expect_close(local)
+    # the full model's gradient norm, and clipping, equal the single-process ones
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    norm = clip_grad_norm_(local.parameters(), 1e-3, groups.model_group)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=0)
+    expect_close(local)
+    assert grad_norm(local.parameters(), groups.model_group) <= 1e-3 * (1 + 1e-6)
+    for h in handles:
+        h.remove()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_model_parallel_gradient_reduction(world):
+    run_distributed(_check_model_parallel_grads, world)
+
+
+def test_grads_bad_input():
+    model = make_model(0)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        reduce_model_parallel_gradients(model.parameters(), None, bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="nn.Module"):
+        register_model_parallel_grad_hooks([1, 2], None)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(model.parameters(), 0.0, None)
+
+
+# --------------------------------------------------------------------------------------------
+# engines: parity with one single-process step
+# --------------------------------------------------------------------------------------------
+
+MICRO, STEPS = 2, 2
+SCHEDULE = {"lr": 0.02, "lr_min": 0.001, "warmup_steps": 1, "total_steps": 3}
+
+
+def _settings(engine: str, stage: int = 0, accumulation: int = 2, powersgd: bool = False,
+              mode: str = "hooks", clip: float = 0.05) -> EngineSettings:
+    ds: dict = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
+    return EngineSettings(
+        engine=engine,
+        deepspeed=ds if engine == "deepspeed" else {},
+        gradient_accumulation_steps=accumulation,
+        gradient_clipping=clip,
+        optimizer={"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+        schedule=SCHEDULE,
+        bucket_cap_mb=1.0,
+        compression=({"rank": 1, "start_iter": 0, "min_numel": 0, "min_compression_rate": 0.0} if powersgd else None),
+        model_parallel_grad_reduction=mode,
+    )
+
+
+def _reference(settings: EngineSettings, data_parallel: int) -> tuple[NodeModel, list[float]]:
+    """Single process, the whole effective batch per step; PowerSGD (if any) on the mean gradient."""
+    model = make_model(7)
+    opt = torch.optim.AdamW(model.parameters(), **settings.adamw_kwargs())
+    sched = build_scheduler(opt, settings.schedule)
+    compressor = None
+    if settings.compression is not None:
+        compressor = PowerSGDCompressor(list(model.named_parameters()), None, settings.compression.to_config())
+    effective = MICRO * settings.accumulation * data_parallel
+    lrs = []
+    for step in range(STEPS):
+        x, target = batch(step, effective)
+        ((model(x) - target).pow(2).sum() / x.numel()).backward()
+        if compressor is not None:
+            compressor.reduce_gradients()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clipping)
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, lrs
+
+
+def _train(engine, groups: ProcessGroups, settings: EngineSettings) -> list[float]:
+    """STEPS optimizer steps; replica d takes its consecutive micro-batches of each effective batch."""
+    acc, dp = settings.accumulation, groups.layout.data_parallel_size
+    lrs = []
+    for step in range(STEPS):
+        x, target = batch(step, MICRO * acc * dp)
+        lrs.append(engine.lr)
+        for micro in range(acc):
+            start = (groups.data_parallel_rank * acc + micro) * MICRO
+            loss = sharded_loss(engine, x[start : start + MICRO], target[start : start + MICRO], groups)
+            engine.backward(loss)
+            assert engine.is_accumulation_boundary() == (micro == acc - 1)
+            assert engine.step() == (micro == acc - 1)
+    assert engine.global_step == STEPS and engine.micro_steps == STEPS * acc
+    return lrs
+
+
+CASES = [
+    ("local", {"engine": "local"}),
+    ("local bucketed", {"engine": "local", "mode": "bucketed"}),
+    ("ddp", {"engine": "ddp"}),
+    ("ddp bucketed", {"engine": "ddp", "mode": "bucketed"}),
+    ("ddp powersgd", {"engine": "ddp", "powersgd": True, "accumulation": 1}),
+    ("zero0", {"engine": "deepspeed", "stage": 0}),
+    ("zero0 bucketed", {"engine": "deepspeed", "stage": 0, "mode": "bucketed"}),
+    ("zero1", {"engine": "deepspeed", "stage": 1}),
+    ("zero2", {"engine": "deepspeed", "stage": 2}),
+    ("zero0 powersgd", {"engine": "deepspeed", "stage": 0, "powersgd": True, "accumulation": 1}),
+    ("zero0 powersgd bucketed", {"engine": "deepspeed", "stage": 0, "powersgd": True, "accumulation": 1,
+                                 "mode": "bucketed"}),
+]
+
+
+def _check_engines(rank: int, world: int, layouts: list[int]) -> list[str]:
+    done = []
+    for gpus_per_model in layouts:
+        groups = groups_for(world, gpus_per_model)
+        dp = groups.layout.data_parallel_size
+        for name, kwargs in CASES:
+            if kwargs["engine"] == "local" and dp > 1:
+                continue
+            settings = _settings(**kwargs)
+            ref, ref_lrs = _reference(settings, dp)
+            local = shard_model(make_model(7), gpus_per_model, groups.model_rank)
+            engine = build_engine(local, groups, settings)
+            lrs = _train(engine, groups, settings)
+            assert lrs == pytest.approx(ref_lrs, rel=1e-12), (name, lrs, ref_lrs)
+            for pname, p in engine.module.named_parameters():
+                want = ref.get_parameter(pname).detach()
+                if pname == "gain":
+                    want = node_slice(want[None, :, None], gpus_per_model, groups.model_rank)[0, :, 0]
+                torch.testing.assert_close(p.detach(), want, rtol=2e-5, atol=2e-6,
+                                           msg=lambda m, n=name, q=pname, k=gpus_per_model: f"{n} gpus_per_model={k} {q}: {m}")
+            done.append(f"{gpus_per_model}:{name}")
+    return done
+
+
+def test_engines_match_single_process_world2():
+    """(world 2, data-parallel 2) and (world 2, gpus_per_model 2)."""
+    done = run_distributed(_check_engines, 2, [1, 2], timeout=300)[0]
+    assert len(done) == 2 * len(CASES) - 2
+
+
+def test_engines_match_single_process_world4():
+    """(world 4, gpus_per_model 2): data-parallel 2 over model groups of 2."""
+    done = run_distributed(_check_engines, 4, [2], timeout=300)[0]
+    assert len(done) == len(CASES) - 2
+
+
+# --------------------------------------------------------------------------------------------
+# bad settings
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"engine": "horovod"}, "engine"),
+        ({"unknown": 1}, "unknown"),
+        ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "stage=3"),
+        ({"deepspeed": {"scheduler": {"type": "WarmupLR"}}}, "owns the learning-rate schedule"),
+        ({"deepspeed": {"fp16": {"enabled": True}}}, "fp16"),
+        ({"deepspeed": {"zero_optimization": {"stage": 2}}, "compression": {}}, "needs deepspeed.zero_optimization.stage=0"),
+        ({"deepspeed": {"communication_data_type": "bf16"}, "compression": {}}, "choose one"),
+        ({"engine": "local", "compression": {}}, "no data parallelism"),
+        ({"compression": {"rank": 0}}, "rank must be at least 1"),
+        ({"compression": {"ranks": 2}}, "ranks"),
+        ({"gradient_accumulation_steps": 2, "deepspeed": {"gradient_accumulation_steps": 4}}, "disagree"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"deepspeed": {"optimizer": {"type": "Lamb"}}}, "AdamW"),
+        ({"deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}}, "params.lr=0.5"),
+        ({"optimizer": {"weight_decay": 0.1}, "deepspeed": {"optimizer": {"type": "AdamW",
+                                                                           "params": {"weight_decay": 0.2}}}},
+         "weight_decay"),
+        ({"optimizer": {"betas": (0.9, 1.5)}}, "betas"),
+        ({"schedule": {"lr": 1e-3, "lr_min": 1e-2}}, "lr_min"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+        ({"model_parallel_grad_reduction": "ring"}, "model_parallel_grad_reduction"),
+    ],
+)
+def test_bad_engine_settings(kwargs, match):
+    with pytest.raises(ValidationError, match=match):
+        EngineSettings(**kwargs)
+
+
+def test_settings_resolution():
+    s = EngineSettings(deepspeed={"gradient_accumulation_steps": 3, "gradient_clipping": 1.0,
+                                  "optimizer": {"type": "AdamW", "params": {"weight_decay": 0.05}}})
+    assert s.accumulation == 3 and s.clipping == 1.0
+    assert s.adamw_kwargs() == {"lr": s.schedule.lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.05}
+    assert EngineSettings().accumulation == 1 and EngineSettings().clipping == 0.0
+
+
+def _check_layout_errors(rank: int, world: int) -> None:
+    data_parallel = groups_for(world, 1)
+    sharded = groups_for(world, world)
+    with pytest.raises(EngineError, match="engine='local' has no data parallelism"):
+        build_engine(make_model(0), data_parallel, EngineSettings(engine="local"))
+    with pytest.raises(EngineError, match="use 'hooks'"):
+        build_engine(make_model(0), sharded, EngineSettings(deepspeed={"zero_optimization": {"stage": 1}},
+                                                           model_parallel_grad_reduction="bucketed"))
+    with pytest.raises(EngineError, match="use 'hooks'"):
+        build_engine(make_model(0), sharded, EngineSettings(engine="ddp", compression={},
+                                                           model_parallel_grad_reduction="bucketed"))
+    with pytest.raises(EngineError, match="train_micro_batch_size_per_gpu"):
+        build_engine(make_model(0), data_parallel, EngineSettings())
+    with pytest.raises(EngineError, match="train_batch_size=5"):
+        build_engine(make_model(0), data_parallel, EngineSettings(
+            deepspeed={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 5}))
+    with pytest.raises(EngineError, match="torch_adam"):
+        build_engine(make_model(0), data_parallel, EngineSettings(deepspeed={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}))
+    frozen = make_model(0).requires_grad_(False)
+    with pytest.raises(EngineError, match="no trainable parameter"):
+        build_engine(frozen, data_parallel, EngineSettings(engine="ddp"))
+    assert dist.is_initialized()
+
+
+def test_bad_engine_layouts():
+    run_distributed(_check_layout_errors, 2)
+    with pytest.raises(TypeError, match="ProcessGroups"):
+        build_engine(make_model(0), object(), EngineSettings(engine="local"))
+    with pytest.raises(EngineError, match="needs torch.distributed"):
+        build_engine(make_model(0), build_process_groups(ParallelLayout(world_size=1)), EngineSettings(engine="ddp"))
