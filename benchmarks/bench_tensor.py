@@ -9,12 +9,13 @@ For each ``shard_strategy`` of :class:`~stormshard.layers.transformer.Transforme
   gradient all-reduce of the replicated parameters over the model group that ``shard_heads`` and
   ``shard_sequence`` need after backward (their weights see only this rank's tokens; ``tensor``
   sums its few replicated gradients inside backward, already counted);
-- fwd+bwd time (median), as a ratio to ``shard_sequence`` measured in the same run.
+- fwd+bwd time (median of interleaved rounds, slowest rank), as a ratio to ``shard_sequence``
+  measured in the same run.
 
 Also a single-process fwd+bwd as a reference. CPU and gloo: the times say little about GPUs with
 NCCL, the bytes carry over.
 
-    python benchmarks/bench_tensor.py [--quick] [--seq 2048] [--layers 2] [--repeats 3]
+    python benchmarks/bench_tensor.py [--quick] [--seq 2048] [--layers 2] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
     sizes = balanced_sizes(args.seq, WORLD)
     x_full = torch.randn(1, args.seq, args.channels, generator=torch.Generator().manual_seed(0))
     x = x_full[:, sum(sizes[:rank]):sum(sizes[: rank + 1])]
-    out = {}
+    out, models = {}, {}
     for strategy in STRATEGIES:
         torch.manual_seed(0)
-        model = TransformerProcessor(args.layers, args.channels, args.heads, args.window, mlp_ratio=4,
-                                     shard_strategy=strategy, group=group)
+        model = models[strategy] = TransformerProcessor(args.layers, args.channels, args.heads, args.window,
+                                                        mlp_ratio=4, shard_strategy=strategy, group=group)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         _fwd_bwd(model, x, sizes, group)  # warm-up
         model.zero_grad(set_to_none=True)
@@ -82,25 +83,29 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
                 for p in model.parameters():
                     if get_partition(p) is None:
                         p.grad = all_reduce_sum(p.grad, group)
-        seconds = _measure(model, x, sizes, group, args.repeats)
         out[strategy] = {"param_bytes": params, "fwd_bwd": fwd_bwd.as_dict(), "fwd_bwd_bytes": fwd_bwd.total_bytes,
-                         "grad_sync_bytes": grad_sync.total_bytes, "seconds": seconds}
+                         "grad_sync_bytes": grad_sync.total_bytes, "times": []}
+    for _ in range(args.repeats):  # interleaved rounds: load from other processes hits every strategy alike
+        for strategy in STRATEGIES:
+            out[strategy]["times"].append(_measure(models[strategy], x, sizes, group, 1))
+    for strategy in STRATEGIES:
+        out[strategy]["seconds"] = statistics.median(out[strategy]["times"])
     results.put((rank, out))
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sequence, 1 layer, 1 repeat")
+    parser.add_argument("--quick", action="store_true", help="sequence 256, 1 layer, 2 rounds")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--channels", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     if args.quick:
-        args.seq, args.layers, args.repeats = 256, 1, 1
+        args.seq, args.layers, args.repeats = 256, 1, 2
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
