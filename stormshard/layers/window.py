@@ -42,47 +42,45 @@ def _key_range(block_start: int, block_stop: int, shift: int, window_size: int, 
     return lo, max(lo, hi)
 
 
-def _band_mask(block_start: int, block_stop: int, lo: int, hi: int, shift: int, window_size: int,
-               device: torch.device) -> Tensor:
-    """``(block, keys)`` bool mask, True where the query may attend the key."""
-    rows = torch.arange(block_start, block_stop, device=device) + shift
-    cols = torch.arange(lo, hi, device=device)
-    return (rows[:, None] - cols[None, :]).abs() <= window_size
+def _band_bias(rows_start: int, num_rows: int, lo: int, hi: int, window_size: int, like: Tensor) -> Tensor:
+    """``(rows, keys)`` additive mask: 0 where key-local row position ``rows_start + r`` may attend key ``lo + c``, -inf elsewhere."""
+    rows = torch.arange(rows_start, rows_start + num_rows, device=like.device)
+    cols = torch.arange(lo, hi, device=like.device)
+    allowed = (rows[:, None] - cols[None, :]).abs() <= window_size
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _scores(q_blk: Tensor, k_blk: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Masked scores ``(batch, heads, block, keys)``; float32 at least (half inputs are upcast)."""
-    s = torch.matmul(q_blk, k_blk.transpose(-1, -2))
-    if s.dtype in (torch.float16, torch.bfloat16):
-        s = s.float()
-    s = s * scale
-    return s.masked_fill(~mask, float("-inf"))
+def _blocks(num_q: int, num_k: int, shift: int, window_size: int, block: int, like: Tensor):
+    """Yield ``(start, stop, lo, hi, bias)`` per query block; interior blocks share one cached bias."""
+    cache: dict[tuple[int, int, int], Tensor] = {}
+    for start in range(0, num_q, block):
+        stop = min(num_q, start + block)
+        lo, hi = _key_range(start, stop, shift, window_size, num_k)
+        if hi <= lo:
+            continue
+        key = (start + shift - lo, stop - start, hi - lo)  # the bias only depends on the relative layout
+        if key not in cache:
+            cache[key] = _band_bias(key[0], key[1], 0, key[2], window_size, like)
+        yield start, stop, lo, hi, cache[key]
 
 
 class _BandedWindowAttention(torch.autograd.Function):
-    """Flash-style banded attention: saves (q, k, v, out, lse); recomputes scores in backward."""
+    """Flash-style banded attention on ``(batch * heads, seq, dim)``: saves (q, k, v, out, lse), recomputes scores in backward."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,  # noqa: ANN001
                 scale: float) -> Tensor:
-        num_q, num_k = q.shape[-2], k.shape[-2]
-        out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32 if q.element_size() < 4 else q.dtype)
-        for start in range(0, num_q, block):
-            stop = min(num_q, start + block)
-            lo, hi = _key_range(start, stop, shift, window_size, num_k)
-            if hi <= lo:
-                continue
-            mask = _band_mask(start, stop, lo, hi, shift, window_size, q.device)
-            s = _scores(q[..., start:stop, :], k[..., lo:hi, :], mask, scale)
+        num_q, num_k = q.shape[1], k.shape[1]
+        out = q.new_zeros(q.shape[:2] + (v.shape[-1],))
+        lse = q.new_full(q.shape[:2] + (1,), float("-inf"))
+        for start, stop, lo, hi, bias in _blocks(num_q, num_k, shift, window_size, block, q):
+            s = torch.baddbmm(bias, q[:, start:stop], k[:, lo:hi].transpose(1, 2), alpha=scale)
             m = s.amax(dim=-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows without keys
-            p = torch.exp(s - m)
+            m.masked_fill_(m == float("-inf"), 0.0)  # rows without keys: keep exp() finite
+            p = s.sub_(m).exp_()
             denom = p.sum(dim=-1, keepdim=True)
-            o = torch.matmul(p.to(v.dtype), v[..., lo:hi, :])
-            safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-            out[..., start:stop, :] = (o / safe.to(o.dtype)).to(out.dtype)
-            lse[..., start:stop] = (m + torch.log(denom)).squeeze(-1).to(lse.dtype)
+            out[:, start:stop] = torch.bmm(p, v[:, lo:hi]).div_(denom.masked_fill(denom == 0, 1.0))
+            lse[:, start:stop] = m + denom.log()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.window_size, ctx.shift, ctx.block, ctx.scale = window_size, shift, block, scale
         return out
@@ -91,29 +89,18 @@ class _BandedWindowAttention(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):  # noqa: ANN001
         q, k, v, out, lse = ctx.saved_tensors
         window_size, shift, block, scale = ctx.window_size, ctx.shift, ctx.block, ctx.scale
-        num_q, num_k = q.shape[-2], k.shape[-2]
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         # D_i = sum_d dO_id O_id: the softmax Jacobian's diagonal correction, per query
-        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1)
-        for start in range(0, num_q, block):
-            stop = min(num_q, start + block)
-            lo, hi = _key_range(start, stop, shift, window_size, num_k)
-            if hi <= lo:
-                continue
-            mask = _band_mask(start, stop, lo, hi, shift, window_size, q.device)
-            q_blk, k_blk, v_blk = q[..., start:stop, :], k[..., lo:hi, :], v[..., lo:hi, :]
-            s = _scores(q_blk, k_blk, mask, scale)
-            row_lse = lse[..., start:stop, None]
-            row_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.full_like(row_lse, float("inf")))
-            p = torch.exp(s - row_lse.to(s.dtype))  # exp(-inf) = 0 for masked keys and empty rows
-            go_blk = grad_out[..., start:stop, :]
-            dv[..., lo:hi, :] += torch.matmul(p.transpose(-1, -2).to(v.dtype), go_blk)
-            dp = torch.matmul(go_blk, v_blk.transpose(-1, -2)).to(p.dtype)
-            ds = p * (dp - delta[..., start:stop, None].to(p.dtype)) * scale
-            ds = ds.to(q.dtype)
-            dq[..., start:stop, :] += torch.matmul(ds, k_blk)
-            dk[..., lo:hi, :] += torch.matmul(ds.transpose(-1, -2), q_blk)
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows without keys: p = exp(-inf) = 0
+        for start, stop, lo, hi, bias in _blocks(q.shape[1], k.shape[1], shift, window_size, block, q):
+            q_blk, k_blk, v_blk, go_blk = q[:, start:stop], k[:, lo:hi], v[:, lo:hi], grad_out[:, start:stop]
+            p = torch.baddbmm(bias, q_blk, k_blk.transpose(1, 2), alpha=scale).sub_(lse[:, start:stop]).exp_()
+            dv[:, lo:hi] += torch.bmm(p.transpose(1, 2), go_blk)
+            ds = torch.bmm(go_blk, v_blk.transpose(1, 2)).sub_(delta[:, start:stop]).mul_(p)
+            dq[:, start:stop] += torch.bmm(ds, k_blk).mul_(scale)
+            dk[:, lo:hi] += torch.bmm(ds.transpose(1, 2), q_blk).mul_(scale)
         return dq, dk, dv, None, None, None, None
 
 
@@ -203,8 +190,12 @@ def sliding_window_attention(
             out = flash(qt, kt, vt, softmax_scale=scale, causal=False, window_size=sides)
             return einops.rearrange(out, "b s h d -> b h s d")
     block = block_size or default_block_size(window_size)
-    return _BandedWindowAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), window_size, shift,
-                                        block, scale)
+    # half precision computes in float32; (batch, heads) fold into one batch dimension for bmm
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    b, h = q.shape[:2]
+    q3, k3, v3 = (einops.rearrange(t.to(compute), "b h s d -> (b h) s d").contiguous() for t in (q, k, v))
+    out = _BandedWindowAttention.apply(q3, k3, v3, window_size, shift, block, scale)
+    return einops.rearrange(out, "(b h) s d -> b h s d", b=b, h=h).to(q.dtype)
 
 
 def dense_window_attention(
