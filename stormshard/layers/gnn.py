@@ -71,17 +71,16 @@ class _GNNBase(nn.Module):
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             src, dst = index[0], index[1]
             msg = self.edge_mlp(torch.cat([x_src.index_select(0, src), x_dst.index_select(0, dst), attr], dim=-1))
-            return scatter(msg, dst - first, dim=0, dim_size=end - first, reduce="sum"), msg
+            agg = scatter(msg, dst - first, dim=0, dim_size=end - first, reduce="sum")
+            x = x_dst[first:end]
+            return x + self.node_mlp(torch.cat([x, agg], dim=-1)), attr + msg
 
         outs, order = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks)
-        if len(outs) == 1:
-            agg, msg = outs[0]
-        else:
-            agg = torch.cat([o[0] for o in outs], dim=0)
-            # chunk outputs follow the chunks' edge ids: put them back in edge order
-            msg = torch.cat([o[1] for o in outs], dim=0)[torch.argsort(order)]
-        x = x_dst + self.node_mlp(torch.cat([x_dst, agg], dim=-1))
-        return x, edge_attr + msg
+        if order is None:
+            return outs[0]
+        # per-edge outputs come chunk by chunk: put them back in edge order
+        edges = torch.cat([o[1] for o in outs], dim=0)[torch.argsort(order)]
+        return torch.cat([o[0] for o in outs], dim=0), edges
 
 
 class GNNMapperBlock(_GNNBase):

@@ -156,26 +156,30 @@ class _GraphTransformerBase(nn.Module):
                 raise ValueError(f"{name} must be (rows, {want}), got {tuple(t.shape)}")
 
     def _attend(self, h_src: Tensor, h_dst: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor) -> Tensor:
-        """Attention + residual + MLP. ``h_src`` ``(num_src_ext, C_src)`` and ``h_dst`` are normed."""
+        """Attention + residual + MLP. ``h_src`` ``(num_src_ext, C_src)`` and ``h_dst`` are normed.
+
+        Keys and values are projected once per source node; everything per destination (query,
+        attention over its edges, output projection, residuals, MLP) runs inside the chunk of its
+        destination range, so with checkpointing only the chunk outputs stay alive.
+        """
         heads = self.num_heads
         split = "n (h d) -> n h d"
-        q = rearrange(self.to_q(h_dst), split, h=heads)
         k = rearrange(self.to_k(h_src), split, h=heads)
         v = rearrange(self.to_v(h_src), split, h=heads)
-        num_dst = x_dst.shape[0]
         edge_index = edge_index.to(x_dst.device)
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             if first:
                 index = torch.stack([index[0], index[1] - first])
+            q = rearrange(self.to_q(h_dst[first:end]), split, h=heads)
             emb = rearrange(self.to_e(attr), split, h=heads)
-            return (graph_attention(q[first:end], k, v, emb, index, end - first),)
+            attn = graph_attention(q, k, v, emb, index, end - first)
+            x = x_dst[first:end] + self.proj(rearrange(attn, "n h d -> n (h d)"))
+            return (x + self.mlp(self.norm_mlp(x)),)
 
-        outs, _ = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks)
-        attn = torch.cat([o[0] for o in outs], dim=0)
-        x = x_dst + self.proj(rearrange(attn, "n h d -> n (h d)"))
-        return x + self.mlp(self.norm_mlp(x))
+        outs, _ = map_destination_chunks(chunk, edge_index, x_dst.shape[0], self.num_chunks)
+        return outs[0][0] if len(outs) == 1 else torch.cat([o[0] for o in outs], dim=0)
 
 
 class GraphTransformerMapperBlock(_GraphTransformerBase):
