@@ -225,6 +225,8 @@ def test_open_and_write_errors(tmp_path):
         write_anemoi_dataset(path, data, dates, np.zeros(5), np.zeros(4), ["a", "b"])
     with pytest.raises(AnemoiLayoutError, match="equally spaced"):
         write_anemoi_dataset(path, data, dates, np.zeros(4), np.zeros(4), ["a", "b"], frequency="2h")
+    with pytest.raises(ValueError, match="missing_dates"):
+        write_anemoi_dataset(path, data, dates, np.zeros(4), np.zeros(4), ["a", "b"], missing_dates=["2021-01-01"])
     with pytest.raises(ValueError, match="set by the layout"):
         write_anemoi_dataset(path, data, dates, np.zeros(4), np.zeros(4), ["a", "b"], attributes={"variables": 1})
     write_anemoi_dataset(path, data, dates, np.zeros(4), np.zeros(4), ["a", "b"])
@@ -310,6 +312,10 @@ def test_windows_split_by_date_and_timestep(synthetic_path):
     valid = WindowedSampleDataset(ds, multistep_input=2, rollout=3, timestep="12h", start="2020-01-09")
     assert train.stride == 2 and len(train.offsets) == 5
     assert len(train) == 31 - 8 + 1 - 1 + 1 and len(valid) == 48 - 32 - 8
+    for end in ("2020-01-08", "2020-01-08T23", "2020-01-08T18:00:00"):
+        same = WindowedSampleDataset(ds, multistep_input=2, rollout=3, timestep="12h", end=end)
+        assert list(same.window_starts) == list(train.window_starts), end
+    assert len(WindowedSampleDataset(ds, end="2020-01")) == STEPS - 1
     train_dates = {d for i in range(len(train)) for d in train.dates(i)}
     valid_dates = {d for i in range(len(valid)) for d in valid.dates(i)}
     assert max(train_dates) <= np.datetime64("2020-01-08T18:00") < min(valid_dates)
@@ -391,6 +397,10 @@ def test_normalisation_round_trip_and_methods(synthetic_path):
     z = x[..., [2, 0]].float()
     torch.testing.assert_close(sub(z), ((x[..., [2, 0]] - torch.tensor(ds.statistics.mean[[2, 0]]))
                                         / torch.tensor(ds.statistics.stdev[[2, 0]])).float())
+    other = Normaliser.from_statistics(ds.statistics, ds.variables, ["tracer_1", "insolation"],
+                                       methods={"tracer_1": "std", "insolation": "max"})
+    torch.testing.assert_close(other.scale, torch.tensor([ds.statistics.stdev[0], ds.statistics.maximum[3]]))
+    torch.testing.assert_close(other.offset, torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="'sst' is not in the dataset"):
         Normaliser.from_statistics(ds.statistics, ds.variables, ["sst"])
     with pytest.raises(ValueError, match="'zscore' for tracer_1 is unknown"):

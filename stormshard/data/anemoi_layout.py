@@ -276,21 +276,24 @@ def write_anemoi_dataset(
         stats_last = int(np.searchsorted(dates, as_datetime64(statistics_end, "statistics_end"), side="right")) - 1
         if stats_last < 0:
             raise ValueError(f"statistics_end {statistics_end} is before the first date {dates[0]}")
-    if statistics is None:
-        statistics = compute_statistics(data[: stats_last + 1])
     if cells_per_chunk is not None and (isinstance(cells_per_chunk, bool) or not isinstance(cells_per_chunk, int)
                                         or cells_per_chunk < 1):
         raise ValueError(f"cells_per_chunk must be a positive integer or None, got {cells_per_chunk!r}")
-    if len(statistics) != n_vars:
+    if statistics is not None and len(statistics) != n_vars:
         raise ValueError(f"statistics have {len(statistics)} values per array but data has {n_vars} variables")
     reserved = {"variables", "frequency", "start_date", "end_date", "ensemble_dimension", "flatten_grid"}
     clash = reserved & set(attributes or {})
     if clash:
         raise ValueError(f"attributes {sorted(clash)} are set by the layout itself; remove them from attributes")
-
+    missing = [as_datetime64(d, "missing date") for d in missing_dates]
+    outside = [str(d) for d in missing if d not in dates]
+    if outside:
+        raise ValueError(f"missing_dates {outside} are not among the dates")
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path} already exists: pass overwrite=True or remove it")
+    if statistics is None:
+        statistics = compute_statistics(data[: stats_last + 1])
     root = zarr.open_group(path, mode="w", zarr_format=zarr_format)
     to_iso = lambda d: str(np.datetime64(d, "s"))  # noqa: E731
     attrs: dict[str, Any] = dict(_jsonable(dict(attributes or {})))
@@ -303,7 +306,7 @@ def write_anemoi_dataset(
         flatten_grid=True,
         field_shape=[n_cells],
         order_by=["valid_datetime", "param_level", "number"],
-        missing_dates=[to_iso(as_datetime64(d, "missing date")) for d in missing_dates],
+        missing_dates=[to_iso(d) for d in missing],
         statistics_start_date=to_iso(dates[0]),
         statistics_end_date=to_iso(dates[stats_last]),
         version=LAYOUT_VERSION,

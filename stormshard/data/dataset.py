@@ -139,8 +139,10 @@ class WindowedSampleDataset(Dataset):
     """Windows of dates from an :class:`AnemoiDataset`, restricted to a date range.
 
     A window is used when all its dates lie in ``[start, end]`` (inclusive; None = the dataset's
-    ends) and none of them is a missing date. ``timestep`` must be a multiple of the dataset's
-    frequency. ``cells`` restricts every read to a contiguous slice of the grid.
+    ends) and none of them is a missing date. A date written to a coarser precision covers its
+    whole period, as in anemoi-datasets: ``end="2020"`` or ``"2020-12"`` or ``"2020-12-31"`` all
+    include 2020-12-31T18:00. ``timestep`` must be a multiple of the dataset's frequency.
+    ``read(index, cells=slice)`` reads only a contiguous slice of the grid.
     """
 
     def __init__(
@@ -240,9 +242,18 @@ class WindowedSampleDataset(Dataset):
 
 
 def _end_of(value: Any) -> np.datetime64:
-    """An inclusive end date; an int year means the end of that year (as anemoi's ``end=2020``)."""
+    """An inclusive end: the last second of the period ``value`` is written to (an int is a year)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return np.datetime64(f"{int(value) + 1:04d}-01-01T00:00:00", "s") - np.timedelta64(1, "s")
+        value = f"{int(value):04d}"
+    if isinstance(value, str):
+        try:
+            d = np.datetime64(value.strip())
+        except ValueError:
+            raise ValueError(f"end {value!r} is not a date: give an ISO string such as '2020-03-31T18:00', "
+                             "'2020-03' or '2020'") from None
+        unit = np.datetime_data(d.dtype)[0]
+        if unit in ("Y", "M", "W", "D", "h", "m"):
+            return (d + np.timedelta64(1, unit)).astype("datetime64[s]") - np.timedelta64(1, "s")
     return as_datetime64(value, "end")
 
 

@@ -3,8 +3,12 @@
 Per variable, ``normalise(x) = (x - offset) / scale`` with
 
 - ``"mean-std"``: offset = mean, scale = stdev;
+- ``"std"``: offset = 0, scale = stdev;
 - ``"min-max"``: offset = minimum, scale = maximum - minimum (values land in [0, 1]);
+- ``"max"``: offset = 0, scale = maximum;
 - ``"none"``: offset = 0, scale = 1.
+
+(anemoi-training's method names.)
 
 ``denormalise`` is the exact inverse. Tensors are ``(..., variables)`` with the variables in the
 normaliser's own order (e.g. the model's input or output variables, a subset of the dataset's).
@@ -23,7 +27,7 @@ from stormshard.data.anemoi_layout import Statistics
 
 __all__ = ["METHODS", "Normaliser"]
 
-METHODS = ("mean-std", "min-max", "none")
+METHODS = ("mean-std", "std", "min-max", "max", "none")
 
 
 class Normaliser(nn.Module):
@@ -79,8 +83,12 @@ class Normaliser(nn.Module):
             i, method = index[name], methods.get(name, default)
             if method == "mean-std":
                 offset[j], scale[j] = statistics.mean[i], statistics.stdev[i]
+            elif method == "std":
+                scale[j] = statistics.stdev[i]
             elif method == "min-max":
                 offset[j], scale[j] = statistics.minimum[i], statistics.maximum[i] - statistics.minimum[i]
+            elif method == "max":
+                scale[j] = statistics.maximum[i]
         return cls(variables, offset, scale)
 
     def _check(self, x: Tensor) -> None:

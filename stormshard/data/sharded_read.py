@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -98,8 +99,9 @@ class CellShardDataset(Dataset):
 def gather_cells(x: Tensor, shard: CellShard, group: ProcessGroup | None, dim: int = -2) -> Tensor:
     """All-gather the reader slices ``x`` along the cell dim ``dim`` (default -2: ``(..., cells, variables)``).
 
-    Every rank of ``group`` passes its own slice; every rank gets the full tensor. Communicates:
-    one all-gather of this rank's slice (padded to the largest) over the reader group.
+    Every rank of ``group`` passes its own slice; every rank gets the full tensor. ``x`` must be
+    on the device the group's backend uses (move a DataLoader batch to the GPU first for NCCL).
+    Communicates: one all-gather of this rank's slice (padded to the largest) over the reader group.
     """
     if group_size(group) != shard.size or group_rank(group) != shard.rank:
         raise ValueError(f"the shard is reader {shard.rank} of {shard.size} but this rank is "
@@ -110,10 +112,15 @@ def gather_cells(x: Tensor, shard: CellShard, group: ProcessGroup | None, dim: i
     return all_gather_along(x.contiguous(), dim, shard.sizes, group)
 
 
-def read_sample_sharded(samples: WindowedSampleDataset, index: int, group: ProcessGroup | None) -> Tensor:
+def read_sample_sharded(samples: WindowedSampleDataset, index: int, group: ProcessGroup | None,
+                        device: torch.device | str | None = None) -> Tensor:
     """Sample ``index`` read cooperatively by the reader group: each rank reads its slice, all get the whole.
 
-    Every rank of ``group`` must call this with the same ``index``.
+    Every rank of ``group`` must call this with the same ``index``. The slice is moved to
+    ``device`` (e.g. this rank's GPU for NCCL) before the all-gather; the result lives there.
     """
     shard = _shard_for_group(samples.dataset.num_cells, group)
-    return gather_cells(samples.read(index, cells=shard.cells), shard, group, dim=-2)
+    part = samples.read(index, cells=shard.cells)
+    if device is not None:
+        part = part.to(device)
+    return gather_cells(part, shard, group, dim=-2)

@@ -206,8 +206,9 @@ class SyntheticDynamics:
         for f, omega in enumerate(self.omegas):
             rot = rotation_matrix(self.axis, np.radians(omega * hours))
             k = self.wave_vectors[:, f] @ rot.T  # (members, waves, 3)
-            arg = np.einsum("cd,mwd->mcw", points[f], k) + self.phases[:, f, None, :]
-            out[:, f] = np.cos(arg) @ self.amplitudes[f]
+            arg = points[f][None] @ k.transpose(0, 2, 1)  # (members, cells, waves)
+            arg += self.phases[:, f, None, :]
+            out[:, f] = np.cos(arg, out=arg) @ self.amplitudes[f]
         return out
 
     def prognostic(self, hours: float, xyz: np.ndarray) -> np.ndarray:
