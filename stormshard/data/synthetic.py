@@ -12,7 +12,7 @@ Variables (in this order):
       tracer_f(x, t + dt) = tracer_f(R(-omega_f dt) x, t)
 
   exactly: the next state at ``x`` is the current state at the departure point. Persistence is
-  a poor forecast (its error is about half the field's spread per 6-hour step).
+  a poor forecast: its RMSE over one 6-hour step is 0.3 to 0.8 of each field's standard deviation.
 - ``insolation`` (forcing, input-only): ``max(cos(solar zenith angle), 0)`` from the date, time
   of day and longitude/latitude.
 - ``tracer_product`` (diagnostic, output-only): the product of the normalised patterns of
