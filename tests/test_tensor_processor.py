@@ -79,8 +79,17 @@ def _compare(ref, tp, rank, world, group, num_channels, seq, sp, call):
     return counter.as_dict()
 
 
-def _processor_cases(rank, world, num_channels, num_heads, mlp_ratio, seq):
+def _subgroup(rank, world):
+    """Two halves of the world; this rank's half (the second lacks global rank 0), its rank and size."""
+    half = world // 2
+    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world)))]
+    return groups[rank // half], rank % half, half
+
+
+def _processor_cases(rank, world, num_channels, num_heads, mlp_ratio, seq, split=False):
     group = dist.group.WORLD
+    if split:
+        group, rank, world = _subgroup(rank, world)
     ref, initial = _reference(num_channels, num_heads, mlp_ratio)
 
     # fresh initialisation: same seed -> the same full weights as A's processor, whatever the layout
@@ -155,6 +164,11 @@ def test_processor_matches_single_process(world):
                         counts[sp]["reduce_scatter"]["bytes"]) == expected["reduce_scatter"]
             else:
                 assert set(counts[sp]) == {"all_reduce"}
+
+
+def test_processor_on_subgroups():
+    """4 ranks split into two model groups of 2 (one without global rank 0), each its own processor."""
+    run_distributed(_processor_cases, 4, 16, 4, 2, 9, split=True)
 
 
 def _error_cases(rank, world):

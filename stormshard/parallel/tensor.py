@@ -5,18 +5,14 @@ A *tensor-parallel region* is a computation whose channels are split over ``grou
 *sequence-parallel region* is one whose sequence is split over ``group`` (uneven shards allowed,
 ``shard_sizes`` lists every rank's local length in rank order).
 
-Region mappings (autograd collectives of :mod:`stormshard.parallel.comm`):
+Region mappings (autograd collectives of :mod:`stormshard.parallel.comm`), forward / backward:
 
-===========================================  =====================  ==========================
-mapping                                      forward                backward
-===========================================  =====================  ==========================
-``copy_tensor`` (copy to TP region)          identity               all-reduce
-``reduce_tensor`` (reduce from TP region)    all-reduce             identity
-``scatter_to_tensor_parallel_region``        keep channel slice     all-gather channels
-``gather_from_tensor_parallel_region``       all-gather channels    keep channel slice
-``gather_from_sequence_parallel_region``     all-gather sequence    reduce-scatter sequence
-``reduce_scatter_to_sequence_parallel_region``  reduce-scatter seq  all-gather sequence
-===========================================  =====================  ==========================
+- ``copy_tensor`` (copy to the TP region): identity / all-reduce;
+- ``reduce_tensor`` (reduce from the TP region): all-reduce / identity;
+- ``scatter_to_tensor_parallel_region``: keep this rank's channel slice / all-gather channels;
+- ``gather_from_tensor_parallel_region``: all-gather channels / keep this rank's channel slice;
+- ``gather_from_sequence_parallel_region``: all-gather the sequence / reduce-scatter it;
+- ``reduce_scatter_to_sequence_parallel_region``: reduce-scatter the sequence / all-gather it.
 
 Parameters are sliced evenly: a size that the group size does not divide raises ValueError. Each
 sliced parameter carries a :class:`~stormshard.parallel.partition.Partition`. Fresh layers build
