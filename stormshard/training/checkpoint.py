@@ -1,0 +1,379 @@
+"""Atomic, per-rank training checkpoints that resume bit-exactly.
+
+Layout of a checkpoint directory (all ranks must see the same file system)::
+
+    <directory>/
+      latest                      # text: "step_00000120" (replaced atomically)
+      step_00000120/
+        metadata.json             # step, world, layout, config, time, per-rank parameter names,
+                                  # local and full shapes and Partition metadata
+        rank_00000.pt             # torch.save: {"state", "rng", "rank", "world", "step"}
+        rank_00000.safetensors    # optional: this rank's model weights (for conversion / inference)
+        rank_00000.json           # this rank's parameter table (merged into metadata.json)
+      step_00000130.tmp/          # a save in progress (or one that crashed): never loaded
+
+Saving (:func:`save_checkpoint`, called by every rank with its own ``state``):
+
+1. rank 0 clears a stale ``step_XXXXXXXX.tmp`` and creates it; barrier;
+2. every rank writes its files (each through a temporary name and ``os.replace``); barrier;
+3. rank 0 merges the parameter tables into ``metadata.json``, renames the ``.tmp`` directory to
+   ``step_XXXXXXXX``, rewrites ``latest`` (temporary file + ``os.replace``), fsyncs and deletes
+   all but the last ``keep_last`` checkpoints; barrier.
+
+A crash anywhere before the rename leaves only a ``.tmp`` directory, which loading ignores, so
+the previous checkpoint stays the latest. :func:`load_checkpoint` reads the latest complete one,
+checks the stored layout and config against the current ones (an error lists every difference)
+and restores python, numpy and torch RNG states.
+
+Files hold pickled python objects (``torch.load(weights_only=False)``): load only checkpoints
+you wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from stormshard.parallel.partition import full_shape, get_partition
+
+__all__ = [
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "capture_rng_state",
+    "restore_rng_state",
+    "parameter_table",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "config_differences",
+]
+
+LATEST = "latest"
+METADATA = "metadata.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, or does not match the current run."""
+
+
+# --------------------------------------------------------------------------------------------
+# RNG
+# --------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The states of python's ``random``, numpy's global generator and torch's CPU (and CUDA)
+    generators, as plain python objects and tensors."""
+    np_state = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`capture_rng_state` captured."""
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# --------------------------------------------------------------------------------------------
+# metadata
+# --------------------------------------------------------------------------------------------
+
+
+def parameter_table(model: nn.Module) -> list[dict[str, Any]]:
+    """Name, local shape, full shape, dtype and Partition (or None) of every parameter of ``model``."""
+    rows = []
+    for name, p in model.named_parameters():
+        part = get_partition(p)
+        rows.append({
+            "name": name, "shape": list(p.shape), "full_shape": list(full_shape(p)),
+            "dtype": str(p.dtype).removeprefix("torch."), "partition": None if part is None else part.as_dict(),
+        })
+    return rows
+
+
+def config_differences(stored: Any, current: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two JSON-like values differ, e.g. ``["model.channels: 64 != 128"]``."""
+    if isinstance(stored, Mapping) and isinstance(current, Mapping):
+        out = []
+        for key in sorted(set(stored) | set(current), key=str):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in current:
+                out.append(f"{path}: stored {stored[key]!r}, missing now")
+            elif key not in stored:
+                out.append(f"{path}: missing in the checkpoint, now {current[key]!r}")
+            else:
+                out.extend(config_differences(stored[key], current[key], path))
+        return out
+    if isinstance(stored, (list, tuple)) and isinstance(current, (list, tuple)) and len(stored) == len(current):
+        out = []
+        for i, (a, b) in enumerate(zip(stored, current, strict=True)):
+            out.extend(config_differences(a, b, f"{prefix}[{i}]"))
+        return out
+    return [] if stored == current else [f"{prefix or '<root>'}: stored {stored!r}, now {current!r}"]
+
+
+def _jsonable(x: Any) -> Any:
+    """Round-trip through JSON so stored and current configs compare alike (tuples become lists)."""
+    return json.loads(json.dumps(x, default=str))
+
+
+# --------------------------------------------------------------------------------------------
+# paths and atomic writes
+# --------------------------------------------------------------------------------------------
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _rank_name(rank: int) -> str:
+    return f"rank_{rank:05d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_torch(obj: Any, path: Path) -> None:
+    """torch.save through a temporary name (a crash leaves no half-written ``path``)."""
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_safetensors(model: nn.Module, path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
+    tmp = path.with_name(path.name + ".part")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def _barrier(group: Any, world: int) -> None:
+    if world > 1:
+        if not dist.is_initialized():
+            raise CheckpointError(f"world={world} but torch.distributed is not initialised: cannot synchronise ranks")
+        dist.barrier(group=group)
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints (``step_XXXXXXXX`` holding ``metadata.json``), oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        name = p.name
+        if p.is_dir() and name.startswith("step_") and name[5:].isdigit() and (p / METADATA).is_file():
+            found.append((int(name[5:]), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``latest`` points at, else the newest complete one, else None."""
+    root = Path(directory)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if (target / METADATA).is_file():
+            return target
+    complete = list_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+# --------------------------------------------------------------------------------------------
+# save / load
+# --------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    step: int,
+    state: dict[str, Any],
+    config: Mapping[str, Any],
+    layout: Mapping[str, Any],
+    rank: int,
+    world: int,
+    *,
+    model: nn.Module | None = None,
+    keep_last: int | None = 3,
+    weights_safetensors: bool = True,
+    group: Any = None,
+) -> Path:
+    """Write this rank's ``state`` (anything torch.save can pickle: engine state, data position...)
+    plus its RNG states into checkpoint ``step``; collective over ``group`` (default: world).
+
+    ``model`` (optional) adds its parameter table (names, shapes, Partition) to the metadata and,
+    with ``weights_safetensors``, its weights as ``rank_XXXXX.safetensors``. ``keep_last`` complete
+    checkpoints are kept (None: all). Returns the final checkpoint path.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+    if not 0 <= rank < world:
+        raise CheckpointError(f"rank {rank} is outside a world of {world} ranks")
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1 or None (keep all), got {keep_last}")
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    config_json, layout_json = _jsonable(dict(config)), _jsonable(dict(layout))
+    root = Path(directory)
+    final = root / _step_name(step)
+    tmp = root / (_step_name(step) + ".tmp")
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crashed save
+        tmp.mkdir()
+    _barrier(group, world)
+
+    name = _rank_name(rank)
+    table = parameter_table(model) if model is not None else None
+    _write_torch({"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world, "state": state,
+                  "rng": capture_rng_state()}, tmp / f"{name}.pt")
+    if model is not None and weights_safetensors:
+        _write_safetensors(model, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
+    _atomic_write_bytes(tmp / f"{name}.json", json.dumps({"rank": rank, "parameters": table}).encode())
+    _barrier(group, world)
+
+    if rank == 0:
+        ranks = [json.loads((tmp / f"{_rank_name(r)}.json").read_text()) for r in range(world)]
+        metadata = {
+            "format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
+            "layout": layout_json, "config": config_json, "ranks": ranks,
+        }
+        _atomic_write_bytes(tmp / METADATA, json.dumps(metadata, indent=1).encode())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step: move the old one aside, then drop it
+            old = root / (_step_name(step) + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        _atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
+        _fsync_dir(root)
+        if keep_last is not None:
+            for old in list_checkpoints(root)[:-keep_last]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    _barrier(group, world)
+    return final
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` returns: this rank's ``state`` and the checkpoint's metadata."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+def load_checkpoint(
+    directory: str | os.PathLike,
+    rank: int,
+    *,
+    config: Mapping[str, Any] | None = None,
+    layout: Mapping[str, Any] | None = None,
+    world: int | None = None,
+    ignore: Iterable[str] = (),
+    restore_rng: bool = True,
+    path: str | os.PathLike | None = None,
+    map_location: Any = "cpu",
+) -> LoadedCheckpoint:
+    """Load this rank's part of the latest complete checkpoint in ``directory`` (or of ``path``).
+
+    When given, ``world``, ``layout`` and ``config`` must equal the stored ones, except for config
+    paths starting with one of ``ignore`` (e.g. ``"training.max_steps"``); the error lists every
+    difference. RNG states are restored unless ``restore_rng=False``.
+    """
+    target = Path(path) if path is not None else latest_checkpoint(directory)
+    if target is None:
+        raise CheckpointError(f"no complete checkpoint in {directory}: nothing to resume (start without --resume)")
+    meta_file = target / METADATA
+    if not meta_file.is_file():
+        raise CheckpointError(f"{target} is not a complete checkpoint (no {METADATA}): a save was interrupted")
+    metadata = json.loads(meta_file.read_text())
+    problems = []
+    if world is not None and metadata["world_size"] != world:
+        problems.append(f"world_size: stored {metadata['world_size']}, now {world}")
+    if layout is not None:
+        problems += [f"layout.{d}" for d in config_differences(metadata["layout"], _jsonable(dict(layout)))]
+    if config is not None:
+        ignored = tuple(ignore)
+        diffs = config_differences(metadata["config"], _jsonable(dict(config)))
+        problems += [f"config.{d}" for d in diffs if not (ignored and d.startswith(ignored))]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {target} does not match this run:\n  " + "\n  ".join(problems)
+            + "\nresume with the stored layout and config (or convert the checkpoint to the new layout)"
+        )
+    if not 0 <= rank < metadata["world_size"]:
+        raise CheckpointError(f"rank {rank} is outside the checkpoint's world of {metadata['world_size']} ranks")
+    rank_file = target / f"{_rank_name(rank)}.pt"
+    if not rank_file.is_file():
+        raise CheckpointError(f"{rank_file} is missing: the checkpoint is damaged")
+    payload = torch.load(rank_file, map_location=map_location, weights_only=False)
+    if payload.get("rank") != rank or payload.get("step") != metadata["step"]:
+        raise CheckpointError(f"{rank_file} holds rank {payload.get('rank')} step {payload.get('step')}, "
+                              f"expected rank {rank} step {metadata['step']}")
+    if restore_rng:
+        restore_rng_state(payload["rng"])
+    return LoadedCheckpoint(target, int(metadata["step"]), payload["state"], metadata)

@@ -1,0 +1,208 @@
+"""Checkpoints: resume equals the uninterrupted run (local engine; DeepSpeed ZeRO 0 / ZeRO 2 /
+PowerSGD on 2 ranks), a save killed midway leaves the previous one loadable, mismatches are named."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache",
+                                                           "torch_extensions"))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from stormshard.parallel.topology import ParallelLayout, build_process_groups  # noqa: E402
+from stormshard.training.checkpoint import (  # noqa: E402
+    CheckpointError,
+    capture_rng_state,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from stormshard.training.engine import EngineSettings, build_engine  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+from tests.test_engine import MICRO, batch, make_model, shard_model, sharded_loss  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TOTAL, SPLIT = 6, 3
+
+
+def _settings(engine: str, stage: int = 0, powersgd: bool = False) -> EngineSettings:
+    return EngineSettings(
+        engine=engine,
+        deepspeed={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
+        if engine == "deepspeed" else {},
+        gradient_accumulation_steps=2,
+        gradient_clipping=0.5,
+        optimizer={"weight_decay": 0.1},
+        schedule={"lr": 0.01, "lr_min": 0.001, "warmup_steps": 2, "total_steps": TOTAL},
+        compression={"rank": 1, "start_iter": 1, "min_numel": 0, "min_compression_rate": 0.0} if powersgd else None,
+    )
+
+
+def _train_steps(engine, groups, first: int, last: int) -> list[float]:
+    """Optimizer steps first..last-1; batches depend on the step (the data position) only."""
+    acc, dp = engine.accumulation, groups.layout.data_parallel_size
+    losses = []
+    for step in range(first, last):
+        x, target = batch(step, MICRO * acc * dp)
+        for micro in range(acc):
+            start = (groups.data_parallel_rank * acc + micro) * MICRO
+            loss = sharded_loss(engine, x[start : start + MICRO], target[start : start + MICRO], groups)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _resume_equals_uninterrupted(rank: int, world: int, gpus_per_model: int, settings: EngineSettings,
+                                 directory: str) -> list[float]:
+    groups = build_process_groups(ParallelLayout(world_size=world, gpus_per_model=gpus_per_model))
+    layout = {"world_size": world, "gpus_per_model": gpus_per_model}
+    config = {"engine": settings.model_dump(mode="json")}
+
+    def fresh(seed: int):
+        torch.manual_seed(100 + rank)
+        return build_engine(shard_model(make_model(seed, dropout=0.2), gpus_per_model, groups.model_rank),
+                            groups, settings)
+
+    engine = fresh(11)
+    uninterrupted = _train_steps(engine, groups, 0, TOTAL)
+    final = {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+    engine = fresh(11)
+    first = _train_steps(engine, groups, 0, SPLIT)
+    save_checkpoint(directory, SPLIT, {"engine": engine.state_dict(), "data": {"next_step": SPLIT}}, config, layout,
+                    rank, world, model=engine.module)
+    torch.rand(5), random.random(), np.random.rand()  # a restart does not continue the RNG streams
+    engine = fresh(12)  # a different initial model: everything must come from the checkpoint
+    loaded = load_checkpoint(directory, rank, config=config, layout=layout, world=world)
+    engine.load_state_dict(loaded.state["engine"])
+    assert engine.global_step == SPLIT and loaded.step == SPLIT
+    second = _train_steps(engine, groups, loaded.state["data"]["next_step"], TOTAL)
+    assert first + second == uninterrupted, (first + second, uninterrupted)
+    for k, v in engine.module.state_dict().items():
+        assert torch.equal(v, final[k]), k
+    return uninterrupted
+
+
+def test_resume_local_engine(tmp_path):
+    settings = _settings("local")
+    torch.manual_seed(0)
+    losses = _resume_equals_uninterrupted(0, 1, 1, settings, str(tmp_path / "local"))
+    assert len(losses) == TOTAL * 2 and len(set(losses)) == len(losses)
+    meta = json.loads((latest_checkpoint(tmp_path / "local") / "metadata.json").read_text())
+    assert meta["step"] == SPLIT and meta["world_size"] == 1
+    names = [p["name"] for p in meta["ranks"][0]["parameters"]]
+    assert names == ["gain", "lin1.weight", "lin1.bias", "norm.weight", "norm.bias", "lin2.weight", "lin2.bias"]
+
+
+def _check_distributed_resume(rank: int, world: int, directory: str) -> None:
+    cases = [
+        ("zero0", 1, _settings("deepspeed", 0)),
+        ("zero2", 1, _settings("deepspeed", 2)),
+        ("zero0-powersgd", 1, _settings("deepspeed", 0, powersgd=True)),
+        ("zero2-sharded", 2, _settings("deepspeed", 2)),
+        ("ddp-sharded", 2, _settings("ddp")),
+    ]
+    for name, gpus_per_model, settings in cases:
+        _resume_equals_uninterrupted(rank, world, gpus_per_model, settings, os.path.join(directory, name))
+    meta = json.loads((Path(directory) / "zero2-sharded" / "step_00000003" / "metadata.json").read_text())
+    gains = [next(p for p in r["parameters"] if p["name"] == "gain") for r in meta["ranks"]]
+    assert [g["partition"] for g in gains] == [{"dim": 0, "parts": 2, "index": i, "full_size": 7} for i in (0, 1)]
+    assert [g["shape"] for g in gains] == [[4], [3]] and gains[0]["full_shape"] == [7]
+
+
+def test_resume_deepspeed_two_ranks(tmp_path):
+    run_distributed(_check_distributed_resume, 2, str(tmp_path), timeout=300)
+
+
+# --------------------------------------------------------------------------------------------
+# atomicity: a process killed in the middle of a save
+# --------------------------------------------------------------------------------------------
+
+_CRASH = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    from stormshard.training import checkpoint as ck
+
+    directory = sys.argv[1]
+    ck.save_checkpoint(directory, 1, {"value": torch.arange(4)}, {"lr": 1}, {"world_size": 1}, 0, 1)
+
+    def dying_writer(obj, path):
+        with open(path.with_name(path.name + ".part"), "wb") as f:
+            f.write(b"half a checkpoint")
+        os._exit(17)
+
+    ck._write_torch = dying_writer
+    ck.save_checkpoint(directory, 2, {"value": torch.arange(8)}, {"lr": 1}, {"world_size": 1}, 0, 1)
+    """
+)
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path)], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 17, proc.stderr.decode()
+    assert (tmp_path / "step_00000002.tmp").is_dir()  # the save died there
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+    loaded = load_checkpoint(tmp_path, 0, config={"lr": 1}, layout={"world_size": 1}, world=1)
+    assert loaded.step == 1 and torch.equal(loaded.state["value"], torch.arange(4))
+    # the next save clears the stale temporary directory
+    save_checkpoint(tmp_path, 2, {"value": torch.arange(8)}, {"lr": 1}, {"world_size": 1}, 0, 1)
+    assert not (tmp_path / "step_00000002.tmp").exists()
+    assert load_checkpoint(tmp_path, 0).step == 2
+    # a dangling `latest` pointer falls back to the newest complete checkpoint
+    (tmp_path / "latest").write_text("step_00000099\n")
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+
+
+def test_keep_last_and_mismatches(tmp_path):
+    model = make_model(0)
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, {"s": step}, {"model": {"channels": 64}, "training": {"max_steps": 10}},
+                        {"world_size": 1, "gpus_per_model": 1}, 0, 1, model=model, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert (tmp_path / "step_00000004" / "rank_00000.safetensors").is_file()
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "step_00000004" / "rank_00000.safetensors")
+    assert torch.equal(weights["gain"], model.gain.detach())
+
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path, 0, config={"model": {"channels": 128}, "training": {"max_steps": 20}},
+                        layout={"world_size": 2, "gpus_per_model": 2}, world=2)
+    msg = str(err.value)
+    for part in ("world_size: stored 1, now 2", "layout.gpus_per_model: stored 1, now 2",
+                 "config.model.channels: stored 64, now 128", "config.training.max_steps: stored 10, now 20"):
+        assert part in msg, msg
+    loaded = load_checkpoint(tmp_path, 0, config={"model": {"channels": 64}, "training": {"max_steps": 20}},
+                             ignore=["training.max_steps"])
+    assert loaded.state == {"s": 4}
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_checkpoint(tmp_path / "empty", 0)
+    with pytest.raises(CheckpointError, match="rank 3 is outside"):
+        load_checkpoint(tmp_path, 3)
+    with pytest.raises(CheckpointError, match="keep_last"):
+        save_checkpoint(tmp_path, 5, {}, {}, {}, 0, 1, keep_last=0)
+    with pytest.raises(CheckpointError, match="step must be"):
+        save_checkpoint(tmp_path, -1, {}, {}, {}, 0, 1)
+
+
+def test_rng_capture_restore():
+    state = capture_rng_state()
+    a = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
+    restore_rng_state(state)
+    b = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
+    assert a[0] == b[0] and np.array_equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3] == b[3]
