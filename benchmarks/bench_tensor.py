@@ -6,9 +6,9 @@ For each ``shard_strategy`` of :class:`~stormshard.layers.transformer.Transforme
 
 - parameter memory (the tensor strategy holds half of every big matrix);
 - bytes sent per layer in one forward + backward (:class:`CommCounter`), and separately the
-  gradient all-reduce of the replicated parameters over the model group that ``shard_heads`` and
-  ``shard_sequence`` need after backward (their weights see only this rank's tokens; ``tensor``
-  sums its few replicated gradients inside backward, already counted);
+  model-group sum of the replicated parameters' gradients after backward
+  (``reduce_model_parallel_gradients``: they saw only this rank's tokens): every weight for
+  ``shard_heads`` and ``shard_sequence``, only the layer norms and biases for ``tensor``;
 - fwd+bwd time (median of interleaved rounds, slowest rank), as a ratio to ``shard_sequence``
   measured in the same run.
 
@@ -34,9 +34,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stormshard.layers.transformer import TransformerProcessor  # noqa: E402
-from stormshard.parallel.comm import all_reduce_sum  # noqa: E402
 from stormshard.parallel.counter import CommCounter  # noqa: E402
-from stormshard.parallel.partition import get_partition  # noqa: E402
+from stormshard.parallel.grads import reduce_model_parallel_gradients  # noqa: E402
 from stormshard.parallel.shapes import balanced_sizes  # noqa: E402
 
 STRATEGIES = ("shard_sequence", "shard_heads", "tensor")
@@ -78,11 +77,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
         model.zero_grad(set_to_none=True)
         with CommCounter() as fwd_bwd:
             _fwd_bwd(model, x, sizes, group)
-        with CommCounter() as grad_sync:
-            if strategy != "tensor":  # replicated weights: partial gradients, summed over the group
-                for p in model.parameters():
-                    if get_partition(p) is None:
-                        p.grad = all_reduce_sum(p.grad, group)
+        with CommCounter() as grad_sync:  # replicated weights saw only this rank's tokens: sum them
+            reduce_model_parallel_gradients(model.parameters(), group)
         out[strategy] = {"param_bytes": params, "fwd_bwd": fwd_bwd.as_dict(), "fwd_bwd_bytes": fwd_bwd.total_bytes,
                          "grad_sync_bytes": grad_sync.total_bytes, "times": []}
     for _ in range(args.repeats):  # interleaved rounds: load from other processes hits every strategy alike

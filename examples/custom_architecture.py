@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stormshard.layers.attention import SlidingWindowAttention
-from stormshard.parallel.partition import get_partition
+from stormshard.parallel.grads import reduce_model_parallel_gradients
 from stormshard.parallel.random import TrackedDropout, tensor_parallel_rng_tracker
 from stormshard.parallel.shapes import balanced_sizes
 from stormshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -30,7 +30,7 @@ class WindowNet(nn.Module):
         super().__init__()
         self.embed = ColumnParallelLinear(FEATURES, 4 * CHANNELS, group=group, sequence_parallel=True)
         self.dropout = TrackedDropout(0.1, tracker)  # hidden channels differ per rank: so do the masks
-        self.mix = RowParallelLinear(4 * CHANNELS, CHANNELS, bias=False, group=group, sequence_parallel=True)
+        self.mix = RowParallelLinear(4 * CHANNELS, CHANNELS, group=group, sequence_parallel=True)
         self.attention = SlidingWindowAttention(CHANNELS, num_heads=4, window_size=3)
         self.head = nn.Linear(CHANNELS, FEATURES)
 
@@ -53,9 +53,7 @@ def train(rank: int) -> None:
         loss = (model(x, sizes, group) - target).square().sum() / (x.shape[0] * SEQ * FEATURES)
         optimizer.zero_grad()
         loss.backward()
-        for p in model.parameters():  # replicated weights saw only this rank's tokens: sum over ranks
-            if get_partition(p) is None:
-                dist.all_reduce(p.grad, group=group)
+        reduce_model_parallel_gradients(model.parameters(), group)  # replicated weights saw our tokens only
         optimizer.step()
         total = loss.detach()
         dist.all_reduce(total, group=group)

@@ -6,10 +6,14 @@ Layout: ``x`` is ``(batch, seq_local, channels)``. Two modes, chosen per call by
   sequence shard. Before the attention and before the MLP the normed shard is all-gathered along
   the sequence; after them the partial outputs of the row-parallel layer are reduce-scattered back
   to sequence shards. Per block, forward: 2 all-gathers and 2 reduce-scatters of
-  ``(batch, seq, channels)``; backward: the same, plus one all-reduce per replicated parameter
-  (layer norms, row-parallel biases: they see only this rank's tokens).
+  ``(batch, seq, channels)``; backward: the same. The replicated parameters (layer norms,
+  row-parallel biases) see only this rank's tokens: their gradients are this rank's part, summed
+  over the model group after backward (``stormshard.parallel.grads.reduce_model_parallel_gradients``)
+  as for every sequence-sharded layer; the sliced parameters' gradients are complete.
 - **tensor parallel only** (``shard_sizes`` None): ``x`` is the full sequence, replicated on every
   rank; one all-reduce after the attention and one after the MLP (and their adjoints in backward).
+  Every rank computes the same output and loss, so all gradients are complete after backward (do
+  not sum the replicated ones over the group in this mode).
 
 Heads are split evenly: column-parallel ``lin_qkv`` (its outputs ordered ``(heads, 3, head_dim)``,
 so a contiguous slice of rows is a contiguous group of heads), local window attention over the full
@@ -21,21 +25,20 @@ carry :class:`~stormshard.parallel.partition.Partition` metadata, so
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import einops
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stormshard.layers.mlp import MLP
 from stormshard.layers.transformer import TransformerBlock
 from stormshard.layers.window import sliding_window_attention
 from stormshard.parallel.shapes import group_rank, group_size
-from stormshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear, replicated_parameter
+from stormshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
-    "SequenceParallelLayerNorm",
     "TensorParallelSlidingWindowAttention",
     "TensorParallelMLP",
     "TensorParallelTransformerBlock",
@@ -60,27 +63,6 @@ def _check_hidden(hidden: int, group: ProcessGroup | None) -> None:
             f"the MLP hidden size mlp_ratio * num_channels = {hidden} is not divisible by the tensor-parallel "
             f"group size {world}: choose mlp_ratio or num_channels so that it is"
         )
-
-
-class SequenceParallelLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (same parameters) whose weight / bias gradients are all-reduced over ``group``
-    when it normalises sequence shards (``sequence_parallel=True``); token-wise, no forward communication."""
-
-    def __init__(self, layer_norm: nn.LayerNorm, group: ProcessGroup | None) -> None:
-        super().__init__(layer_norm.normalized_shape, eps=layer_norm.eps,
-                         elementwise_affine=layer_norm.elementwise_affine, bias=layer_norm.bias is not None,
-                         device="meta")
-        if layer_norm.weight is not None:
-            self.weight = nn.Parameter(layer_norm.weight.detach().clone())
-        if layer_norm.bias is not None:
-            self.bias = nn.Parameter(layer_norm.bias.detach().clone())
-        self.group = group
-
-    def forward(self, x: Tensor, sequence_parallel: bool = False) -> Tensor:
-        """``x (..., C)`` -> ``(..., C)``."""
-        weight = None if self.weight is None else replicated_parameter(self.weight, self.group, sequence_parallel)
-        bias = None if self.bias is None else replicated_parameter(self.bias, self.group, sequence_parallel)
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 class TensorParallelSlidingWindowAttention(nn.Module):
@@ -170,9 +152,9 @@ class TensorParallelTransformerBlock(nn.Module):
     def _setup(self, block: TransformerBlock, group: ProcessGroup | None) -> None:
         self.group, self.parts = group, group_size(group)
         self.num_channels = block.norm_attention.normalized_shape[0]
-        self.norm_attention = SequenceParallelLayerNorm(block.norm_attention, group)
+        self.norm_attention = copy.deepcopy(block.norm_attention)  # replicated
         self.attention = TensorParallelSlidingWindowAttention.from_attention(block.attention, group)
-        self.norm_mlp = SequenceParallelLayerNorm(block.norm_mlp, group)
+        self.norm_mlp = copy.deepcopy(block.norm_mlp)
         self.mlp = TensorParallelMLP.from_mlp(block.mlp, group)
 
     def _check_group(self, model_comm_group: ProcessGroup | None) -> None:
@@ -192,6 +174,5 @@ class TensorParallelTransformerBlock(nn.Module):
         self._check_group(model_comm_group)
         if x.dim() != 3 or x.shape[-1] != self.num_channels:
             raise ValueError(f"x must be (batch, seq_local, {self.num_channels}), got shape {tuple(x.shape)}")
-        sequence_parallel = shard_sizes is not None
-        x = x + self.attention(self.norm_attention(x, sequence_parallel), shard_sizes)
-        return x + self.mlp(self.norm_mlp(x, sequence_parallel), shard_sizes)
+        x = x + self.attention(self.norm_attention(x), shard_sizes)
+        return x + self.mlp(self.norm_mlp(x), shard_sizes)

@@ -18,6 +18,13 @@ Parameters are sliced evenly: a size that the group size does not divide raises 
 sliced parameter carries a :class:`~stormshard.parallel.partition.Partition`. Fresh layers build
 the full ``nn.Linear`` from torch's default generator exactly as ``nn.Linear`` does and keep their
 slice, so for the same seed every layout holds the same full weights.
+
+Gradients follow the project's convention (:mod:`stormshard.parallel.grads`): a sliced parameter's
+gradient is complete after backward. A replicated one (the row-parallel bias) is complete too
+without sequence parallelism (every rank computes the same replicated output and loss); with
+sequence parallelism it only saw this rank's tokens, so it holds this rank's part and is summed
+over the model group after backward (``reduce_model_parallel_gradients``), like the replicated
+weights of every sequence-sharded layer.
 """
 
 from __future__ import annotations
@@ -50,7 +57,6 @@ __all__ = [
     "gather_from_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "replicated_parameter",
     "divide",
     "slice_partition",
     "gather_partition",
@@ -142,16 +148,6 @@ def reduce_scatter_to_sequence_parallel_region(
     if sum(sizes) != full:
         raise ValueError(f"shard_sizes {sizes} sum to {sum(sizes)} but the sequence has {full} tokens")
     return reduce_shard_tensor(x, SEQ_DIM, sizes, group)
-
-
-def replicated_parameter(param: Tensor, group: ProcessGroup | None, sequence_parallel: bool) -> Tensor:
-    """``param`` as used on sequence-sharded activations: its gradient is all-reduced over ``group``.
-
-    A replicated parameter (layer-norm weights, the row-parallel bias) applied to this rank's
-    sequence shard only sees that shard's tokens; the identity-forward / all-reduce-backward
-    ``copy_tensor`` makes its gradient the full one on every rank, within autograd.
-    """
-    return copy_tensor(param, group) if sequence_parallel else param
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,7 +333,7 @@ class RowParallelLinear(_ParallelLinear):
     are summed over the group: all-reduced (output replicated ``(..., seq, out)``), or with
     ``sequence_parallel`` reduce-scattered along ``seq`` (output this rank's shard
     ``(..., shard_sizes[rank], out)``; ``shard_sizes`` None = balanced). The bias is replicated and
-    added after the sum; under sequence parallelism its gradient is all-reduced.
+    added after the sum.
     """
 
     split_dim = 1
@@ -401,5 +397,5 @@ class RowParallelLinear(_ParallelLinear):
         else:
             y = reduce_tensor(y, self.group)
         if self.bias is not None:
-            y = y + replicated_parameter(self.bias, self.group, sequence_parallel)
+            y = y + self.bias
         return y
