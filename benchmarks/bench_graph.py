@@ -6,9 +6,10 @@ Reports, per rank:
    plans of the encoder, processor and decoder (2 and 4 ranks), for the builder's hidden-node order
    and for hidden nodes sorted by latitude (contiguous slices then cover latitude bands, like the
    O96 ring order of the data nodes);
-2. a real 2-rank run (gloo) of a ``GraphTransformerMapperBlock`` (forward + backward): measured
-   bytes (CommCounter) of the halo exchange vs an all-gather (``sync_tensor``) of the same
-   sources, time, and per-rank peak memory with 1 and 4 edge chunks.
+2. a real 2-rank run (gloo) of the encoder and decoder ``GraphTransformerMapperBlock`` (forward +
+   backward): measured bytes (CommCounter) of the halo exchange vs an all-gather (``sync_tensor``)
+   of the same sources, time, and per-rank peak memory with 1 and 4 edge chunks; and, as the
+   baseline, the same block fed with all-gathered sources (what anemoi's mappers do).
 
 Peak memory: the torch profiler's CPU memory events (``profile_memory=True``; every allocation
 and free of torch's CPU allocator, summed in time order), i.e. the peak of the bytes allocated
@@ -91,14 +92,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _peak_bytes(fn) -> tuple[int, float]:  # noqa: ANN001
-    """(peak bytes allocated above the start, seconds) of ``fn()``, from torch profiler memory events."""
+def _peak_and_time(fn, repeats: int = 3) -> tuple[int, float]:  # noqa: ANN001
+    """(peak bytes allocated above the start, from torch profiler memory events, of one ``fn()``;
+    median seconds of ``repeats`` unprofiled calls, each started together on every rank)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
         t0 = time.perf_counter()
         fn()
-        seconds = time.perf_counter() - t0
+        seconds.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
@@ -107,7 +113,7 @@ def _peak_bytes(fn) -> tuple[int, float]:  # noqa: ANN001
     for _, nbytes in mem:
         live += nbytes
         peak = max(peak, live)
-    return peak, seconds
+    return peak, float(np.median(seconds))
 
 
 def _rank_main(rank: int, world: int, port: int, setups: list[dict], results) -> None:  # noqa: ANN001
@@ -148,9 +154,22 @@ def _measure_mapper(rank: int, group, setup: dict) -> dict:  # noqa: ANN001
             block(xs, xd, attr, None, plan, group).square().mean().backward()
 
         step()  # warm-up
-        dist.barrier()
-        peak, seconds = _peak_bytes(step)
+        peak, seconds = _peak_and_time(step)
         out[f"peak_{num_chunks}"], out[f"time_{num_chunks}"] = peak, seconds
+
+    # baseline (anemoi's mappers): all-gather every source row, then the same block on global source ids
+    torch.manual_seed(0)
+    block = GraphTransformerMapperBlock(channels, channels, edge_attr.shape[1], heads)
+    mine = edge_index[:, plan.edge_ids]
+    gathered_index = torch.stack([mine[0], mine[1] - plan.dst_offset])
+
+    def baseline() -> None:
+        xs, xd = x_src.clone().requires_grad_(), x_dst.clone().requires_grad_()
+        full = comm.sync_tensor(xs, 0, sizes, group)
+        block(full, xd, attr, gathered_index).square().mean().backward()
+
+    baseline()
+    out["peak_gather"], out["time_gather"] = _peak_and_time(baseline)
     return out
 
 
@@ -190,14 +209,16 @@ def main() -> None:
         for name, et in (("encoder", ENCODER), ("decoder", DECODER))
     ]
     print(f"\n2. GraphTransformerMapperBlock on 2 gloo ranks (hidden by latitude), {channels} channels, "
-          f"{heads} heads, forward + backward")
+          f"{heads} heads, forward + backward, median of 3")
     for r in run_two_ranks(setups):
         print(f"{r['name']} rank {r['rank']}: {r['edges']} edges, {r['halo_rows']} halo rows | bytes fwd+bwd: halo "
               f"{r['halo_bytes'] / 1e6:.2f} MB vs all-gather {r['all_gather_bytes'] / 1e6:.2f} MB "
               f"({r['all_gather_bytes'] / max(1, r['halo_bytes']):.1f}x) | peak memory (torch profiler, CPU): "
               f"1 chunk {r['peak_1'] / 2**20:.1f} MiB, 4 chunks {r['peak_4'] / 2**20:.1f} MiB "
               f"({r['peak_1'] / max(1, r['peak_4']):.2f}x lower) | time 1 chunk {r['time_1']:.2f} s, "
-              f"4 chunks {r['time_4']:.2f} s")
+              f"4 chunks {r['time_4']:.2f} s\n    all-gather baseline (1 chunk): peak {r['peak_gather'] / 2**20:.1f} MiB "
+              f"({r['peak_gather'] / max(1, r['peak_1']):.2f}x the halo plan's), time {r['time_gather']:.2f} s "
+              f"({r['time_gather'] / max(1e-9, r['time_1']):.2f}x)")
 
 
 if __name__ == "__main__":

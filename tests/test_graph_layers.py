@@ -24,6 +24,8 @@ CASES = [
     ("gnn_mapper", 61, 45, 300, None),
     ("gnn_mapper", 45, 61, 220, 41),
     ("gnn_processor", 53, 53, 260, 40),
+    ("transformer_mapper", 7, 3, 12, None),  # at 4 ranks one rank owns no destination (and no source) rows
+    ("gnn_mapper", 3, 7, 12, None),
 ]
 
 
@@ -125,7 +127,7 @@ def test_chunked_equals_unchunked(kind):
     num_src, num_dst = (53, 53) if kind.endswith("processor") else (61, 45)
     inputs = make_inputs(kind, num_src, num_dst, 300, num_dst - 6, seed=5)
     base = reference(kind, 1, inputs)
-    for num_chunks in (2, 4, 45):
+    for num_chunks in (2, 4, 45, 64):  # 64 > destinations: empty chunks
         other = reference(kind, num_chunks, inputs)
         for a, b in zip(base[:5], other[:5], strict=True):
             if a is not None:
