@@ -183,7 +183,7 @@ SCHEDULE = {"lr": 0.02, "lr_min": 0.001, "warmup_steps": 1, "total_steps": 3}
 
 
 def _settings(engine: str, stage: int = 0, accumulation: int = 2, powersgd: bool = False,
-              mode: str = "hooks", clip: float = 0.05) -> EngineSettings:
+              mode: str = "hooks", clip: float = 0.05, broadcast_buffers: bool = True) -> EngineSettings:
     ds: dict = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
     return EngineSettings(
         engine=engine,
@@ -193,6 +193,7 @@ def _settings(engine: str, stage: int = 0, accumulation: int = 2, powersgd: bool
         optimizer={"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
         schedule=SCHEDULE,
         bucket_cap_mb=1.0,
+        broadcast_buffers=broadcast_buffers,
         compression=({"rank": 1, "start_iter": 0, "min_numel": 0, "min_compression_rate": 0.0} if powersgd else None),
         model_parallel_grad_reduction=mode,
     )
@@ -242,7 +243,7 @@ CASES = [
     ("local", {"engine": "local"}),
     ("local bucketed", {"engine": "local", "mode": "bucketed"}),
     ("ddp", {"engine": "ddp"}),
-    ("ddp bucketed", {"engine": "ddp", "mode": "bucketed"}),
+    ("ddp bucketed", {"engine": "ddp", "mode": "bucketed", "broadcast_buffers": False}),
     ("ddp powersgd", {"engine": "ddp", "powersgd": True, "accumulation": 1}),
     ("zero0", {"engine": "deepspeed", "stage": 0}),
     ("zero0 bucketed", {"engine": "deepspeed", "stage": 0, "mode": "bucketed"}),
@@ -305,6 +306,7 @@ def test_engines_match_single_process_world4():
         ({"deepspeed": {"fp16": {"enabled": True}}}, "fp16"),
         ({"deepspeed": {"zero_optimization": {"stage": 2}}, "compression": {}}, "needs deepspeed.zero_optimization.stage=0"),
         ({"deepspeed": {"communication_data_type": "bf16"}, "compression": {}}, "choose one"),
+        ({"deepspeed": {"bf16": {"enabled": True}}, "compression": {}}, "bf16 optimizer copies gradients"),
         ({"engine": "local", "compression": {}}, "no data parallelism"),
         ({"compression": {"rank": 0}}, "rank must be at least 1"),
         ({"compression": {"ranks": 2}}, "ranks"),
@@ -341,6 +343,9 @@ def _check_layout_errors(rank: int, world: int) -> None:
         build_engine(make_model(0), data_parallel, EngineSettings(engine="local"))
     with pytest.raises(EngineError, match="use 'hooks'"):
         build_engine(make_model(0), sharded, EngineSettings(deepspeed={"zero_optimization": {"stage": 1}},
+                                                           model_parallel_grad_reduction="bucketed"))
+    with pytest.raises(EngineError, match="bf16 optimizer takes the gradients inside backward"):
+        build_engine(make_model(0), sharded, EngineSettings(deepspeed={"bf16": {"enabled": True}},
                                                            model_parallel_grad_reduction="bucketed"))
     with pytest.raises(EngineError, match="use 'hooks'"):
         build_engine(make_model(0), sharded, EngineSettings(engine="ddp", compression={},

@@ -162,6 +162,12 @@ class EngineSettings(BaseModel):
                     "fails in engine.step() at ZeRO 1/2 once its own gradient all-reduce is off; set stage 0 "
                     "or compression null"
                 )
+            if self.engine == "deepspeed" and _enabled(ds.get("bf16")):
+                raise ValueError(
+                    "compression with deepspeed.bf16: DeepSpeed's bf16 optimizer copies gradients into its fp32 "
+                    "buffers inside backward, before the compressor could reduce them; drop bf16 (fp32 + PowerSGD), "
+                    "or use deepspeed.communication_data_type='bf16' instead of compression"
+                )
             if self.engine == "deepspeed" and "communication_data_type" in ds:
                 raise ValueError(
                     "deepspeed.communication_data_type and compression are both set: with compression DeepSpeed's "
@@ -604,6 +610,12 @@ def build_engine(model: nn.Module, groups: ProcessGroups, settings: EngineSettin
                 f"{layout.gpus_per_model}: ZeRO 1/2 reduce and partition gradients during backward, before a bucketed "
                 "sum could run; use 'hooks'"
             )
+        if settings.engine == "deepspeed" and _enabled(settings.deepspeed.get("bf16")):
+            raise EngineError(
+                f"model_parallel_grad_reduction='bucketed' with deepspeed.bf16 and gpus_per_model "
+                f"{layout.gpus_per_model}: DeepSpeed's bf16 optimizer takes the gradients inside backward, before a "
+                "bucketed sum could run; use 'hooks'"
+            )
         if settings.compression is not None and settings.engine == "ddp":
             raise EngineError(
                 "model_parallel_grad_reduction='bucketed' with compression on the ddp engine: the PowerSGD hook "
@@ -617,12 +629,16 @@ def build_engine(model: nn.Module, groups: ProcessGroups, settings: EngineSettin
         return LocalEngine(model, model, groups, settings, hooks=hooks)
     if settings.engine == "ddp":
         device = next(model.parameters()).device
+        # torch >= 2.13 names the per-forward buffer broadcast `forward_sync_buffers` (buffers are
+        # still synchronised once at construction, which changes nothing for identical replicas)
+        buffers_kw = ("forward_sync_buffers" if "forward_sync_buffers" in _arg_names(
+            nn.parallel.DistributedDataParallel.__init__) else "broadcast_buffers")
         ddp = nn.parallel.DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=groups.data_parallel_group if groups.data_parallel_group is not None else dist.group.WORLD,
             bucket_cap_mb=settings.bucket_cap_mb,
-            broadcast_buffers=settings.broadcast_buffers,
+            **{buffers_kw: settings.broadcast_buffers},
         )
         compressor = None
         if settings.compression is not None:
