@@ -92,17 +92,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _peak_and_time(fn, repeats: int = 3) -> tuple[int, float]:  # noqa: ANN001
-    """(peak bytes allocated above the start, from torch profiler memory events, of one ``fn()``;
-    median seconds of ``repeats`` unprofiled calls, each started together on every rank)."""
+def _peak_bytes(fn) -> int:  # noqa: ANN001
+    """Peak bytes allocated above the start during one ``fn()``, from torch profiler memory events."""
     from torch.profiler import ProfilerActivity, profile
 
-    seconds = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - t0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -113,7 +106,19 @@ def _peak_and_time(fn, repeats: int = 3) -> tuple[int, float]:  # noqa: ANN001
     for _, nbytes in mem:
         live += nbytes
         peak = max(peak, live)
-    return peak, float(np.median(seconds))
+    return peak
+
+
+def _interleaved_times(fns: dict, rounds: int) -> dict:
+    """Median seconds per function, timed in interleaved rounds (every rank starts each call together)."""
+    seconds: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(v)) for name, v in seconds.items()}
 
 
 def _rank_main(rank: int, world: int, port: int, setups: list[dict], results) -> None:  # noqa: ANN001
@@ -145,17 +150,16 @@ def _measure_mapper(rank: int, group, setup: dict) -> dict:  # noqa: ANN001
             fn(x).sum().backward()
         out[f"{name}_bytes"] = counter.total_bytes
 
+    steps = {}
     for num_chunks in (1, 4):
         torch.manual_seed(0)
         block = GraphTransformerMapperBlock(channels, channels, edge_attr.shape[1], heads, num_chunks=num_chunks)
 
-        def step(block=block):
+        def step(block=block) -> None:
             xs, xd = x_src.clone().requires_grad_(), x_dst.clone().requires_grad_()
             block(xs, xd, attr, None, plan, group).square().mean().backward()
 
-        step()  # warm-up
-        peak, seconds = _peak_and_time(step)
-        out[f"peak_{num_chunks}"], out[f"time_{num_chunks}"] = peak, seconds
+        steps[str(num_chunks)] = step
 
     # baseline (anemoi's mappers): all-gather every source row, then the same block on global source ids
     torch.manual_seed(0)
@@ -168,8 +172,14 @@ def _measure_mapper(rank: int, group, setup: dict) -> dict:  # noqa: ANN001
         full = comm.sync_tensor(xs, 0, sizes, group)
         block(full, xd, attr, gathered_index).square().mean().backward()
 
-    baseline()
-    out["peak_gather"], out["time_gather"] = _peak_and_time(baseline)
+    steps["gather"] = baseline
+    for fn in steps.values():
+        fn()  # warm-up
+    for name, seconds in _interleaved_times(steps, setup["rounds"]).items():
+        out[f"time_{name}"] = seconds
+    for name, fn in steps.items():
+        dist.barrier()
+        out[f"peak_{name}"] = _peak_bytes(fn)
     return out
 
 
@@ -205,11 +215,12 @@ def main() -> None:
     edges = relabel_hidden(graph, latitude_order(graph["hidden"].x))
     setups = [
         dict(name=name, edge_index=edges[et], edge_attr=graph[et].edge_attr, num_src=graph[et[0]].num_nodes,
-             num_dst=graph[et[2]].num_nodes, channels=channels, heads=heads)
+             num_dst=graph[et[2]].num_nodes, channels=channels, heads=heads,
+             rounds=3 if args.quick else 5)
         for name, et in (("encoder", ENCODER), ("decoder", DECODER))
     ]
     print(f"\n2. GraphTransformerMapperBlock on 2 gloo ranks (hidden by latitude), {channels} channels, "
-          f"{heads} heads, forward + backward, median of 3")
+          f"{heads} heads, forward + backward, median of interleaved rounds")
     for r in run_two_ranks(setups):
         print(f"{r['name']} rank {r['rank']}: {r['edges']} edges, {r['halo_rows']} halo rows | bytes fwd+bwd: halo "
               f"{r['halo_bytes'] / 1e6:.2f} MB vs all-gather {r['all_gather_bytes'] / 1e6:.2f} MB "
