@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch_geometric.utils import scatter
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
-from stormshard.layers.graph_transformer import _check_positive, _resolve_edges
+from stormshard.layers.graph_transformer import _check_positive, _resolve_edges, check_node_and_edge_shapes
 from stormshard.parallel.graph import GraphShardPlan, exchange_halo
 
 __all__ = ["GNNMapperBlock", "GNNProcessorBlock"]
@@ -55,10 +55,7 @@ class _GNNBase(nn.Module):
         self.node_mlp = _mlp(dst_channels + edge_channels, max(1, round(dst_channels * mlp_ratio)), dst_channels)
 
     def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
-        for name, t, want in (("x_src", x_src, self.src_channels), ("x_dst", x_dst, self.dst_channels),
-                              ("edge_attr", edge_attr, self.edge_channels)):
-            if t.dim() != 2 or t.shape[1] != want:
-                raise ValueError(f"{name} must be (rows, {want}), got {tuple(t.shape)}")
+        check_node_and_edge_shapes(x_src, x_dst, edge_attr, self.src_channels, self.dst_channels, self.edge_channels)
 
     def _message_pass(
         self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor
@@ -70,10 +67,13 @@ class _GNNBase(nn.Module):
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor, Tensor]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             src, dst = index[0], index[1]
-            msg = self.edge_mlp(torch.cat([x_src.index_select(0, src), x_dst.index_select(0, dst), attr], dim=-1))
+            h_src, h_dst = x_src.index_select(0, src), x_dst.index_select(0, dst)
+            attr_b = attr.reshape(attr.shape[:1] + (1,) * (h_dst.dim() - attr.dim()) + attr.shape[1:])
+            attr_b = attr_b.expand(h_dst.shape[:-1] + attr.shape[-1:])  # edges shared by every batch entry
+            msg = self.edge_mlp(torch.cat([h_src, h_dst, attr_b], dim=-1))
             agg = scatter(msg, dst - first, dim=0, dim_size=end - first, reduce="sum")
             x = x_dst[first:end]
-            return x + self.node_mlp(torch.cat([x, agg], dim=-1)), attr + msg
+            return x + self.node_mlp(torch.cat([x, agg], dim=-1)), attr_b + msg
 
         outs, order = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks)
         if order is None:

@@ -53,9 +53,9 @@ def graph_attention(
 ) -> Tensor:
     """Attention of each destination node over its incoming edges.
 
-    ``query`` ``(num_dst, heads, d)``, ``key``/``value`` ``(num_src, heads, d)``, ``edge_emb``
-    ``(E, heads, d)`` (added to keys and values), ``edge_index`` ``(2, E)``. Returns
-    ``(num_dst, heads, d)``; a destination without incoming edges gets zeros.
+    ``query`` ``(num_dst, *batch, heads, d)``, ``key``/``value`` ``(num_src, *batch, heads, d)``,
+    ``edge_emb`` ``(E, *batch or 1s, heads, d)`` (added to keys and values), ``edge_index``
+    ``(2, E)``. Returns ``(num_dst, *batch, heads, d)``; a destination without incoming edges gets zeros.
     """
     src, dst = edge_index[0], edge_index[1]
     k_j = key.index_select(0, src) + edge_emb
@@ -64,6 +64,23 @@ def graph_attention(
     logits = (q_i * k_j).sum(dim=-1) / math.sqrt(query.shape[-1])  # (E, heads)
     weights = softmax(logits, dst, num_nodes=num_dst)
     return scatter(weights.unsqueeze(-1) * v_j, dst, dim=0, dim_size=num_dst, reduce="sum")
+
+
+def check_node_and_edge_shapes(
+    x_src: Tensor, x_dst: Tensor, edge_attr: Tensor, src_channels: int, dst_channels: int, edge_channels: int
+) -> None:
+    """Node tensors ``(rows, *batch, channels)`` with the same batch dims; edges ``(E, [*batch,] channels)``."""
+    for name, t, want in (("x_src", x_src, src_channels), ("x_dst", x_dst, dst_channels),
+                          ("edge_attr", edge_attr, edge_channels)):
+        if t.dim() < 2 or t.shape[-1] != want:
+            raise ValueError(f"{name} must be (rows, [*batch,] {want}), got {tuple(t.shape)}")
+    batch = tuple(x_dst.shape[1:-1])
+    if tuple(x_src.shape[1:-1]) != batch:
+        raise ValueError(
+            f"x_src has batch dims {tuple(x_src.shape[1:-1])} but x_dst has {batch}: node tensors are (rows, *batch, C)"
+        )
+    if edge_attr.dim() > 2 and tuple(edge_attr.shape[1:-1]) != batch:
+        raise ValueError(f"edge_attr has batch dims {tuple(edge_attr.shape[1:-1])} but the nodes have {batch}")
 
 
 def _mlp(channels: int, ratio: float) -> nn.Sequential:
@@ -105,7 +122,7 @@ def _resolve_edges(
         raise ValueError("edge_index is None: pass the (2, num_edges) edge index (or a shard_plan)")
     if edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise ValueError(f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}")
-    if edge_attr.dim() != 2 or edge_attr.shape[0] != edge_index.shape[1]:
+    if edge_attr.dim() < 2 or edge_attr.shape[0] != edge_index.shape[1]:
         raise ValueError(
             f"edge_attr must be (num_edges, edge_channels) with num_edges = {edge_index.shape[1]}, "
             f"got {tuple(edge_attr.shape)}"
@@ -150,10 +167,7 @@ class _GraphTransformerBase(nn.Module):
         self.mlp = _mlp(dst_channels, mlp_ratio)
 
     def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
-        for name, t, want in (("x_src", x_src, self.src_channels), ("x_dst", x_dst, self.dst_channels),
-                              ("edge_attr", edge_attr, self.edge_channels)):
-            if t.dim() != 2 or t.shape[1] != want:
-                raise ValueError(f"{name} must be (rows, {want}), got {tuple(t.shape)}")
+        check_node_and_edge_shapes(x_src, x_dst, edge_attr, self.src_channels, self.dst_channels, self.edge_channels)
 
     def _attend(self, h_src: Tensor, h_dst: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor) -> Tensor:
         """Attention + residual + MLP. ``h_src`` ``(num_src_ext, C_src)`` and ``h_dst`` are normed.
@@ -163,7 +177,7 @@ class _GraphTransformerBase(nn.Module):
         destination range, so with checkpointing only the chunk outputs stay alive.
         """
         heads = self.num_heads
-        split = "n (h d) -> n h d"
+        split = "n ... (h d) -> n ... h d"
         k = rearrange(self.to_k(h_src), split, h=heads)
         v = rearrange(self.to_v(h_src), split, h=heads)
         edge_index = edge_index.to(x_dst.device)
@@ -174,8 +188,9 @@ class _GraphTransformerBase(nn.Module):
                 index = torch.stack([index[0], index[1] - first])
             q = rearrange(self.to_q(h_dst[first:end]), split, h=heads)
             emb = rearrange(self.to_e(attr), split, h=heads)
+            emb = emb.reshape(emb.shape[:1] + (1,) * (k.dim() - emb.dim()) + emb.shape[1:])  # broadcast over batch
             attn = graph_attention(q, k, v, emb, index, end - first)
-            x = x_dst[first:end] + self.proj(rearrange(attn, "n h d -> n (h d)"))
+            x = x_dst[first:end] + self.proj(rearrange(attn, "n ... h d -> n ... (h d)"))
             return (x + self.mlp(self.norm_mlp(x)),)
 
         outs, _ = map_destination_chunks(chunk, edge_index, x_dst.shape[0], self.num_chunks)

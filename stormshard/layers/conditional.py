@@ -1,0 +1,56 @@
+"""Conditional layer norm and the noise-conditioned transformer block of ensemble (CRPS) models.
+
+AIFS-CRPS injects noise into the processor through layer norms whose scale and shift are
+functions of a noise embedding: ``y = LayerNorm(x) * (1 + scale(c)) + shift(c)``. The scale and
+shift projections start at zero, so an untrained block is the plain pre-norm block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from stormshard.layers.attention import ShardStrategy, SlidingWindowAttention
+from stormshard.layers.mlp import MLP
+
+__all__ = ["ConditionalLayerNorm", "ConditionalTransformerBlock"]
+
+
+class ConditionalLayerNorm(nn.Module):
+    """``LayerNorm(x) * (1 + scale(c)) + shift(c)``; x ``(..., C)``, c ``(..., cond_channels)`` (token-wise)."""
+
+    def __init__(self, num_channels: int, cond_channels: int) -> None:
+        super().__init__()
+        if num_channels < 1 or cond_channels < 1:
+            raise ValueError(f"num_channels ({num_channels}) and cond_channels ({cond_channels}) must be positive")
+        self.norm = nn.LayerNorm(num_channels, elementwise_affine=False)
+        self.scale_shift = nn.Linear(cond_channels, 2 * num_channels)
+        nn.init.zeros_(self.scale_shift.weight)
+        nn.init.zeros_(self.scale_shift.bias)
+
+    def forward(self, x: Tensor, cond: Tensor) -> Tensor:
+        scale, shift = self.scale_shift(cond).chunk(2, dim=-1)
+        return self.norm(x) * (1 + scale) + shift
+
+
+class ConditionalTransformerBlock(nn.Module):
+    """Pre-norm sliding-window block with conditional norms.
+
+    ``forward(x (batch, seq_local, C), cond (batch, seq_local, cond_channels), shard_sizes, group)``;
+    the attention and MLP are the processor's (same names and sharding).
+    """
+
+    def __init__(self, num_channels: int, num_heads: int, window_size: int, cond_channels: int,
+                 mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence") -> None:
+        super().__init__()
+        self.norm_attention = ConditionalLayerNorm(num_channels, cond_channels)
+        self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy)
+        self.norm_mlp = ConditionalLayerNorm(num_channels, cond_channels)
+        self.mlp = MLP(num_channels, mlp_ratio)
+
+    def forward(self, x: Tensor, cond: Tensor, shard_sizes: Sequence[int] | None = None,
+                model_comm_group: dist.ProcessGroup | None = None) -> Tensor:
+        x = x + self.attention(self.norm_attention(x, cond), shard_sizes, model_comm_group)
+        return x + self.mlp(self.norm_mlp(x, cond))

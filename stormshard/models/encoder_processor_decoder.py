@@ -1,0 +1,133 @@
+"""The AIFS-style encoder-processor-decoder forecast model.
+
+Layout: input ``x`` is ``(batch, time, grid_local, input_variables)`` (normalised, the last
+``multistep_input`` states, this rank's grid slice); output ``(batch, grid_local,
+output_variables)``: the next state, normalised. Top to bottom:
+
+1. data nodes: the input states, the grid coordinates (sin/cos of lat and lon) and a trainable
+   per-node embedding, linearly embedded to ``num_channels``;
+2. hidden nodes: coordinates and a trainable embedding, embedded likewise;
+3. encoder: graph mapper data -> hidden (halo exchange of the data nodes its edges read);
+4. processor on the hidden nodes (sliding-window transformer, graph transformer or GNN);
+5. decoder: graph mapper hidden -> data, onto the data-node latents of step 1;
+6. a linear head to the output variables, plus the last input state of every prognostic
+   variable (residual prediction).
+
+Every layer runs on this rank's node slices (``ModelShardPlan``); nothing is gathered: the
+loss consumes the sharded output. Parameters are replicated over the model group (except
+tensor-parallel slices): the trainer sums their gradients over the group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+from torch import Tensor, nn
+from torch_geometric.data import HeteroData
+
+from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
+from stormshard.layers.gnn import GNNMapperBlock
+from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
+from stormshard.models.config import ModelConfig
+from stormshard.models.processors import GraphProcessor, WindowTransformerProcessor
+from stormshard.models.sharding import ModelShardPlan
+from stormshard.models.variables import VariableIndex
+
+__all__ = ["EncoderProcessorDecoder", "coordinate_features"]
+
+
+def coordinate_features(latlon: Tensor) -> Tensor:
+    """``(nodes, 4)`` = sin/cos of latitude and longitude from ``(nodes, 2)`` radians."""
+    lat, lon = latlon[:, 0], latlon[:, 1]
+    return torch.stack([lat.sin(), lat.cos(), lon.sin(), lon.cos()], dim=-1)
+
+
+class EncoderProcessorDecoder(nn.Module):
+    """Graph encoder, processor and graph decoder over a (possibly sharded) grid."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        graph: HeteroData,
+        variables: VariableIndex,
+        model_comm_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.variables, self.group = config, variables, model_comm_group
+        self.plan = ModelShardPlan.build(graph, model_comm_group, processor_graph=config.uses_graph_processor)
+        c, t = config.num_channels, config.trainable_size
+        n_in, n_out = len(variables.input_names), len(variables.output_names)
+        data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
+
+        self.register_buffer("data_coords", coordinate_features(graph["data"].x[data_slice].double()).float(),
+                             persistent=False)
+        self.register_buffer("hidden_coords", coordinate_features(graph["hidden"].x[hidden_slice].double()).float(),
+                             persistent=False)
+        self.data_embedding = nn.Parameter(torch.randn(self.plan.num_data, t) * 0.02)
+        self.hidden_embedding = nn.Parameter(torch.randn(self.plan.num_hidden, t) * 0.02)
+        self.embed_data = nn.Linear(config.multistep_input * n_in + 4 + t, c)
+        self.embed_hidden = nn.Linear(4 + t, c)
+
+        enc_attr, dec_attr = graph[ENCODER].edge_attr, graph[DECODER].edge_attr
+        self.register_buffer("encoder_edge_attr", self.plan.encoder.shard_edges(enc_attr), persistent=False)
+        self.register_buffer("decoder_edge_attr", self.plan.decoder.shard_edges(dec_attr), persistent=False)
+        self.encoder = self._mapper(config.encoder, enc_attr.shape[1])
+        self.processor = self.build_processor(graph)
+        self.decoder = self._mapper(config.decoder, dec_attr.shape[1])
+        self.head = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, n_out))
+
+        residual = torch.zeros(n_in, n_out)
+        residual[variables.prognostic_in_input, variables.prognostic_in_output] = 1.0
+        self.register_buffer("residual_map", residual, persistent=False)
+
+    def build_processor(self, graph: HeteroData) -> nn.Module:
+        """The processor named by the config, on this rank's hidden nodes."""
+        if self.config.uses_graph_processor:
+            return GraphProcessor(self.config, self.plan, self.group, graph[PROCESSOR].edge_attr)
+        return WindowTransformerProcessor(self.config, self.plan, self.group)
+
+    def _mapper(self, cfg, edge_channels: int) -> nn.Module:  # noqa: ANN001
+        c = self.config.num_channels
+        if self.config.name == "gnn":
+            return GNNMapperBlock(c, c, edge_channels, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks)
+        return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, mlp_ratio=cfg.mlp_ratio,
+                                           num_chunks=cfg.num_chunks)
+
+    @staticmethod
+    def _first(out: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+        return out[0] if isinstance(out, tuple) else out
+
+    def check_input(self, x: Tensor) -> None:
+        expect = (self.config.multistep_input, self.plan.data_sizes[self.plan.rank], len(self.variables.input_names))
+        if x.dim() != 4 or tuple(x.shape[1:]) != expect:
+            raise ValueError(
+                f"model input has shape {tuple(x.shape)}, expected (batch, multistep_input={expect[0]}, "
+                f"grid_local={expect[1]}, input_variables={expect[2]})"
+            )
+
+    def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Steps 1-3: ``x`` -> data-node latents ``(grid_local, batch, C)`` and hidden latents ``(hidden_local, batch, C)``."""
+        self.check_input(x)
+        batch = x.shape[0]
+        data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
+        dtype = x.dtype
+        states = rearrange(x, "b t g v -> g b (t v)")
+        data_static = torch.cat([self.data_coords.to(dtype), self.data_embedding[data_slice]], dim=-1)
+        x_data = self.embed_data(torch.cat([states, data_static.unsqueeze(1).expand(-1, batch, -1)], dim=-1))
+        hidden_static = torch.cat([self.hidden_coords.to(dtype), self.hidden_embedding[hidden_slice]], dim=-1)
+        x_hidden = self.embed_hidden(hidden_static).unsqueeze(1).expand(-1, batch, -1)
+        x_hidden = self._first(self.encoder(x_data, x_hidden, self.encoder_edge_attr, None, self.plan.encoder,
+                                            self.group))
+        return x_data, x_hidden
+
+    def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor) -> Tensor:
+        """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
+        x_data = self._first(self.decoder(x_hidden, x_data, self.decoder_edge_attr, None, self.plan.decoder,
+                                          self.group))
+        out = rearrange(self.head(x_data), "g b v -> b g v")
+        return out + x[:, -1] @ self.residual_map.to(x.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x_data, x_hidden = self.encode(x)
+        return self.decode(self.processor(x_hidden), x_data, x)

@@ -1,0 +1,90 @@
+"""The ensemble (AIFS-CRPS-style) model: noise enters the processor through conditional norms.
+
+``forward(x, noise=None)``: ``x`` ``(batch, time, grid_local, input_variables)`` as for the
+deterministic model; ``noise`` ``(batch, hidden_local, noise_channels)`` this rank's slice of a
+per-hidden-node noise field (None: drawn with :meth:`sample_noise`). Several members of one
+initial state are several batch entries with different noise (the trainer repeats the input).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from torch_geometric.data import HeteroData
+
+from stormshard.layers.conditional import ConditionalTransformerBlock
+from stormshard.models.config import ModelConfig
+from stormshard.models.encoder_processor_decoder import EncoderProcessorDecoder
+from stormshard.models.variables import VariableIndex
+
+__all__ = ["EnsembleEncoderProcessorDecoder", "NoiseConditionedProcessor"]
+
+
+class NoiseConditionedProcessor(nn.Module):
+    """Sliding-window blocks with conditional norms; ``forward(x (hidden_local, batch, C), noise)``."""
+
+    def __init__(self, config: ModelConfig, shard_sizes: list[int] | None, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        p, e = config.processor, config.ensemble
+        if p.shard_strategy == "tensor":
+            raise ValueError(
+                "model.name='ensemble' supports processor.shard_strategy 'shard_sequence' or 'shard_heads', "
+                "not 'tensor'"
+            )
+        self.shard_sizes, self.group = shard_sizes, group
+        self.checkpointing = config.activation_checkpointing
+        cond = config.num_channels
+        self.noise_embedding = nn.Sequential(nn.Linear(e.noise_channels, cond), nn.GELU(), nn.Linear(cond, cond))
+        self.blocks = nn.ModuleList(
+            ConditionalTransformerBlock(config.num_channels, p.num_heads, p.window_size, cond, p.mlp_ratio,
+                                        p.shard_strategy)
+            for _ in range(p.num_layers)
+        )
+
+    def forward(self, x: Tensor, noise: Tensor) -> Tensor:
+        h = rearrange(x, "n b c -> b n c")
+        cond = self.noise_embedding(noise.to(h.dtype))
+        for block in self.blocks:
+            if self.checkpointing and torch.is_grad_enabled():
+                h = checkpoint(block, h, cond, self.shard_sizes, self.group, use_reentrant=False)
+            else:
+                h = block(h, cond, self.shard_sizes, self.group)
+        return rearrange(h, "b n c -> n b c")
+
+
+class EnsembleEncoderProcessorDecoder(EncoderProcessorDecoder):
+    """The encoder-processor-decoder with a noise-conditioned processor."""
+
+    def __init__(self, config: ModelConfig, graph: HeteroData, variables: VariableIndex,
+                 model_comm_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(config, graph, variables, model_comm_group)
+
+    def build_processor(self, graph: HeteroData) -> nn.Module:
+        shard_sizes = list(self.plan.hidden_sizes) if self.plan.world > 1 else None
+        return NoiseConditionedProcessor(self.config, shard_sizes, self.group)
+
+    def sample_noise(self, batch: int, generator: torch.Generator | None = None,
+                     dtype: torch.dtype | None = None) -> Tensor:
+        """This rank's slice ``(batch, hidden_local, noise_channels)`` of a full-grid noise field.
+
+        The full field is drawn on every rank and sliced, so every layout sees the same noise for
+        the same generator state.
+        """
+        e = self.config.ensemble
+        full = torch.randn(batch, self.plan.num_hidden, e.noise_channels, generator=generator,
+                           device=self.hidden_coords.device, dtype=dtype or torch.float32)
+        return full[:, self.plan.hidden_slice] * e.noise_std
+
+    def forward(self, x: Tensor, noise: Tensor | None = None) -> Tensor:
+        if noise is None:
+            noise = self.sample_noise(x.shape[0], dtype=x.dtype)
+        expect = (x.shape[0], self.plan.hidden_sizes[self.plan.rank], self.config.ensemble.noise_channels)
+        if tuple(noise.shape) != expect:
+            raise ValueError(
+                f"noise has shape {tuple(noise.shape)}, expected (batch, hidden_local, noise_channels) = {expect}"
+            )
+        x_data, x_hidden = self.encode(x)
+        return self.decode(self.processor(x_hidden, noise), x_data, x)

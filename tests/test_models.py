@@ -1,0 +1,131 @@
+"""The model zoo: every processor and strategy gives the same outputs and gradients at
+gpus_per_model 1, 2, 3 and 4 (uneven grid and hidden slices, batch 2), float64."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+from stormshard.models.config import ModelConfig
+from stormshard.models.registry import build_model
+from stormshard.models.variables import VariableIndex
+from stormshard.parallel.comm import all_reduce_sum
+from stormshard.parallel.partition import get_partition
+from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
+from tests.distributed import run_distributed
+
+VARIABLES = VariableIndex.build(["u", "v", "t", "insolation", "precip"], forcing=["insolation"], diagnostic=["precip"])
+
+CASES = {
+    "transformer-shard_sequence": dict(name="transformer", processor=dict(shard_strategy="shard_sequence")),
+    "transformer-shard_heads": dict(name="transformer", processor=dict(shard_strategy="shard_heads")),
+    "transformer-tensor": dict(name="transformer", processor=dict(shard_strategy="tensor")),
+    "graphtransformer": dict(name="graphtransformer", processor=dict(num_chunks=2)),
+    "gnn": dict(name="gnn"),
+    "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=3)),
+}
+
+
+@functools.lru_cache(maxsize=4)
+def _graph(graph_processor: bool):
+    if graph_processor:
+        cfg = GraphConfig(data_grid="o4", hidden="ico1")
+    else:
+        cfg = GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4))
+    return build_graph(cfg)
+
+
+def _config(case: str) -> ModelConfig:
+    spec = dict(CASES[case])
+    proc = dict(num_layers=2, num_heads=12, window_size=9, mlp_ratio=2)
+    proc.update(spec.pop("processor", {}))
+    return ModelConfig(num_channels=24, multistep_input=2, trainable_size=3, processor=proc,
+                       encoder=dict(num_heads=2, mlp_ratio=2.0), decoder=dict(num_heads=2, mlp_ratio=1.0), **spec)
+
+
+def _run(model, x, noise):
+    return model(x, noise) if noise is not None else model(x)
+
+
+def _check_model(rank, world, case):
+    config = _config(case)
+    graph = _graph(config.uses_graph_processor)
+    group = dist.group.WORLD if world > 1 else None
+    torch.manual_seed(7)
+    reference = build_model(config, graph, VARIABLES, None).double()
+    torch.manual_seed(7)
+    sharded = build_model(config, graph, VARIABLES, group).double()
+
+    g = torch.Generator().manual_seed(3)
+    n_data = graph["data"].num_nodes
+    x = torch.randn(2, 2, n_data, len(VARIABLES.input_names), generator=g, dtype=torch.float64)
+    target = torch.randn(2, n_data, len(VARIABLES.output_names), generator=g, dtype=torch.float64)
+    area = graph["data"].area_weight.double()
+    vw = torch.tensor([1.0, 0.5, 2.0, 0.3], dtype=torch.float64)
+    noise_full = None
+    if config.name == "ensemble":
+        noise_full = torch.randn(2, graph["hidden"].num_nodes, 3, generator=g, dtype=torch.float64)
+
+    ds = sharded.plan.data_slice
+    loss_fn = AlmostFairCRPSLoss(vw) if config.name == "ensemble" else WeightedMSELoss(vw)
+
+    def loss_of(out, tgt, a, grp):
+        if config.name == "ensemble":  # the batch entries are two members of one initial state
+            return loss_fn(out.unsqueeze(0), tgt[:1], a, grp)
+        return loss_fn(out, tgt, a, grp)
+
+    ref_out = _run(reference, x, noise_full)
+    loss_of(ref_out, target, area, None).backward()
+
+    noise = None if noise_full is None else noise_full[:, sharded.plan.hidden_slice]
+    out = _run(sharded, x[:, :, ds], noise)
+    loss = loss_of(out, target[:, ds], area[ds], group)
+    loss.backward()
+
+    torch.testing.assert_close(out, ref_out[:, ds].detach(), rtol=1e-10, atol=1e-10)
+    ref_params = dict(reference.named_parameters())
+    for name, p in sharded.named_parameters():
+        ref = ref_params[name]
+        part = get_partition(p)
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if part is None:  # replicated: partial gradients sum over the model group
+            grad = all_reduce_sum(grad, group)
+            torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0, msg=f"init {name}")
+            ref_grad = ref.grad
+        else:
+            ref_grad = ref.grad.narrow(part.dim, part.offset, p.shape[part.dim])
+            torch.testing.assert_close(p.detach(), ref.detach().narrow(part.dim, part.offset, p.shape[part.dim]))
+        assert ref_grad is not None, name
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-11, msg=f"gradient of {name}")
+    return True
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_model_layouts_equal_single_process(case, world):
+    if world == 1:
+        _check_model(0, 1, case)
+    else:
+        run_distributed(_check_model, world, case)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_channels=10 is not divisible by processor.num_heads=4"):
+        ModelConfig(num_channels=10, processor=dict(num_heads=4))
+    with pytest.raises(ValueError, match="extra_forbidden|Extra inputs"):
+        ModelConfig(num_chanels=16)
+    with pytest.raises(ValueError, match="shard_strategy='tensor' applies to the transformer"):
+        ModelConfig(name="gnn", processor=dict(shard_strategy="tensor"))
+    with pytest.raises(ValueError, match="forcing variables \\['w'\\] are not in"):
+        VariableIndex.build(["u"], forcing=["w"])
+
+
+def test_bad_input_shape():
+    config = _config("transformer-shard_sequence")
+    model = build_model(config, _graph(False), VARIABLES)
+    with pytest.raises(ValueError, match="model input has shape"):
+        model(torch.zeros(1, 3, 208, 4))
