@@ -133,6 +133,8 @@ def _use_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
         and k.dtype == q.dtype
         and v.dtype == q.dtype
         and q.shape[-1] == v.shape[-1]
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
         and _flash_attn_func() is not None
     )
 
