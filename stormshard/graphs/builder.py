@@ -33,7 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch_geometric.data import HeteroData
 
 from stormshard.graphs.attributes import area_weights, edge_attributes
-from stormshard.graphs.edges import cover_destinations, cover_sources, cutoff_edges, knn_edges
+from stormshard.graphs.edges import (
+    cover_destinations,
+    cover_sources,
+    cutoff_edges,
+    knn_edges,
+    sort_unique_edges,
+)
 from stormshard.graphs.grids import grid_from_name
 from stormshard.graphs.icosahedral import icosahedral_mesh, multimesh_edges
 from stormshard.graphs.sphere import check_latlon_degrees, latlon_to_xyz
@@ -53,7 +59,7 @@ __all__ = [
     "DECODER",
 ]
 
-GRAPH_FORMAT_VERSION = 1
+GRAPH_FORMAT_VERSION = 2
 ENCODER = ("data", "to", "hidden")
 PROCESSOR = ("hidden", "to", "hidden")
 DECODER = ("hidden", "to", "data")
@@ -198,8 +204,15 @@ def build_graph(config: GraphConfig, data_latlon: tuple | None = None) -> Hetero
     level = config.icosahedral_level
     if level is not None:
         mesh = icosahedral_mesh(level)
-        hid_xyz = mesh.vertices
-        hid_lat, hid_lon = mesh.latlon()
+        # hidden nodes north to south, then by longitude: contiguous rank slices are then compact
+        # latitude bands, so sharded halos stay small (refinement order makes them as large as
+        # an all-gather) and a sliding window over the nodes is a neighbourhood
+        mesh_lat, mesh_lon = mesh.latlon()
+        order = np.lexsort((np.round(mesh_lon, 12), -np.round(mesh_lat, 12)))
+        rank_of = np.empty_like(order)
+        rank_of[order] = np.arange(order.size)
+        hid_xyz = mesh.vertices[order]
+        hid_lat, hid_lon = mesh_lat[order], mesh_lon[order]
     else:
         hlat, hlon = grid_from_name(config.hidden)
         hid_lat, hid_lon = np.radians(hlat), np.radians(hlon)
@@ -210,7 +223,7 @@ def build_graph(config: GraphConfig, data_latlon: tuple | None = None) -> Hetero
     dec = _mapper_edges(config.decoder, hid_xyz, data_xyz)
     dec, dec_added = cover_destinations(dec, hid_xyz, data_xyz)
     if isinstance(config.processor, MultimeshEdges):
-        proc = multimesh_edges(mesh)
+        proc = sort_unique_edges(rank_of[multimesh_edges(mesh)], hid_xyz.shape[0])
     else:
         proc = knn_edges(hid_xyz, hid_xyz, config.processor.num_neighbours, exclude_self=True)
 
