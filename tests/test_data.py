@@ -23,7 +23,6 @@ from stormshard.data.anemoi_layout import (
 )
 from stormshard.data.dataset import (
     ResumableSampler,
-    VariableRoles,
     WindowedSampleDataset,
     split_by_dates,
     split_sample,
@@ -42,6 +41,7 @@ from stormshard.data.synthetic import (
     unit_vectors,
 )
 from stormshard.graphs.grids import grid_from_name
+from stormshard.models.variables import VariableIndex
 from stormshard.parallel.counter import CommCounter
 from tests.distributed import run_distributed
 
@@ -354,25 +354,25 @@ def test_windows_skip_missing_dates(tmp_path):
 
 
 def test_variable_roles_and_split():
-    roles = VariableRoles(VARIABLES, forcing=FORCING, diagnostic=DIAGNOSTIC)
+    roles = VariableIndex.build(VARIABLES, forcing=FORCING, diagnostic=DIAGNOSTIC)
     assert roles.prognostic == PROGNOSTIC
-    assert roles.input_variables == PROGNOSTIC + FORCING and roles.output_variables == PROGNOSTIC + DIAGNOSTIC
-    assert roles.input_indices == (0, 1, 2, 3) and roles.output_indices == (0, 1, 2, 4)
-    assert roles.prognostic_in_input == (0, 1, 2) and roles.prognostic_in_output == (0, 1, 2)
+    assert roles.input_names == PROGNOSTIC + FORCING and roles.output_names == PROGNOSTIC + DIAGNOSTIC
+    assert roles.input_idx == [0, 1, 2, 3] and roles.output_idx == [0, 1, 2, 4]
+    assert roles.prognostic_in_input == [0, 1, 2] and roles.prognostic_in_output == [0, 1, 2]
     sample = torch.arange(4 * 2 * 3 * 5.0).reshape(4, 2, 3, 5)
-    inputs, targets = split_sample(sample, 2, roles.input_indices, roles.output_indices)
+    inputs, targets = split_sample(sample, 2, roles.input_idx, roles.output_idx)
     assert torch.equal(inputs, sample[:2][..., [0, 1, 2, 3]]) and torch.equal(targets, sample[2:][..., [0, 1, 2, 4]])
     batch = sample[None].expand(3, -1, -1, -1, -1)
-    inputs, targets = split_sample(batch, 3, roles.input_indices, roles.output_indices, time_dim=1)
+    inputs, targets = split_sample(batch, 3, roles.input_idx, roles.output_idx, time_dim=1)
     assert inputs.shape == (3, 3, 2, 3, 4) and targets.shape == (3, 1, 2, 3, 4)
     with pytest.raises(ValueError, match="needs more than multistep_input=4"):
-        split_sample(sample, 4, roles.input_indices, roles.output_indices)
+        split_sample(sample, 4, roles.input_idx, roles.output_idx)
     with pytest.raises(ValueError, match="outside the sample's 5 variables"):
-        split_sample(sample, 2, [0, 5], roles.output_indices)
+        split_sample(sample, 2, [0, 5], roles.output_idx)
     with pytest.raises(ValueError, match="not in the dataset"):
-        VariableRoles(VARIABLES, forcing=("sst",))
+        VariableIndex.build(VARIABLES, forcing=("sst",))
     with pytest.raises(ValueError, match="both forcing and diagnostic"):
-        VariableRoles(VARIABLES, forcing=FORCING, diagnostic=FORCING)
+        VariableIndex.build(VARIABLES, forcing=FORCING, diagnostic=FORCING)
 
 
 # ------------------------------------------------------------------------------------ normalisation

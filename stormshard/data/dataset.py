@@ -10,8 +10,7 @@ variable in dataset order:
 - ``ensemble="each"``: ``(time, cells, variables)``, one member per sample (the sample index runs
   over windows x members).
 
-:class:`VariableRoles` says which variables are forcings (input-only) and diagnostics
-(output-only); :func:`split_sample` cuts a sample into model inputs and targets;
+:func:`split_sample` cuts a sample into model inputs and targets;
 :func:`split_by_dates` makes train / validation / test sets from date ranges.
 
 :class:`ResumableSampler` gives a deterministic, seedable order (a permutation per epoch), shards
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -33,65 +31,7 @@ from torch.utils.data import Dataset, Sampler
 
 from stormshard.data.anemoi_layout import AnemoiDataset, as_datetime64, frequency_to_string, parse_frequency
 
-__all__ = ["VariableRoles", "WindowedSampleDataset", "split_sample", "split_by_dates", "ResumableSampler"]
-
-
-@dataclass(frozen=True)
-class VariableRoles:
-    """Which dataset variables are prognostic, forcing (input-only) or diagnostic (output-only).
-
-    Inputs are the dataset variables minus the diagnostics, outputs minus the forcings; both
-    keep the dataset order. Index tuples point into the dataset's variable list, the
-    ``prognostic_in_*`` ones into the input / output lists.
-    """
-
-    variables: tuple[str, ...]
-    forcing: tuple[str, ...] = ()
-    diagnostic: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "variables", tuple(self.variables))
-        object.__setattr__(self, "forcing", tuple(self.forcing))
-        object.__setattr__(self, "diagnostic", tuple(self.diagnostic))
-        for role in ("forcing", "diagnostic"):
-            unknown = [v for v in getattr(self, role) if v not in self.variables]
-            if unknown:
-                raise ValueError(f"{role} variables {unknown} are not in the dataset (it has {list(self.variables)})")
-        both = set(self.forcing) & set(self.diagnostic)
-        if both:
-            raise ValueError(f"variables {sorted(both)} are listed as both forcing and diagnostic; pick one")
-        if not self.prognostic:
-            raise ValueError("no prognostic variables are left once forcing and diagnostic ones are removed")
-
-    @property
-    def prognostic(self) -> tuple[str, ...]:
-        return tuple(v for v in self.variables if v not in self.forcing and v not in self.diagnostic)
-
-    @property
-    def input_variables(self) -> tuple[str, ...]:
-        return tuple(v for v in self.variables if v not in self.diagnostic)
-
-    @property
-    def output_variables(self) -> tuple[str, ...]:
-        return tuple(v for v in self.variables if v not in self.forcing)
-
-    @property
-    def input_indices(self) -> tuple[int, ...]:
-        return tuple(self.variables.index(v) for v in self.input_variables)
-
-    @property
-    def output_indices(self) -> tuple[int, ...]:
-        return tuple(self.variables.index(v) for v in self.output_variables)
-
-    @property
-    def prognostic_in_input(self) -> tuple[int, ...]:
-        """Positions of the prognostic variables in the input list (for residual prediction)."""
-        return tuple(self.input_variables.index(v) for v in self.prognostic)
-
-    @property
-    def prognostic_in_output(self) -> tuple[int, ...]:
-        """Positions of the prognostic variables in the output list."""
-        return tuple(self.output_variables.index(v) for v in self.prognostic)
+__all__ = ["WindowedSampleDataset", "split_sample", "split_by_dates", "ResumableSampler"]
 
 
 def split_sample(sample: Tensor, multistep_input: int, input_indices: Sequence[int],
@@ -100,7 +40,7 @@ def split_sample(sample: Tensor, multistep_input: int, input_indices: Sequence[i
 
     ``time_dim`` is 0 for a sample from :class:`WindowedSampleDataset` and 1 for a batch of them;
     ``input_indices`` / ``output_indices`` are dataset variable positions (e.g.
-    ``VariableRoles.input_indices``). Returns ``inputs`` (the first ``multistep_input`` times,
+    ``stormshard.models.variables.VariableIndex.input_idx``). Returns ``inputs`` (the first ``multistep_input`` times,
     input variables) and ``targets`` (the remaining times, output variables); both are copies.
     """
     times = sample.shape[time_dim]
