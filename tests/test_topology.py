@@ -39,7 +39,8 @@ def test_layout_groups_partition_world(world):
         k = layout.gpus_per_model
         assert layout.data_parallel_size == world // k
         for family in (layout.model_groups(), layout.data_parallel_groups(), layout.reader_groups(),
-                       layout.ensemble_groups(), layout.ensemble_data_parallel_groups()):
+                       layout.ensemble_groups(), layout.ensemble_data_parallel_groups(),
+                       layout.ensemble_member_groups()):
             assert _is_partition(family, world)
         for rank in range(world):
             mg = layout.model_group_ranks(rank)
@@ -50,6 +51,9 @@ def test_layout_groups_partition_world(world):
             assert set(rg) <= set(mg) and len(rg) == layout.read_group_size
             eg = layout.ensemble_group_ranks(rank)
             assert set(mg) <= set(eg) and len(eg) == layout.ensemble_size
+            members = layout.ensemble_member_group_ranks(rank)
+            assert set(members) <= set(eg) and {r % k for r in members} == {rank % k}
+            assert len(members) == layout.ensemble_size // k
     assert count >= 1
 
 
@@ -107,6 +111,7 @@ def _check_groups(rank, world, gpm, rgs, ens):
         (groups.data_parallel_group, groups.data_parallel_group_ranks),
         (groups.reader_group, groups.reader_group_ranks),
         (groups.ensemble_group, groups.ensemble_group_ranks),
+        (groups.ensemble_member_group, groups.ensemble_member_group_ranks),
     ]:
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=group)

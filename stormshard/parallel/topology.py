@@ -10,7 +10,9 @@ model group stays on one node):
   together, each a slice of the grid;
 - ensemble group: ``gpus_per_ensemble`` consecutive ranks (whole model groups) that share one
   initial state and spread the ensemble members;
-- ensemble data-parallel group: the ranks at the same position in every ensemble group.
+- ensemble data-parallel group: the ranks at the same position in every ensemble group;
+- ensemble member group: the ranks of one ensemble group at the same position in their model
+  groups (they hold the same grid slice of different members: the CRPS gathers over it).
 
 :class:`ParallelLayout` is pure arithmetic (validated, no process groups); :class:`ProcessGroups`
 builds the groups for one rank and also answers DeepSpeed's ``mpu`` interface.
@@ -136,6 +138,10 @@ class ParallelLayout:
         e = self.ensemble_size
         return [list(range(p, self.world_size, e)) for p in range(e)]
 
+    def ensemble_member_groups(self) -> list[list[int]]:
+        k, e = self.gpus_per_model, self.ensemble_size
+        return [list(range(start + p, start + e, k)) for start in range(0, self.world_size, e) for p in range(k)]
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {rank} is outside a world of {self.world_size} ranks")
@@ -159,6 +165,10 @@ class ParallelLayout:
     def ensemble_data_parallel_group_ranks(self, rank: int) -> list[int]:
         self._check_rank(rank)
         return self.ensemble_data_parallel_groups()[rank % self.ensemble_size]
+
+    def ensemble_member_group_ranks(self, rank: int) -> list[int]:
+        self._check_rank(rank)
+        return next(g for g in self.ensemble_member_groups() if rank in g)
 
     def describe(self) -> str:
         return (
@@ -245,6 +255,7 @@ class ProcessGroups:
         self.reader_group = groups.get("reader")
         self.ensemble_group = groups.get("ensemble")
         self.ensemble_data_parallel_group = groups.get("ensemble_data_parallel")
+        self.ensemble_member_group = groups.get("ensemble_member")
 
     # ---- ranks and sizes --------------------------------------------------------------------
     @property
@@ -262,6 +273,15 @@ class ProcessGroups:
     @property
     def ensemble_group_ranks(self) -> list[int]:
         return self.layout.ensemble_group_ranks(self.rank)
+
+    @property
+    def ensemble_member_group_ranks(self) -> list[int]:
+        return self.layout.ensemble_member_group_ranks(self.rank)
+
+    @property
+    def ensemble_member_rank(self) -> int:
+        """Which model group of its ensemble group this rank belongs to."""
+        return self.ensemble_rank // self.layout.gpus_per_model
 
     @property
     def model_rank(self) -> int:
@@ -348,6 +368,7 @@ def build_process_groups(layout: ParallelLayout, rank: int | None = None) -> Pro
         "reader": layout.reader_groups(),
         "ensemble": layout.ensemble_groups(),
         "ensemble_data_parallel": layout.ensemble_data_parallel_groups(),
+        "ensemble_member": layout.ensemble_member_groups(),
     }
     mine: dict[str, object] = {}
     cache: dict[tuple[int, ...], object] = {}
