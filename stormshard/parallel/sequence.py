@@ -247,17 +247,12 @@ def _exchange_rows(send: Tensor, send_counts: Sequence[int], recv_counts: Sequen
         record_communication("all_to_all", _nbytes(send))
         return out
     ops, send_off, recv_off = [], 0, 0
-    send_parts, recv_parts = [], []
     for r, (sc, rc) in enumerate(zip(send_counts, recv_counts, strict=True)):
         peer = dist.get_global_rank(group, r) if group is not None else r
         if rc:
-            buf = out[recv_off : recv_off + rc]
-            recv_parts.append(buf)
-            ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+            ops.append(dist.P2POp(dist.irecv, out[recv_off : recv_off + rc], peer, group))
         if sc:
-            part = send[send_off : send_off + sc].contiguous()
-            send_parts.append(part)
-            ops.append(dist.P2POp(dist.isend, part, peer, group))
+            ops.append(dist.P2POp(dist.isend, send[send_off : send_off + sc].contiguous(), peer, group))
         send_off, recv_off = send_off + sc, recv_off + rc
     if ops:
         for req in dist.batch_isend_irecv(ops):
