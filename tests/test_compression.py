@@ -183,6 +183,18 @@ def _check_calls_and_bytes(rank, world):
                 exact_allreduce_gradients(params, group)
             assert c.calls("all_reduce") == 1 and c.bytes("all_reduce") == est.exact
             assert est.ratio == pytest.approx(expect_e / expect_c, rel=1e-6)
+    # overlap (async uncompressed bucket) changes the schedule, not the numbers
+    shapes = _mlp_shapes(3)
+    results = []
+    for overlap in (True, False):
+        params = _params(shapes, torch.float32)
+        comp = PowerSGDCompressor(params, group, PowerSGDConfig(rank=r, start_iter=0, min_numel=0, overlap=overlap))
+        for step in range(3):
+            _set_grads(params, _per_rank_grads(shapes, world, step, torch.float32)[rank])
+            comp.reduce_gradients()
+        results.append([p.grad.clone() for p in params])
+    for x, y in zip(*results, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
     return True
 
 
@@ -344,6 +356,32 @@ def test_single_process_needs_no_group():
     for p, g in zip(params, grads, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
     assert comp.bytes_per_step().compressed == 0
+
+
+def test_zero_gradient_does_not_stall_warm_start():
+    """A zero gradient makes Q vanish; its columns are redrawn, so later steps are still exact at full rank."""
+    params = _params([(6, 5), (4, 7)])
+    comp = PowerSGDCompressor(params, None, PowerSGDConfig(rank=7, **FULL))
+    _set_grads(params, [torch.zeros(6, 5, dtype=torch.float64), torch.zeros(4, 7, dtype=torch.float64)])
+    comp.reduce_gradients()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
+    for step in range(2):
+        grads = _per_rank_grads([(6, 5), (4, 7)], 1, step)[0]
+        _set_grads(params, grads)
+        comp.reduce_gradients()
+        for p, g in zip(params, grads, strict=True):
+            torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
+
+
+def test_bfloat16_gradients():
+    params = _params([(64, 32), (32,)], torch.bfloat16)
+    comp = PowerSGDCompressor(params, None, PowerSGDConfig(rank=32, **FULL))
+    grads = _per_rank_grads([(64, 32), (32,)], 1, 0, torch.bfloat16)[0]
+    _set_grads(params, grads)
+    comp.reduce_gradients()
+    assert params[0].grad.dtype == torch.bfloat16
+    torch.testing.assert_close(params[0].grad.float(), grads[0].float(), rtol=0.05, atol=0.05)
+    assert torch.equal(params[1].grad, grads[1])
 
 
 def test_plan_rules():

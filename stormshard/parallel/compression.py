@@ -5,7 +5,8 @@ Every gradient ``G`` of a parameter with at least two dimensions is viewed as a 
 
 1. ``M = G + E`` (``E``: this rank's error-feedback buffer, zero at first);
 2. ``P = M Q`` ``(rows, r)``, all-reduced to the group mean, then orthonormalised (Gram-Schmidt);
-3. ``Q = M^T P`` ``(cols, r)``, all-reduced to the group mean (and kept as next step's warm start);
+3. ``Q^T = P^T M`` (stored as ``(r, cols)``), all-reduced to the group mean (kept as next step's
+   warm start);
 4. ``G <- P Q^T`` (the mean gradient projected on ``span(P)``), ``E <- M - P Q^T``.
 
 What is communicated per step, whatever the number of parameters:
@@ -150,7 +151,8 @@ class MatrixEntry:
 
 @dataclass(frozen=True)
 class _Group:
-    """``count`` consecutive factors of equal shape ``(length, rank)`` starting at ``offset`` in a flat buffer."""
+    """``count`` consecutive factors of equal shape starting at ``offset`` in a flat buffer: P factors
+    are ``(length, rank)`` (``length = rows``), Q factors ``(rank, length)`` (``length = cols``)."""
 
     offset: int
     count: int
@@ -158,17 +160,23 @@ class _Group:
     rank: int
 
     def view(self, flat: Tensor) -> Tensor:
-        """``(count, length, rank)`` view of the group in ``flat``."""
+        """``(count, length, rank)`` view of a P group in ``flat``."""
         n = self.count * self.length * self.rank
         return rearrange(flat[self.offset : self.offset + n], "(k l r) -> k l r", k=self.count, l=self.length)
+
+    def view_t(self, flat: Tensor) -> Tensor:
+        """``(count, rank, length)`` view of a Q group in ``flat``."""
+        n = self.count * self.length * self.rank
+        return rearrange(flat[self.offset : self.offset + n], "(k r l) -> k r l", k=self.count, l=self.length)
 
 
 @dataclass(frozen=True)
 class CompressionPlan:
     """Computed once from the parameter shapes and the config.
 
-    P factors are stored grouped by ``(rows, r)`` (so equal shapes are orthonormalised in one
-    batched call), Q factors grouped by ``(cols, r)``; the error buffer follows parameter order.
+    P factors ``(rows, r)`` are stored grouped by shape (so equal shapes are orthonormalised in one
+    batched call), Q factors are stored transposed, ``(r, cols)``, grouped by shape; the error
+    buffer ``(rows, cols)`` per matrix follows parameter order.
     """
 
     entries: tuple[MatrixEntry, ...]
@@ -485,7 +493,8 @@ class PowerSGDCompressor:
 
     # ---------------------------------------------------------------- internals
     def _q_view(self, e: MatrixEntry) -> Tensor:
-        return self._q[e.q_offset : e.q_offset + e.cols * e.rank].view(e.cols, e.rank)
+        """``Q^T`` of entry ``e``: ``(rank, cols)``."""
+        return self._q[e.q_offset : e.q_offset + e.cols * e.rank].view(e.rank, e.cols)
 
     def _error_view(self, e: MatrixEntry) -> Tensor:
         return self._error[e.e_offset : e.e_offset + e.numel].view(e.rows, e.cols)
@@ -505,8 +514,8 @@ class PowerSGDCompressor:
             return
         eps = self.config.orthogonalisation_eps
         for g in self.plan.q_groups:
-            q, new = g.view(self._q), g.view(fresh)
-            dead = q.norm(dim=1, keepdim=True) <= eps  # (k, 1, r)
+            q, new = g.view_t(self._q), g.view_t(fresh)
+            dead = q.norm(dim=2, keepdim=True) <= eps  # (k, r, 1)
             q.copy_(torch.where(dead, new, q))
 
     def _compress(self, grads: Sequence[Tensor], step: int) -> None:
@@ -525,26 +534,30 @@ class PowerSGDCompressor:
             else:
                 m = g
             matrices[e.index] = m
-            torch.matmul(m, self._q_view(e), out=p_flat[e.p_offset : e.p_offset + e.rows * e.rank].view(e.rows, e.rank))
+            p = p_flat[e.p_offset : e.p_offset + e.rows * e.rank].view(e.rows, e.rank)
+            torch.matmul(m, self._q_view(e).t(), out=p)
         _all_reduce(p_flat, self.group)
         if world > 1:
             p_flat.div_(world)
         for g in plan.p_groups:
             _orthonormalise_(g.view(p_flat), cfg.orthogonalisation_eps)
-        # Q = M^T P (the warm start for the next step)
+        # Q^T = P^T M (the warm start for the next step)
         for e in comp:
             p = p_flat[e.p_offset : e.p_offset + e.rows * e.rank].view(e.rows, e.rank)
-            torch.matmul(matrices[e.index].t(), p, out=self._q_view(e))
+            torch.matmul(p.t(), matrices[e.index], out=self._q_view(e))
         _all_reduce(self._q, self.group)
         if world > 1:
             self._q.div_(world)
         # G <- P Q^T ; E <- M - P Q^T
         for e in comp:
             p = p_flat[e.p_offset : e.p_offset + e.rows * e.rank].view(e.rows, e.rank)
-            approx = p @ self._q_view(e).t()
+            g = grads[e.index]
+            if g.is_contiguous():
+                torch.matmul(p, self._q_view(e), out=g.view(e.rows, e.cols))
+            else:
+                g.copy_((p @ self._q_view(e)).view_as(g))
             if cfg.use_error_feedback:
-                matrices[e.index].sub_(approx)
-            grads[e.index].copy_(approx.view_as(grads[e.index]))
+                matrices[e.index].sub_(g.view(e.rows, e.cols) if g.is_contiguous() else g.reshape(e.rows, e.cols))
 
 
 # --------------------------------------------------------------------------------------------
