@@ -29,9 +29,9 @@ def _params(shapes, dtype=torch.float64):
     return [nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
 
 
-def _per_rank_grads(shapes, world, step, dtype=torch.float64):
+def _per_rank_grads(shapes, world, step, dtype=torch.float64, salt=0):
     """Every rank's gradients for ``step`` (all ranks can compute all of them)."""
-    g = torch.Generator().manual_seed(1000 + step)
+    g = torch.Generator().manual_seed(1000 + step + 7919 * salt)
     return [[torch.randn(s, generator=g, dtype=dtype) for s in shapes] for _ in range(world)]
 
 
@@ -52,11 +52,28 @@ FULL = dict(start_iter=0, min_compression_rate=0.0, min_numel=0)
 # --------------------------------------------------------------------------------------------
 
 
+def _data_parallel_groups(world):
+    """The whole world, and for 4 ranks also the data-parallel subgroups {0, 2} and {1, 3} of a
+    layout with 2 GPUs per model (made on every rank, in the same order)."""
+    out = [(dist.group.WORLD, list(range(world)))]
+    if world == 4:
+        subgroups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        members = [0, 2] if dist.get_rank() % 2 == 0 else [1, 3]
+        out.append((subgroups[dist.get_rank() % 2], members))
+    return out
+
+
 def _check_exact_and_full_rank(rank, world):
-    group = dist.group.WORLD
+    for group, members in _data_parallel_groups(world):
+        _check_group(members.index(rank), len(members), group, salt=1 + members[0])
+    return True
+
+
+def _check_group(rank, world, group, salt):
+    """``rank``/``world``: this rank's position in ``group`` and its size; ``salt``: differs per group."""
     params = _params(SHAPES)
     for step in range(2):
-        per_rank = _per_rank_grads(SHAPES, world, step)
+        per_rank = _per_rank_grads(SHAPES, world, step, salt=salt)
         mean = _mean(per_rank)
         # baseline: one flat all-reduce
         _set_grads(params, per_rank[rank])
@@ -80,7 +97,7 @@ def _check_exact_and_full_rank(rank, world):
             comp = PowerSGDCompressor(params, group, cfg)
             assert len(comp.plan.compressed) == 5
             for step in range(3):
-                per_rank = _per_rank_grads(SHAPES, world, step)
+                per_rank = _per_rank_grads(SHAPES, world, step, salt=salt)
                 _set_grads(params, per_rank[rank])
                 with CommCounter() as c:
                     comp.reduce_gradients()
@@ -92,7 +109,6 @@ def _check_exact_and_full_rank(rank, world):
                     total = e.clone()
                     dist.all_reduce(total, group=group)
                     torch.testing.assert_close(total, torch.zeros_like(e), rtol=0, atol=1e-10)
-    return True
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -301,38 +317,43 @@ def test_state_dict_round_trip_resumes_identically():
 
 def _check_ddp(rank, world):
     group = dist.group.WORLD
-    torch.manual_seed(3)
     cfg = PowerSGDConfig(rank=2, start_iter=2, min_numel=256)
-    base = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 48), nn.Linear(48, 4))
-    base = base.double()
-    plain = copy.deepcopy(base)
-    ddp = nn.parallel.DistributedDataParallel(base, bucket_cap_mb=0.03)
-    state = register_powersgd_hook(ddp, cfg)
-    comp = PowerSGDCompressor(plain.parameters(), group, cfg)
-    calls = []
-    for step in range(5):
-        x, _ = _batch(rank, step)
-        with CommCounter() as c:
-            ddp(x).pow(2).sum().backward()
-        calls.append(c.calls("all_reduce"))
-        plain(x).pow(2).sum().backward()
-        if step < 2:  # before start_iter: the exact mean of the per-rank gradients
-            own = [p.grad.clone() for p in plain.parameters()]
-            everyone = [torch.zeros_like(g) for g in own]
-            for i, g in enumerate(own):
-                gathered = [torch.zeros_like(g) for _ in range(world)]
-                dist.all_gather(gathered, g, group=group)
-                everyone[i] = torch.stack(gathered).mean(0)
-        comp.reduce_gradients()
-        if step < 2:
-            for p, m in zip(plain.parameters(), everyone, strict=True):
-                torch.testing.assert_close(p.grad, m, rtol=1e-13, atol=1e-13)
-        for p, q in zip(ddp.module.parameters(), plain.parameters(), strict=True):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
-            p.grad = None
-            q.grad = None
-    assert calls[:2] == [1, 1] and calls[2:] == [3, 3, 3], calls
-    assert state.compressor.step == 5
+    for as_view in (False, True):
+        torch.manual_seed(3)
+        base = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 48), nn.Linear(48, 4))
+        base = base.double()
+        plain = copy.deepcopy(base)
+        ddp = nn.parallel.DistributedDataParallel(base, bucket_cap_mb=0.03, gradient_as_bucket_view=as_view)
+        state = register_powersgd_hook(ddp, cfg)
+        comp = PowerSGDCompressor(plain.parameters(), group, cfg)
+        calls, buckets = [], []
+        for step in range(5):
+            x, _ = _batch(rank, step)
+            with CommCounter() as c:
+                ddp(x).pow(2).sum().backward()
+            calls.append(c.calls("all_reduce"))
+            buckets.append(state.buckets_last_step)
+            plain(x).pow(2).sum().backward()
+            if step < 2:  # before start_iter: the exact mean of the per-rank gradients
+                everyone = []
+                for p in plain.parameters():
+                    gathered = [torch.zeros_like(p.grad) for _ in range(world)]
+                    dist.all_gather(gathered, p.grad, group=group)
+                    everyone.append(torch.stack(gathered).mean(0))
+            comp.reduce_gradients()
+            if step < 2:
+                for p, m in zip(plain.parameters(), everyone, strict=True):
+                    torch.testing.assert_close(p.grad, m, rtol=1e-13, atol=1e-13)
+            for p, q in zip(ddp.module.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+                if as_view:
+                    p.grad.zero_()
+                else:
+                    p.grad = None
+                q.grad = None
+        assert calls[:2] == [1, 1] and calls[2:] == [3, 3, 3], calls
+        assert max(buckets[1:]) > 1, f"DDP should use several buckets here, got {buckets}"
+        assert state.compressor.step == 5
     return True
 
 
@@ -371,6 +392,19 @@ def test_zero_gradient_does_not_stall_warm_start():
         comp.reduce_gradients()
         for p, g in zip(params, grads, strict=True):
             torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
+
+
+def test_non_contiguous_gradients():
+    params = _params([(6, 5), (5,)])
+    comp = PowerSGDCompressor(params, None, PowerSGDConfig(rank=5, **FULL))
+    grads = [torch.randn(5, 6, dtype=torch.float64).t(), torch.randn(10, dtype=torch.float64)[::2]]
+    expect = [g.clone() for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    assert not params[0].grad.is_contiguous()
+    comp.reduce_gradients()
+    for p, g in zip(params, expect, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
 
 
 def test_bfloat16_gradients():

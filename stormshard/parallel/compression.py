@@ -580,6 +580,7 @@ class PowerSGDHookState:
         self._index = {id(p): i for i, (_, p) in enumerate(compressor.named_params)}
         self._pending: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._grads: dict[int, Tensor] = {}
+        self.buckets_last_step = 0  # how many DDP buckets the last reduction gathered
 
     def add(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buffer = bucket.buffer()
@@ -604,6 +605,7 @@ class PowerSGDHookState:
     def _flush(self) -> None:
         pending, grads = self._pending, self._grads
         self._pending, self._grads = [], {}
+        self.buckets_last_step = len(pending)
         n = len(self.compressor.plan.entries)
         if len(grads) != n:
             missing = [self.compressor.plan.entries[i].name for i in range(n) if i not in grads]
