@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from stormshard.training.config import ExperimentConfig, load_experiment_config
-from stormshard.training.loop import TrainResult, train
+from stormshard.training.loop import TrainResult, preflight, train
 
 __all__ = ["init_distributed", "run_training"]
 
@@ -54,11 +54,11 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
     """Validate ``config``, start the process group, train, and shut down."""
     cfg = config if isinstance(config, ExperimentConfig) else load_experiment_config(config, overrides)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.parallel.layout(world)  # a bad layout fails here, before any process group exists
+    inputs = preflight(cfg, world)  # bad layouts and data fail here, before any process group exists
     owns_group = not dist.is_initialized()
     init_distributed()
     try:
-        return train(cfg, resume=resume)
+        return train(cfg, resume=resume, inputs=inputs)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

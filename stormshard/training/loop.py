@@ -30,14 +30,25 @@ from stormshard.graphs.builder import load_or_build_graph
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 from stormshard.parallel.comm import all_reduce_sum, gather_tensor
-from stormshard.parallel.topology import ProcessGroups, batch_arithmetic, build_process_groups
+from stormshard.parallel.topology import (
+    BatchPlan,
+    ParallelLayout,
+    ProcessGroups,
+    batch_arithmetic,
+    build_process_groups,
+)
 from stormshard.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stormshard.training.config import ConfigError, ExperimentConfig
-from stormshard.training.engine import build_engine
+from stormshard.training.engine import EngineSettings, build_engine
 from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
 from stormshard.training.metrics_log import MetricsLogger, format_table, rmse_rows
 
-__all__ = ["Trainer", "TrainResult", "train"]
+__all__ = ["Trainer", "TrainResult", "RunInputs", "preflight", "train", "RESUME_MAY_CHANGE"]
+
+# config fields a resumed run may change (everything else must equal the checkpoint's)
+RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.validation_interval",
+                     "training.checkpoint_interval", "training.keep_checkpoints", "training.output_dir",
+                     "data.graph_cache", "data.validation_samples", "logging")
 
 
 @dataclass
@@ -62,52 +73,85 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What :func:`preflight` checked and opened: everything that can fail on bad input."""
+
+    layout: ParallelLayout
+    dataset: AnemoiDataset
+    variables: VariableIndex
+    train_samples: WindowedSampleDataset
+    val_samples: WindowedSampleDataset
+    replicas: int  # independent sample streams (data-parallel replicas or ensemble groups)
+    members_per_model: int  # ensemble members per model group (1 for deterministic models)
+    total_steps: int
+    settings: EngineSettings
+    plan_batch: BatchPlan
+
+
+def preflight(config: ExperimentConfig, world: int) -> RunInputs:
+    """Check the config against the world size and the dataset, before any process group or file
+    is made; raises :class:`ConfigError` / ``LayoutError`` / ``AnemoiLayoutError`` naming the field."""
+    t = config.training
+    layout = config.parallel.layout(world)
+    data_path = Path(config.data.path)
+    if not data_path.exists():
+        raise ConfigError(
+            f"data.path={config.data.path!r} does not exist: generate one with `python -m "
+            "stormshard.data.synthetic --out data/synthetic.zarr` or point to an anemoi-layout dataset"
+        )
+    dataset = AnemoiDataset.open(data_path)
+    try:
+        variables = VariableIndex.build(dataset.variables, config.data.forcing, config.data.diagnostic)
+    except ValueError as exc:
+        raise ConfigError(f"data.forcing / data.diagnostic: {exc}") from None
+    window = dict(multistep_input=config.model.multistep_input, timestep=config.data.timestep, ensemble="each")
+    ranges = {"train": (config.data.train.start, config.data.train.end),
+              "validation": (config.data.validation.start, config.data.validation.end)}
+    try:
+        train_samples = split_by_dates(dataset, {"train": ranges["train"]}, rollout=t.rollout, **window)["train"]
+        val_samples = split_by_dates(dataset, {"validation": ranges["validation"]}, rollout=1, **window)["validation"]
+    except ValueError as exc:
+        raise ConfigError(f"data.train / data.validation / data.timestep: {exc}") from None
+    if config.engine == "local" and layout.data_parallel_size > 1:
+        raise ConfigError(
+            f"engine='local' has no data parallelism but world {world} / gpus_per_model {layout.gpus_per_model} "
+            f"gives {layout.data_parallel_size} replicas: use engine 'deepspeed' or 'ddp', or launch "
+            f"{layout.gpus_per_model} processes"
+        )
+    if config.model.name == "ensemble":
+        replicas, members = layout.num_ensemble_groups, config.parallel.ensemble_size_per_device
+    else:
+        replicas, members = layout.data_parallel_size, 1
+    if len(train_samples) < replicas * config.micro_batch:
+        raise ConfigError(
+            f"data.train holds {len(train_samples)} samples, fewer than one global micro-batch "
+            f"({replicas} replicas x micro batch {config.micro_batch}): widen the date range"
+        )
+    accumulation = config.engine_settings(1).accumulation
+    per_epoch = len(train_samples) // (replicas * config.micro_batch * accumulation)
+    total_steps = t.max_steps if t.max_steps is not None else max(1, per_epoch * t.epochs)
+    settings = config.engine_settings(total_steps)
+    plan_batch = batch_arithmetic(config.micro_batch, world, settings.accumulation, layout.gpus_per_model)
+    return RunInputs(layout, dataset, variables, train_samples, val_samples, replicas, members, total_steps,
+                     settings, plan_batch)
+
+
 class Trainer:
     """Builds everything from an :class:`ExperimentConfig` (validated before any group or file is
     made) and runs the loop. ``torch.distributed`` must be initialised when the world is larger
     than one process (``launch/train.py`` does it)."""
 
-    def __init__(self, config: ExperimentConfig, resume: bool = False) -> None:
+    def __init__(self, config: ExperimentConfig, resume: bool = False, inputs: RunInputs | None = None) -> None:
         self.config, self.resume = config, resume
         world, self.rank = _world()
+        inputs = inputs or preflight(config, world)
+        self.layout, self.dataset, self.variables = inputs.layout, inputs.dataset, inputs.variables
+        self.train_samples, self.val_samples = inputs.train_samples, inputs.val_samples
+        self.total_steps, self.settings, self.plan_batch = inputs.total_steps, inputs.settings, inputs.plan_batch
+        self.replicas, self.members_per_model = inputs.replicas, inputs.members_per_model
+        self.output_dir = Path(config.training.output_dir)
         t = config.training
-        # ---- everything that can fail on bad input, before any group or file is made
-        self.layout = config.parallel.layout(world)
-        self.plan_batch = batch_arithmetic(config.micro_batch, world, 1, self.layout.gpus_per_model)
-        data_path = Path(config.data.path)
-        if not data_path.exists():
-            raise ConfigError(
-                f"data.path={config.data.path!r} does not exist: generate one with `python -m "
-                "stormshard.data.synthetic --out data/synthetic.zarr` or point to an anemoi-layout dataset"
-            )
-        self.dataset = AnemoiDataset.open(data_path)
-        try:
-            self.variables = VariableIndex.build(self.dataset.variables, config.data.forcing, config.data.diagnostic)
-        except ValueError as exc:
-            raise ConfigError(f"data.forcing / data.diagnostic: {exc}") from None
-        m = config.model.multistep_input
-        window = dict(multistep_input=m, rollout=t.rollout, timestep=config.data.timestep, ensemble="each")
-        splits = split_by_dates(self.dataset, {
-            "train": (config.data.train.start, config.data.train.end),
-            "validation": (config.data.validation.start, config.data.validation.end),
-        }, **window)
-        self.train_samples: WindowedSampleDataset = splits["train"]
-        self.val_samples: WindowedSampleDataset = split_by_dates(self.dataset, {
-            "validation": (config.data.validation.start, config.data.validation.end)},
-            **{**window, "rollout": 1})["validation"]
-        self.replicas, self.members_per_model = self._replica_layout()
-        if len(self.train_samples) < self.replicas * config.micro_batch:
-            raise ConfigError(
-                f"data.train holds {len(self.train_samples)} samples, fewer than one global micro-batch "
-                f"({self.replicas} replicas x micro batch {config.micro_batch}): widen the date range"
-            )
-        accumulation = config.engine_settings(1).accumulation
-        per_epoch = len(self.train_samples) // (self.replicas * config.micro_batch * accumulation)
-        self.total_steps = t.max_steps if t.max_steps is not None else max(1, per_epoch * t.epochs)
-        self.settings = config.engine_settings(self.total_steps)
-        self.plan_batch = batch_arithmetic(config.micro_batch, world, self.settings.accumulation,
-                                           self.layout.gpus_per_model)
-        self.output_dir = Path(t.output_dir)
 
         # ---- process groups, graph, model, engine
         self.groups: ProcessGroups = build_process_groups(self.layout)
@@ -139,12 +183,6 @@ class Trainer:
         self.logger: MetricsLogger | None = None
 
     # ------------------------------------------------------------------ layout helpers
-    def _replica_layout(self) -> tuple[int, int]:
-        """(independent sample streams, ensemble members per model group)."""
-        if self.config.model.name == "ensemble":
-            return self.layout.num_ensemble_groups, self.config.parallel.ensemble_size_per_device
-        return self.layout.data_parallel_size, 1
-
     def _replica_rank(self) -> int:
         if self.config.model.name == "ensemble":
             return self.groups.ensemble_data_parallel_rank
@@ -277,8 +315,7 @@ class Trainer:
             return 0
         world, _ = _world()
         loaded = load_checkpoint(directory, self.rank, config=self._config_dict(), layout=self._layout_dict(),
-                                 world=world, ignore=("training.max_steps", "training.epochs", "logging",
-                                                      "training.validation_interval", "training.checkpoint_interval"))
+                                 world=world, ignore=RESUME_MAY_CHANGE)
         self.engine.load_state_dict(loaded.state["engine"])
         self.sampler.load_state_dict(loaded.state["data"])
         self._order, self._cursor = list(self.sampler.remaining()), 0
@@ -353,6 +390,6 @@ class Trainer:
         return float(all_reduce_sum(t, group)[0]) / self.replicas
 
 
-def train(config: ExperimentConfig, resume: bool = False) -> TrainResult:
+def train(config: ExperimentConfig, resume: bool = False, inputs: RunInputs | None = None) -> TrainResult:
     """Build a :class:`Trainer` and run it."""
-    return Trainer(config, resume=resume).fit()
+    return Trainer(config, resume=resume, inputs=inputs).fit()

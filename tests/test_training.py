@@ -1,0 +1,188 @@
+"""The training loop end to end: loss parity across layouts, resume, skill against persistence,
+ensemble training, and bad configs that fail before anything is created."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stormshard.data.synthetic import generate_synthetic_dataset
+from stormshard.training.config import ConfigError, load_experiment_config
+from stormshard.training.launch import run_training
+from tests.distributed import run_distributed
+
+BASE = {
+    "name": "tiny",
+    "model": {
+        "name": "transformer", "num_channels": 16, "multistep_input": 2, "trainable_size": 4,
+        "processor": {"num_layers": 2, "num_heads": 4, "mlp_ratio": 2, "window_size": 16},
+        "encoder": {"num_heads": 2, "mlp_ratio": 1.0}, "decoder": {"num_heads": 2, "mlp_ratio": 1.0},
+    },
+    "graph": {"data_grid": None, "hidden": "o4", "processor": {"kind": "knn", "num_neighbours": 6}},
+    "data": {
+        "path": "", "forcing": ["insolation"], "diagnostic": ["tracer_product"], "timestep": "6h",
+        "train": {"end": "2020-01-10T18"}, "validation": {"start": "2020-01-11"}, "validation_samples": 4,
+    },
+    "parallel": {"gpus_per_model": 1},
+    "training": {"max_steps": 3, "lr": 1e-3, "warmup_steps": 1, "validation_interval": 100,
+                 "checkpoint_interval": 100, "seed": 0, "output_dir": ""},
+    "engine": "deepspeed",
+    "deepspeed": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
+    "logging": {"progress": False},
+}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
+    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
+    return str(path)
+
+
+def _config(dataset: str, out: Path, **changes) -> dict:
+    cfg = copy.deepcopy(BASE)
+    cfg["data"]["path"] = dataset
+    cfg["training"]["output_dir"] = str(out)
+    for dotted, value in changes.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return cfg
+
+
+def _train(rank, world, cfg, resume=False):
+    result = run_training(cfg, resume=resume)
+    return result.losses, result.validation
+
+
+# ------------------------------------------------------------------------------ loss parity
+
+LAYOUTS = [  # (world, gpus_per_model, micro batch): the same effective batch of 2 everywhere
+    (1, 1, 2),
+    (2, 1, 1),
+    (2, 2, 2),
+    (4, 2, 1),
+]
+
+
+def test_loss_parity_across_layouts(dataset, tmp_path):
+    losses = {}
+    for world, gpm, micro in LAYOUTS:
+        cfg = _config(dataset, tmp_path / f"w{world}g{gpm}", **{
+            "parallel.gpus_per_model": gpm, "deepspeed.train_micro_batch_size_per_gpu": micro})
+        if world == 1:
+            losses[(world, gpm)] = _train(0, 1, cfg)[0]
+        else:
+            out = run_distributed(_train, world, cfg)
+            assert all(o[0] == out[0][0] for o in out), "ranks disagree on the logged loss"
+            losses[(world, gpm)] = out[0][0]
+    reference = losses[(1, 1)]
+    assert len(reference) == 3
+    for layout, curve in losses.items():
+        assert curve == pytest.approx(reference, rel=2e-5), f"layout {layout}: {curve} vs {reference}"
+
+
+def test_tensor_parallel_and_graph_processors_match_single_process(dataset, tmp_path):
+    for i, extra in enumerate([
+        {"parallel.shard_strategy": "tensor"},
+        {"model.name": "graphtransformer", "graph.hidden": "ico1", "graph.processor": {"kind": "multimesh"}},
+    ]):
+        single = _train(0, 1, _config(dataset, tmp_path / f"single{i}", **extra))[0]
+        sharded = run_distributed(_train, 2, _config(dataset, tmp_path / f"sharded{i}", **{
+            "parallel.gpus_per_model": 2, **extra}))[0][0]
+        assert sharded == pytest.approx(single, rel=2e-5), extra
+
+
+# ------------------------------------------------------------------------------ resume
+
+
+def test_resume_equals_uninterrupted(dataset, tmp_path):
+    """A run interrupted after step 2 (only its step-2 checkpoint survives) and resumed gives the
+    uninterrupted loss curve, bit for bit."""
+    changes = {"parallel.gpus_per_model": 2, "training.max_steps": 5, "training.checkpoint_interval": 2,
+               "training.keep_checkpoints": 5, "deepspeed.zero_optimization": {"stage": 1}}
+    full = run_distributed(_train, 2, _config(dataset, tmp_path / "full", **changes))[0][0]
+    assert len(full) == 5
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_00000002",
+                    resumed_dir / "checkpoints" / "step_00000002")
+    resumed = run_distributed(_train, 2, _config(dataset, resumed_dir, **changes), True)[0][0]
+    assert resumed == full[2:]
+
+
+# ------------------------------------------------------------------------------ skill
+
+
+def test_tiny_model_beats_persistence(dataset, tmp_path):
+    cfg = _config(dataset, tmp_path / "skill", **{
+        "training.max_steps": 400, "training.lr": 3e-3, "training.warmup_steps": 10, "engine": "local",
+        "deepspeed": {"train_micro_batch_size_per_gpu": 2}, "model.num_channels": 32,
+        "data.validation_samples": 8})
+    losses, validation = _train(0, 1, cfg)
+    assert losses[-1] < 0.5 * losses[0]
+    for name in ("tracer_1", "tracer_2", "tracer_3"):
+        assert validation["rmse"][name] < 0.8 * validation["persistence"][name], validation
+
+
+def test_ensemble_training_runs_and_learns(dataset, tmp_path):
+    cfg = _config(dataset, tmp_path / "ens", **{
+        "model.name": "ensemble", "model.ensemble": {"noise_channels": 2}, "parallel.gpus_per_model": 1,
+        "parallel.gpus_per_ensemble": 2, "parallel.ensemble_size_per_device": 2, "training.max_steps": 6,
+        "deepspeed.train_micro_batch_size_per_gpu": 1})
+    out = run_distributed(_train, 2, cfg)
+    losses = out[0][0]
+    assert out[1][0] == losses and len(losses) == 6 and losses[-1] < losses[0]
+
+
+# ------------------------------------------------------------------------------ bad configs
+
+BAD = [
+    ({"model.num_chanels": 16}, "model.num_chanels"),
+    ({"model.num_channels": 10}, "num_channels=10 is not divisible"),
+    ({"parallel.pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2"),
+    ({"parallel.tensor_model_parallel_size": 2, "parallel.gpus_per_model": 4}, "tensor_model_parallel_size=2"),
+    ({"parallel.gpus_per_model": 2}, "world_size=1 is not a multiple of gpus_per_model=2"),
+    ({"training.max_steps": None}, "exactly one of max_steps and epochs"),
+    ({"training.lr": -1}, "training.lr"),
+    ({"deepspeed.zero_optimization": {"stage": 3}}, "stage=3 is not supported"),
+    ({"compression": {"rank": 2}, "engine": "local"}, "engine='local' has no data parallelism"),
+    ({"data.path": "/nonexistent/data.zarr"}, "data.path='/nonexistent/data.zarr' does not exist"),
+    ({"data.forcing": ["sst"]}, "forcing variables ['sst'] are not in"),
+    ({"graph.hidden": "cube7"}, "hidden='cube7'"),
+    ({"engine": "horovod"}, "engine"),
+    ({"model.name": "ensemble"}, "at least 2 members"),
+    ({"parallel.shard_strategy": "tensor", "model.processor.shard_strategy": "shard_heads"}, "disagree"),
+]
+
+
+@pytest.mark.parametrize("changes, fragment", BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_configs_fail_before_anything_is_created(dataset, tmp_path, changes, fragment):
+    out = tmp_path / "run"
+    cfg = _config(dataset, out, **changes)
+    with pytest.raises((ConfigError, ValueError)) as err:
+        run_training(cfg)
+    assert fragment in str(err.value), str(err.value)
+    assert not out.exists()
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_experiment_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_experiment_config(bad)
+    bad.write_text(json.dumps({"modle": {}}))
+    with pytest.raises(ConfigError, match="modle = .*unknown key"):
+        load_experiment_config(bad)
+
+
+def test_shipped_configs_validate():
+    for path in sorted(Path("configs").glob("*.json")):
+        load_experiment_config(path)
