@@ -133,6 +133,21 @@ def test_flash_window_mapping():
         assert torch.equal(ours, flash), (num_q, num_k, shift, w)
 
 
+def test_kernel_saves_only_linear_state_for_backward():
+    """Autograd keeps q, k, v, out and the per-query log-sum-exp: no (Lq, Lk) or banded score matrix."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    q, k, v = (torch.randn(2, 3, 2048, 8, requires_grad=True) for _ in range(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sliding_window_attention(q, k, v, 256)
+    out.sum().backward()
+    assert sum(saved) <= 4 * q.numel() + 2 * 3 * 2048  # q, k, v, out and lse (+ slack)
+
+
 def test_kernel_errors():
     q = torch.zeros(1, 1, 4, 2)
     with pytest.raises(ValueError, match="window_size must be a non-negative int, got -1"):
