@@ -27,6 +27,8 @@ CASES = {
     "graphtransformer": dict(name="graphtransformer", processor=dict(num_chunks=2)),
     "gnn": dict(name="gnn"),
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=3)),
+    "transformer-checkpointed": dict(name="transformer", activation_checkpointing=True),
+    "gnn-checkpointed": dict(name="gnn", activation_checkpointing=True, processor=dict(num_chunks=3)),
 }
 
 

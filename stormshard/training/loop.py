@@ -327,7 +327,8 @@ class Trainer:
         b = self.plan_batch
         return (f"layout: {self.layout.describe()}\n"
                 f"batch:  {b.describe()}\n"
-                f"model:  {self.config.model.name} ({self.config.model.processor.shard_strategy}), "
+                f"model:  {self.config.model.name}"
+                f"{'' if self.config.model.uses_graph_processor else ' (' + self.config.model.processor.shard_strategy + ')'}, "
                 f"{sum(p.numel() for p in self.engine.module.parameters()):,} parameters on this rank; "
                 f"grid {self.plan.num_data} cells ({self.plan.data_sizes[self.plan.rank]} here), hidden "
                 f"{self.plan.num_hidden} nodes; engine {self.config.engine} on {self.device}")
