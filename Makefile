@@ -33,7 +33,7 @@ train: setup
 	DS_ACCELERATOR=cpu $(VENV)/bin/deepspeed --num_accelerators $(NPROC) launch/train.py --config configs/quickstart.json
 
 bench: setup
-	$(PY) benchmarks/run_all.py
+	@for b in benchmarks/bench_*.py; do echo "== $$b --quick"; $(PY) $$b --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
