@@ -1,7 +1,7 @@
 """Time reading training samples whole against one reader's share of a reader group, per chunking.
 
-    python benchmarks/data_read.py            # O96 (40,320 cells), 60 dates, 2 members
-    python benchmarks/data_read.py --quick    # O32 (5,248 cells), 30 dates, 1 member
+    python benchmarks/bench_data_read.py            # O96 (40,320 cells), 60 dates, 2 members
+    python benchmarks/bench_data_read.py --quick    # O32 (5,248 cells), 30 dates, 1 member
 
 Writes a synthetic store twice: with anemoi's default chunking (one chunk per date and member
 holding the whole grid) and with the grid split into 16 chunks (``cells_per_chunk``). For read

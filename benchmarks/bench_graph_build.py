@@ -1,7 +1,7 @@
 """Time building the encoder-processor-decoder graph, and loading it back from its cache file.
 
-    python benchmarks/graph_build.py            # O96 data, icosahedral levels 5 and 6
-    python benchmarks/graph_build.py --quick    # O48 data, icosahedral level 4
+    python benchmarks/bench_graph_build.py            # O96 data, icosahedral levels 5 and 6
+    python benchmarks/bench_graph_build.py --quick    # O48 data, icosahedral level 4
 
 Prints per-stage build times, edge counts, coverage edges added, file size, and the ratio of a cached
 load to a build (the baseline, measured in the same run).
