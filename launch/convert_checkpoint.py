@@ -1,0 +1,88 @@
+"""Convert training checkpoints: consolidate, reshard, export, inspect.
+
+    python launch/convert_checkpoint.py inspect runs/quickstart/checkpoints [--json]
+    python launch/convert_checkpoint.py consolidate runs/quickstart/checkpoints --out runs/quickstart/full
+    python launch/convert_checkpoint.py reshard runs/quickstart/checkpoints --gpus-per-model 4 \\
+        [--shard-strategy tensor] [--world-size N] --out runs/k4/checkpoints
+    python launch/convert_checkpoint.py export runs/quickstart/checkpoints --out bundles/quickstart
+
+A CHECKPOINT is a step_XXXXXXXX directory, a run's checkpoints directory (its latest checkpoint)
+or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
+difference found. After ``reshard``, resume with ``OUT/resume_config.json``:
+
+    deepspeed --num_accelerators 4 launch/train.py --config runs/k4/checkpoints/resume_config.json --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stormshard.checkpoint.consolidate import consolidate_checkpoint, save_consolidated  # noqa: E402
+from stormshard.checkpoint.errors import ConversionError  # noqa: E402
+from stormshard.checkpoint.export import export_bundle  # noqa: E402
+from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint  # noqa: E402
+from stormshard.checkpoint.reshard import STRATEGIES, reshard_checkpoint  # noqa: E402
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="layout, step, parameter names, shapes and sizes")
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--brief", action="store_true", help="leave out the parameter table")
+    p = sub.add_parser("consolidate", help="one full-model checkpoint (safetensors + optimizer state)")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p = sub.add_parser("reshard", help="a training checkpoint for another gpus_per_model / shard strategy")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True, help="a checkpoints directory (e.g. runs/NEW/checkpoints)")
+    p.add_argument("--gpus-per-model", type=int, required=True)
+    p.add_argument("--shard-strategy", choices=STRATEGIES, default=None)
+    p.add_argument("--world-size", type=int, default=None, help="default: gpus-per-model x the source's replicas")
+    p.add_argument("--dataset", default=None, help="the training dataset, if data.path has moved")
+    p.add_argument("--graph", default=None, help="the training graph file (default: found next to the run)")
+    p.add_argument("--overwrite", action="store_true")
+    p = sub.add_parser("export", help="an inference bundle for stormshard.load_model")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dataset", default=None)
+    p.add_argument("--graph", default=None)
+    p.add_argument("--overwrite", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            info = inspect_checkpoint(args.checkpoint)
+            print(json.dumps(info, indent=1) if args.json else format_inspection(info, parameters=not args.brief))
+        elif args.command == "consolidate":
+            ckpt = consolidate_checkpoint(args.checkpoint)
+            out = save_consolidated(ckpt, args.out, overwrite=args.overwrite)
+            print(f"consolidated step {ckpt.step} ({len(ckpt.model)} tensors) into {out}"
+                  + (f"\nnote: {ckpt.optimizer_note}" if ckpt.optimizer_note else ""))
+        elif args.command == "reshard":
+            out = reshard_checkpoint(args.checkpoint, args.out, args.gpus_per_model, args.shard_strategy,
+                                     world_size=args.world_size, dataset=args.dataset, graph=args.graph,
+                                     overwrite=args.overwrite)
+            print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
+        else:
+            out = export_bundle(args.checkpoint, args.out, dataset=args.dataset, graph=args.graph,
+                                overwrite=args.overwrite)
+            print(f"exported {out}: load it with stormshard.checkpoint.export.load_model({str(out)!r})")
+    except (ConversionError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""Consolidate a training checkpoint of any layout into one full-model checkpoint.
+
+Driven by the metadata every training checkpoint carries (``metadata.json``: the layout and, per
+rank, each parameter's local shape, full shape and :class:`~stormshard.parallel.partition.Partition`):
+
+- a partitioned (tensor-parallel) parameter is the concatenation, along its partition ``dim``, of
+  the slices of the ``parts`` ranks of its model group, in ``index`` order; every slice must be
+  there with its balanced size;
+- a replicated parameter is taken from the model group's first rank, and every other rank of the
+  group must hold an identical copy;
+- data-parallel replicas (model groups) must hold identical full tensors.
+
+Optimizer state (AdamW ``exp_avg`` / ``exp_avg_sq``, any per-parameter tensor of the parameter's
+shape) follows its parameter's partition; scalars (``step``) are taken from the first rank. This
+works for every engine whose optimizer state is a torch ``state_dict`` keyed by parameter
+position: ``local``, ``ddp`` and ``deepspeed`` at ZeRO stage 0 (fp32). DeepSpeed ZeRO 1/2 (and
+bf16) keep the optimizer state in flat per-rank partitions; for those the weights are consolidated
+and the optimizer state is left out (``optimizer_note`` says why), so :func:`~stormshard.checkpoint.reshard.reshard_checkpoint`
+refuses them with an error naming the stage and the fix.
+
+The consolidated checkpoint on disk (:func:`save_consolidated`)::
+
+    <out>/metadata.json     format "stormshard-consolidated", step, config, source layout, parameters
+    <out>/model.safetensors full tensors, the keys and shapes of the single-process model
+    <out>/optimizer.pt      {"param_groups": [...], "state": {name: {"step", "exp_avg", ...}}} (if any)
+    <out>/trainer.pt        scheduler, engine counters, per-replica data position and RNG states
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.parallel.partition import Partition
+from stormshard.parallel.topology import ParallelLayout
+from stormshard.training.checkpoint import METADATA, latest_checkpoint
+
+__all__ = [
+    "CONSOLIDATED_FORMAT",
+    "ConsolidatedCheckpoint",
+    "resolve_checkpoint",
+    "read_metadata",
+    "load_rank_payloads",
+    "consolidate_checkpoint",
+    "save_consolidated",
+    "load_consolidated",
+    "load_any",
+    "atomic_directory",
+]
+
+CONSOLIDATED_FORMAT = "stormshard-consolidated"
+_ZERO_FIX = ("re-run (or resume) the source for one step with deepspeed.zero_optimization.stage=0 to get a "
+             "convertible optimizer state, or use `consolidate`/`export`, which keep the weights")
+
+
+@dataclass
+class ConsolidatedCheckpoint:
+    """A full (single-process) model state plus what resuming needs, independent of the layout."""
+
+    step: int
+    config: dict[str, Any]
+    source_layout: dict[str, Any]
+    model: dict[str, Tensor]
+    optimizer: dict[str, Any] | None  # {"param_groups": [...], "state": {name: {...}}}
+    optimizer_note: str = ""
+    engine: dict[str, Any] = field(default_factory=dict)  # engine name, zero stage, counters, scheduler
+    replicas: list[dict[str, Any]] = field(default_factory=list)  # per model group: {"data", "rng"}
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint step directory (``step_XXXXXXXX``), a checkpoints directory (its latest
+    complete checkpoint) or a consolidated checkpoint directory."""
+    p = Path(path)
+    if (p / METADATA).is_file():
+        return p
+    if p.is_dir():
+        latest = latest_checkpoint(p)
+        if latest is not None:
+            return latest
+    raise ConversionError(f"{p} is not a checkpoint: no {METADATA} in it and no complete step_XXXXXXXX below it",
+                          fix="pass a step_XXXXXXXX directory or the run's checkpoints directory")
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / METADATA).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{path / METADATA} cannot be read: {exc}", fix="the checkpoint is damaged") from None
+
+
+def _rank_file(path: Path, rank: int) -> Path:
+    return path / f"rank_{rank:05d}.pt"
+
+
+def load_rank_payloads(path: Path, metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``rank_XXXXX.pt``; one error lists all missing, extra, unreadable or foreign files."""
+    world = int(metadata["world_size"])
+    problems = []
+    if len(metadata.get("ranks", [])) != world:
+        problems.append(f"metadata.json lists {len(metadata.get('ranks', []))} rank tables for world_size {world}")
+    present = {p.name for p in path.glob("rank_*.pt")}
+    expected = {_rank_file(path, r).name for r in range(world)}
+    problems += [f"{name}: missing (world_size {world})" for name in sorted(expected - present)]
+    problems += [f"{name}: extra rank file (world_size is {world})" for name in sorted(present - expected)]
+    payloads: list[dict[str, Any]] = []
+    for r in range(world):
+        f = _rank_file(path, r)
+        if not f.is_file():
+            continue
+        try:
+            payload = torch.load(f, map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
+            problems.append(f"{f.name}: unreadable ({type(exc).__name__}: {str(exc)[:120]}): corrupted or truncated")
+            continue
+        if not isinstance(payload, dict) or payload.get("rank") != r or payload.get("step") != metadata["step"]:
+            got = (payload.get("rank"), payload.get("step")) if isinstance(payload, dict) else type(payload).__name__
+            problems.append(f"{f.name}: holds (rank, step) {got}, expected ({r}, {metadata['step']})")
+            continue
+        payloads.append(payload)
+    if problems:
+        raise ConversionError(f"checkpoint {path} is incomplete or damaged:", problems,
+                              fix="convert an intact checkpoint (an older step_XXXXXXXX, or re-save)")
+    return payloads
+
+
+# --------------------------------------------------------------------------------------------
+# gathering
+# --------------------------------------------------------------------------------------------
+
+
+def _partition(row: Mapping[str, Any]) -> Partition | None:
+    p = row.get("partition")
+    return None if p is None else Partition(**p)
+
+
+def _gather_group(name: str, tables: list[dict[str, dict]], values: list[Tensor], problems: list[str],
+                  what: str = "") -> Tensor | None:
+    """The full tensor of ``name`` from its slices (or copies) on the ranks of one model group."""
+    label = f"{name}{what}"
+    rows = [t[name] for t in tables]
+    parts = [_partition(row) for row in rows]
+    if all(p is None for p in parts):
+        first = values[0]
+        for i, v in enumerate(values[1:], start=1):
+            if v.shape != first.shape or not torch.equal(v, first):
+                diff = (v.double() - first.double()).abs().max().item() if v.shape == first.shape else "shape"
+                problems.append(f"{label}: replicated, but model rank {i} differs from rank 0 (max diff {diff})")
+                return None
+        return first
+    if any(p is None for p in parts):
+        problems.append(f"{label}: partitioned on some model ranks and replicated on others")
+        return None
+    p0 = parts[0]
+    if len(parts) != p0.parts or sorted(p.index for p in parts) != list(range(p0.parts)) or \
+            any((p.dim, p.parts, p.full_size) != (p0.dim, p0.parts, p0.full_size) for p in parts):
+        problems.append(f"{label}: incomplete shards: the model group holds indices {[p.index for p in parts]} of "
+                        f"{p0.parts} parts ({[(p.dim, p.full_size) for p in parts]})")
+        return None
+    ordered = sorted(zip(parts, values, strict=True), key=lambda pv: pv[0].index)
+    for p, v in ordered:
+        if v.dim() <= p.dim or v.shape[p.dim] != p.sizes[p.index]:
+            problems.append(f"{label}: shard {p.index} has shape {tuple(v.shape)}, expected size "
+                            f"{p.sizes[p.index]} along dim {p.dim}")
+            return None
+    return torch.cat([v for _, v in ordered], dim=p0.dim)
+
+
+def _check_local(rank: int, table: dict[str, dict], state: Mapping[str, Tensor], problems: list[str]) -> None:
+    missing = sorted(set(table) - set(state))
+    extra = sorted(set(state) - set(table))
+    problems += [f"rank {rank}: {n}: in metadata.json but missing from the weights" for n in missing]
+    problems += [f"rank {rank}: {n}: in the weights but not in metadata.json" for n in extra]
+    for name in sorted(set(table) & set(state)):
+        want = list(table[name]["shape"])
+        if list(state[name].shape) != want:
+            problems.append(f"rank {rank}: {name}: shape {list(state[name].shape)}, metadata.json says {want}")
+
+
+def _optimizer_kind(opt: Any) -> str:
+    if isinstance(opt, Mapping) and "state" in opt and "param_groups" in opt:
+        return "torch"
+    return "partitioned"
+
+
+def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
+    """Read a training checkpoint (any layout) and return its full model and optimizer state.
+
+    Raises :class:`ConversionError` listing every problem (missing/extra rank files, unreadable
+    files, tensors missing or extra against metadata.json, wrong shapes, incomplete shards,
+    replicas that disagree); nothing is written.
+    """
+    src = resolve_checkpoint(path)
+    metadata = read_metadata(src)
+    if metadata.get("format") == CONSOLIDATED_FORMAT:
+        raise ConversionError(f"{src} is already consolidated", fix="pass it to reshard or export directly")
+    payloads = load_rank_payloads(src, metadata)
+    layout = ParallelLayout(**metadata["layout"])
+    tables = [{row["name"]: row for row in rank["parameters"]} for rank in metadata["ranks"]]
+    engines = [p["state"]["engine"] for p in payloads]
+    problems: list[str] = []
+    for r, (table, eng) in enumerate(zip(tables, engines, strict=True)):
+        _check_local(r, table, eng["module"], problems)
+    if problems:
+        raise ConversionError(f"checkpoint {src} does not match its own metadata:", problems,
+                              fix="the checkpoint is damaged: convert an intact one")
+    names = [row["name"] for row in metadata["ranks"][0]["parameters"]]
+
+    # ---- weights
+    replicas_full: list[dict[str, Tensor]] = []
+    for ranks in layout.model_groups():
+        group_tables = [tables[r] for r in ranks]
+        full = {}
+        for name in names:
+            value = _gather_group(name, group_tables, [engines[r]["module"][name] for r in ranks], problems)
+            if value is not None:
+                full[name] = value
+        replicas_full.append(full)
+    for d, full in enumerate(replicas_full[1:], start=1):
+        for name in names:
+            a, b = replicas_full[0].get(name), full.get(name)
+            if a is not None and b is not None and not torch.equal(a, b):
+                problems.append(f"{name}: data-parallel replica {d} differs from replica 0 "
+                                f"(max diff {(a.double() - b.double()).abs().max().item():.3g})")
+    if problems:
+        raise ConversionError(f"cannot consolidate {src}:", problems,
+                              fix="convert an intact checkpoint written by one training run")
+
+    # ---- optimizer
+    optimizer, note = _consolidate_optimizer(layout, tables, engines, names, problems)
+    if problems:
+        raise ConversionError(f"cannot consolidate the optimizer state of {src}:", problems)
+
+    first = engines[0]
+    engine = {k: v for k, v in first.items() if k not in ("module", "optimizer")}
+    replicas = [{"data": payloads[g[0]]["state"].get("data"), "rng": payloads[g[0]].get("rng")}
+                for g in layout.model_groups()]
+    return ConsolidatedCheckpoint(int(metadata["step"]), metadata["config"], metadata["layout"], replicas_full[0],
+                                  optimizer, note, engine, replicas)
+
+
+def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]], engines: list[dict[str, Any]],
+                           names: list[str], problems: list[str]) -> tuple[dict[str, Any] | None, str]:
+    first = engines[0]
+    if _optimizer_kind(first["optimizer"]) != "torch":
+        stage = first.get("zero_stage")
+        return None, (f"engine {first.get('engine')!r} at ZeRO stage {stage} keeps the optimizer state in flat "
+                      "per-rank partitions; only the weights were consolidated")
+    per_rank = []
+    for r, eng in enumerate(engines):
+        opt = eng["optimizer"]
+        indices = [i for g in opt["param_groups"] for i in g["params"]]
+        if sorted(indices) != list(range(len(tables[r]))):
+            problems.append(f"rank {r}: the optimizer covers parameter positions {len(indices)} of "
+                            f"{len(tables[r])}: frozen or extra parameters are not supported")
+            continue
+        order = [row for row in tables[r]]  # metadata order = named_parameters order = optimizer order
+        per_rank.append({order[i]: opt["state"].get(i, {}) for i in range(len(order))})
+    if problems:
+        return None, ""
+    state: dict[str, dict[str, Any]] = {}
+    for name in names:
+        entry: dict[str, Any] = {}
+        keys = set(per_rank[0][name])
+        for key in sorted(keys):
+            ranks = layout.model_groups()[0]
+            vals = [per_rank[r][name].get(key) for r in ranks]
+            v0 = vals[0]
+            local_shape = tuple(tables[0][name]["shape"])
+            if isinstance(v0, Tensor) and tuple(v0.shape) == local_shape and v0.dim() > 0:
+                full = _gather_group(name, [tables[r] for r in ranks], vals, problems, what=f" (optimizer {key})")
+                entry[key] = full
+            else:
+                entry[key] = v0
+        state[name] = entry
+    groups = []
+    for g in first["optimizer"]["param_groups"]:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        hyper["param_names"] = [names[i] for i in g["params"]]
+        groups.append(hyper)
+    return {"param_groups": groups, "state": state}, ""
+
+
+# --------------------------------------------------------------------------------------------
+# writing / reading the consolidated form
+# --------------------------------------------------------------------------------------------
+
+
+class atomic_directory:  # noqa: N801 - used as a context manager
+    """``with atomic_directory(out) as tmp:`` write into ``tmp``; on success it is renamed to
+    ``out`` (which must not exist unless ``overwrite``); on an exception it is deleted."""
+
+    def __init__(self, out: str | os.PathLike, overwrite: bool = False) -> None:
+        self.out = Path(out)
+        self.overwrite = overwrite
+        if self.out.exists() and not overwrite and (not self.out.is_dir() or any(self.out.iterdir())):
+            raise ConversionError(f"{self.out} exists already", fix="choose a new output path or pass --overwrite")
+        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.created = [p for p in reversed(self.tmp.parents) if not p.exists()]
+        self.tmp.mkdir(parents=True)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            for parent in reversed(self.created):  # leave no empty directories behind either
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+            return
+        if self.out.exists():
+            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
+            os.replace(self.out, old)
+            os.replace(self.tmp, self.out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.out)
+
+
+def save_safetensors(tensors: Mapping[str, Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}, str(path),
+              metadata=dict(metadata or {}))
+
+
+def save_consolidated(ckpt: ConsolidatedCheckpoint, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write ``ckpt`` as a consolidated checkpoint directory (atomically: temp dir, then rename)."""
+    meta = {
+        "format": CONSOLIDATED_FORMAT, "version": 1, "step": ckpt.step, "time": time.time(),
+        "config": ckpt.config, "source_layout": ckpt.source_layout,
+        "parameters": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                       for n, t in ckpt.model.items()],
+        "optimizer": ckpt.optimizer is not None, "optimizer_note": ckpt.optimizer_note,
+    }
+    with atomic_directory(out, overwrite) as tmp:
+        save_safetensors(ckpt.model, tmp / "model.safetensors", {"step": str(ckpt.step)})
+        if ckpt.optimizer is not None:
+            torch.save(ckpt.optimizer, tmp / "optimizer.pt")
+        torch.save({"engine": ckpt.engine, "replicas": ckpt.replicas}, tmp / "trainer.pt")
+        (tmp / METADATA).write_text(json.dumps(meta, indent=1))
+    return Path(out)
+
+
+def load_consolidated(path: str | os.PathLike) -> ConsolidatedCheckpoint:
+    """Read what :func:`save_consolidated` wrote; damaged files raise :class:`ConversionError`."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    meta = read_metadata(p)
+    if meta.get("format") != CONSOLIDATED_FORMAT:
+        raise ConversionError(f"{p} is not a consolidated checkpoint (format {meta.get('format')!r})")
+    try:
+        model = load_file(str(p / "model.safetensors"))
+        optimizer = torch.load(p / "optimizer.pt", weights_only=False) if meta["optimizer"] else None
+        trainer = torch.load(p / "trainer.pt", weights_only=False)
+    except Exception as exc:  # noqa: BLE001
+        raise ConversionError(f"{p}: a file cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
+                              fix="the consolidated checkpoint is damaged: consolidate again") from None
+    problems = []
+    want = {row["name"]: row["shape"] for row in meta["parameters"]}
+    problems += [f"{n}: listed in metadata.json, missing from model.safetensors" for n in sorted(set(want) - set(model))]
+    problems += [f"{n}: in model.safetensors, not in metadata.json" for n in sorted(set(model) - set(want))]
+    problems += [f"{n}: shape {list(model[n].shape)}, metadata.json says {want[n]}"
+                 for n in sorted(set(want) & set(model)) if list(model[n].shape) != want[n]]
+    if problems:
+        raise ConversionError(f"{p} does not match its metadata:", problems)
+    return ConsolidatedCheckpoint(int(meta["step"]), meta["config"], meta["source_layout"], model, optimizer,
+                                  meta.get("optimizer_note", ""), trainer["engine"], trainer["replicas"])
+
+
+def load_any(path: str | os.PathLike) -> ConsolidatedCheckpoint:
+    """A consolidated checkpoint, or a training checkpoint consolidated on the fly."""
+    src = resolve_checkpoint(path)
+    if read_metadata(src).get("format") == CONSOLIDATED_FORMAT:
+        return load_consolidated(src)
+    return consolidate_checkpoint(src)

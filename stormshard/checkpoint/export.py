@@ -1,0 +1,141 @@
+"""Inference bundles: everything a forecast needs, loadable with one call, without DeepSpeed.
+
+Layout of a bundle directory (written atomically: temp dir, then rename)::
+
+    <bundle>/
+      metadata.json      format "stormshard-bundle"; step; the model config; the experiment config
+                         it was trained with; variable roles (dataset order, forcing, diagnostic);
+                         normalisation methods; timestep; the parameter table
+      model.safetensors  full (single-process) weights
+      statistics.json    per dataset variable: mean, stdev, minimum, maximum
+      graph.pt           the graph (stormshard.graphs.builder.save_graph format)
+
+``load_model(path)`` returns an :class:`InferenceModel`: the model on CPU in eval mode (one
+process, no process group), the input and output normalisers, the variable roles and the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch_geometric.data import HeteroData
+
+from stormshard.checkpoint.consolidate import atomic_directory, load_any, resolve_checkpoint, save_safetensors
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.groups import model_on_meta
+from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
+from stormshard.data.anemoi_layout import Statistics
+from stormshard.data.normalisation import Normaliser
+from stormshard.graphs.builder import load_graph
+from stormshard.models.config import ModelConfig
+from stormshard.models.registry import build_model
+from stormshard.models.variables import VariableIndex
+
+__all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model"]
+
+BUNDLE_FORMAT = "stormshard-bundle"
+_STATS = ("mean", "stdev", "minimum", "maximum")
+
+
+@dataclass(frozen=True)
+class InferenceModel:
+    """What :func:`load_model` returns. ``model`` maps a normalised input
+    ``(batch, multistep_input, grid, input_variables)`` to the next normalised state
+    ``(batch, grid, output_variables)``."""
+
+    model: nn.Module
+    normaliser: Normaliser  # over variables.input_names
+    output_normaliser: Normaliser  # over variables.output_names
+    variables: VariableIndex
+    graph: HeteroData
+    config: ModelConfig
+    timestep: str | None
+    metadata: dict[str, Any]
+
+    @property
+    def multistep_input(self) -> int:
+        return self.config.multistep_input
+
+    @torch.no_grad()
+    def predict(self, states: Tensor) -> Tensor:
+        """Physical input states ``(batch, multistep_input, grid, input_variables)`` -> the next
+        physical state ``(batch, grid, output_variables)``."""
+        x = self.normaliser.normalise(states.double()).float()
+        return self.output_normaliser.denormalise(self.model(x).double())
+
+
+def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
+                  graph: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+    """Write an inference bundle from a training or consolidated checkpoint (any layout)."""
+    ckpt = load_any(source)
+    src = model_sources(ckpt.config, resolve_checkpoint(source), dataset, graph)
+    cfg = src.config
+    problems = state_differences(ckpt.model, full_shapes(model_on_meta(cfg.model, src.graph, src.variables, 0, 1)))
+    if problems:
+        raise ConversionError(f"{source} does not match the model of its config:", problems,
+                              fix="export with the config, dataset and graph the checkpoint was trained with")
+    ds, v = src.dataset, src.variables
+    meta = {
+        "format": BUNDLE_FORMAT, "version": 1, "step": ckpt.step, "time": time.time(), "source": str(source),
+        "model": cfg.model.model_dump(mode="json"), "experiment": cfg.model_dump(mode="json"),
+        "variables": {"dataset": list(v.variables), "forcing": list(v.forcing), "diagnostic": list(v.diagnostic)},
+        "normalisation": {"default": cfg.data.normalisation, "methods": dict(cfg.data.normalisation_methods)},
+        "timestep": cfg.data.timestep, "dataset": {"path": str(ds.path), "resolution": ds.resolution},
+        "parameters": [{"name": n, "shape": list(t.shape)} for n, t in ckpt.model.items()],
+    }
+    stats = {name: {s: float(getattr(ds.statistics, s)[i]) for s in _STATS} for i, name in enumerate(ds.variables)}
+    with atomic_directory(out, overwrite) as tmp:
+        save_safetensors(ckpt.model, tmp / "model.safetensors", {"step": str(ckpt.step)})
+        (tmp / "statistics.json").write_text(json.dumps(stats, indent=1))
+        shutil.copyfile(src.graph_path, tmp / "graph.pt")
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
+    return Path(out)
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> InferenceModel:
+    """Load an inference bundle written by :func:`export_bundle`: the model (CPU, eval mode,
+    single process, no DeepSpeed) plus normalisers, variables and graph."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    try:
+        meta = json.loads((p / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{p} is not a stormshard inference bundle: {exc}",
+                              fix="create one with `python launch/convert_checkpoint.py export CHECKPOINT --out DIR`") from None
+    if meta.get("format") != BUNDLE_FORMAT:
+        raise ConversionError(f"{p}/metadata.json has format {meta.get('format')!r}, not {BUNDLE_FORMAT!r}")
+    try:
+        weights = load_file(str(p / "model.safetensors"))
+        stats_json = json.loads((p / "statistics.json").read_text())
+        graph = load_graph(p / "graph.pt")
+    except Exception as exc:  # noqa: BLE001
+        raise ConversionError(f"{p}: a bundle file cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
+                              fix="the bundle is damaged: export it again") from None
+    config = ModelConfig(**meta["model"])
+    roles = meta["variables"]
+    variables = VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"])
+    model = build_model(config, graph, variables, None)
+    problems = state_differences(weights, full_shapes(model))
+    if problems:
+        raise ConversionError(f"{p}/model.safetensors does not match the model:", problems)
+    model.load_state_dict(weights)
+    model.to(dtype).eval()
+    statistics = Statistics(*(np.array([stats_json[n][s] for n in variables.variables]) for s in _STATS))
+    norm = meta["normalisation"]
+    kw = {"methods": norm["methods"], "default": norm["default"]}
+    return InferenceModel(
+        model=model,
+        normaliser=Normaliser.from_statistics(statistics, variables.variables, variables.input_names, **kw),
+        output_normaliser=Normaliser.from_statistics(statistics, variables.variables, variables.output_names, **kw),
+        variables=variables, graph=graph, config=config, timestep=meta.get("timestep"), metadata=meta,
+    )

@@ -1,0 +1,98 @@
+"""Describe a checkpoint (training, consolidated, or an inference bundle) from its metadata:
+layout, step, parameter names, local and full shapes, partitions and sizes. Reads no tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from stormshard.checkpoint.consolidate import CONSOLIDATED_FORMAT, read_metadata, resolve_checkpoint
+from stormshard.checkpoint.errors import ConversionError
+
+__all__ = ["inspect_checkpoint", "format_inspection", "human_bytes"]
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _numel(shape: list[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+def _files(path: Path) -> dict[str, int]:
+    return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON-able summary: kind, step, layout, parameters (name, shape, full shape, partition),
+    parameter count, bytes of the full model and of the files on disk."""
+    p = Path(path)
+    if (p / "metadata.json").is_file() and json.loads((p / "metadata.json").read_text()).get("format") == \
+            "stormshard-bundle":
+        meta = json.loads((p / "metadata.json").read_text())
+        params = [{"name": r["name"], "shape": r["shape"], "full_shape": r["shape"], "partition": None}
+                  for r in meta["parameters"]]
+        kind, layout, world = "inference bundle", {"world_size": 1, "gpus_per_model": 1}, 1
+        model = meta["model"]
+    else:
+        p = resolve_checkpoint(p)
+        meta = read_metadata(p)
+        model = meta.get("config", {}).get("model", {})
+        if meta.get("format") == CONSOLIDATED_FORMAT:
+            kind, layout, world = "consolidated", {"world_size": 1, "gpus_per_model": 1}, 1
+            params = [{"name": r["name"], "shape": r["shape"], "full_shape": r["shape"], "partition": None,
+                       "dtype": r["dtype"]} for r in meta["parameters"]]
+        else:
+            if "ranks" not in meta or not meta["ranks"]:
+                raise ConversionError(f"{p}/metadata.json has no rank tables: not a stormshard training checkpoint")
+            kind, layout, world = "training", meta["layout"], int(meta["world_size"])
+            params = [dict(r) for r in meta["ranks"][0]["parameters"]]
+    numel = sum(_numel(r["full_shape"]) for r in params)
+    nbytes = sum(_numel(r["full_shape"]) * _ITEMSIZE.get(r.get("dtype", "float32"), 4) for r in params)
+    files = _files(p)
+    return {
+        "path": str(p), "kind": kind, "step": meta.get("step"), "world_size": world, "layout": layout,
+        "model": {"name": model.get("name"), "shard_strategy": (model.get("processor") or {}).get("shard_strategy"),
+                  "num_channels": model.get("num_channels")},
+        "engine": meta.get("config", {}).get("engine") if kind == "training" else None,
+        "zero_stage": ((meta.get("config", {}).get("deepspeed") or {}).get("zero_optimization") or {}).get("stage")
+        if kind == "training" else None,
+        "num_parameters": numel, "model_bytes": nbytes,
+        "partitioned": sum(1 for r in params if r.get("partition")),
+        "parameters": params, "files": files, "files_bytes": sum(files.values()),
+    }
+
+
+def format_inspection(info: dict[str, Any], parameters: bool = True) -> str:
+    """Human-readable text of :func:`inspect_checkpoint`'s summary."""
+    lay = info["layout"]
+    lines = [
+        f"{info['kind']} checkpoint {info['path']}",
+        f"  step {info['step']}; world {info['world_size']}, gpus_per_model {lay.get('gpus_per_model')}"
+        + (f", engine {info['engine']} (ZeRO {info['zero_stage']})" if info["engine"] else ""),
+        f"  model {info['model']['name']} ({info['model']['shard_strategy']}), {info['model']['num_channels']} "
+        f"channels; {info['num_parameters']:,} parameters = {human_bytes(info['model_bytes'])}; "
+        f"{info['partitioned']} tensors sliced per rank",
+        f"  files: {len(info['files'])}, {human_bytes(info['files_bytes'])} on disk",
+    ]
+    if parameters:
+        width = max((len(r["name"]) for r in info["parameters"]), default=10)
+        lines.append(f"  {'name':<{width}}  {'full shape':<16} {'rank 0 shape':<16} partition")
+        for r in info["parameters"]:
+            part = r.get("partition")
+            ptxt = f"dim {part['dim']} / {part['parts']} parts" if part else "replicated"
+            lines.append(f"  {r['name']:<{width}}  {str(r['full_shape']):<16} {str(r['shape']):<16} {ptxt}")
+    return "\n".join(lines)

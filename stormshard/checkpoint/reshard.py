@@ -1,0 +1,185 @@
+"""Reshard a checkpoint to another layout (``gpus_per_model`` K, shard strategy S): a training
+checkpoint from which ``launch/train.py --resume`` continues on ``K x replicas`` processes.
+
+Steps: consolidate (or read a consolidated checkpoint), rewrite the config's ``parallel`` section
+(and ``model.processor.shard_strategy``), lay out the target model rank by rank on the meta device
+(the layers say which parameters they slice, see :mod:`stormshard.checkpoint.groups`), check the
+full tensors against it (missing, extra, wrong shapes: one error lists them), slice weights and
+AdamW moments along each target partition, and write the per-rank files of
+:mod:`stormshard.training.checkpoint` (``rank_XXXXX.pt`` with the engine state, data position
+and RNG; ``rank_XXXXX.safetensors``; ``metadata.json``; ``latest``) into a temporary directory that
+is renamed at the end: nothing is written on failure.
+
+The number of data-parallel replicas stays the same (the data position is per replica); the
+engine stays the same. Supported engine states: ``local``, ``ddp`` and ``deepspeed`` ZeRO 0 (fp32),
+without PowerSGD state. ZeRO 1/2 (flat, per-rank optimizer partitions) raise an error naming the
+stage and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from stormshard.checkpoint.consolidate import (
+    ConsolidatedCheckpoint,
+    atomic_directory,
+    load_any,
+    resolve_checkpoint,
+    save_safetensors,
+)
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.groups import model_on_meta
+from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
+from stormshard.parallel.partition import Partition, get_partition
+from stormshard.parallel.tensor import slice_partition
+from stormshard.parallel.topology import LayoutError
+from stormshard.training.checkpoint import FORMAT_VERSION, LATEST, METADATA, parameter_table
+from stormshard.training.config import ExperimentConfig
+
+__all__ = ["retarget_config", "reshard_checkpoint", "STRATEGIES"]
+
+STRATEGIES = ("shard_sequence", "shard_heads", "tensor")
+
+
+def retarget_config(config: dict[str, Any], gpus_per_model: int, shard_strategy: str | None) -> ExperimentConfig:
+    """The stored config with ``parallel.gpus_per_model`` (and the strategy) replaced, validated."""
+    if isinstance(gpus_per_model, bool) or not isinstance(gpus_per_model, int) or gpus_per_model < 1:
+        raise ConversionError(f"--gpus-per-model must be a positive integer, got {gpus_per_model!r}")
+    if shard_strategy is not None and shard_strategy not in STRATEGIES:
+        raise ConversionError(f"--shard-strategy {shard_strategy!r} is unknown: use one of {STRATEGIES}")
+    raw = json.loads(json.dumps(config))
+    par = dict(raw.get("parallel", {}))
+    par["gpus_per_model"] = gpus_per_model
+    par["tensor_model_parallel_size"] = None
+    if par.get("read_group_size") is not None and gpus_per_model % par["read_group_size"]:
+        par["read_group_size"] = None
+    if shard_strategy is not None:
+        par["shard_strategy"] = shard_strategy
+        raw["model"]["processor"]["shard_strategy"] = shard_strategy
+    raw["parallel"] = par
+    try:
+        return ExperimentConfig(**raw)
+    except ValueError as exc:
+        raise ConversionError(f"the target layout is not valid for this model: {exc}") from None
+
+
+def _slice(full: Tensor, part: Partition | None) -> Tensor:
+    return full.clone() if part is None else slice_partition(full, part).clone()
+
+
+def _optimizer_for_rank(opt: dict[str, Any], names: list[str], parts: dict[str, Partition | None],
+                        shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """A torch optimizer state dict for one target rank (positions = its parameter order)."""
+    position = {n: i for i, n in enumerate(names)}
+    state = {}
+    for name in names:
+        entry = {}
+        for key, value in opt["state"][name].items():
+            if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) == shapes[name]:
+                entry[key] = _slice(value, parts[name])
+            else:
+                entry[key] = value.clone() if isinstance(value, Tensor) else value
+        state[position[name]] = entry
+    groups = []
+    for g in opt["param_groups"]:
+        hyper = {k: v for k, v in g.items() if k != "param_names"}
+        hyper["params"] = [position[n] for n in g["param_names"]]
+        groups.append(hyper)
+    return {"state": state, "param_groups": groups}
+
+
+def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: ExperimentConfig) -> None:
+    engine = ckpt.engine.get("engine")
+    if ckpt.optimizer is None:
+        stage = ckpt.engine.get("zero_stage")
+        raise ConversionError(
+            f"cannot reshard a checkpoint of engine {engine!r} at ZeRO stage {stage}: its optimizer state is "
+            "held in DeepSpeed's flat per-rank partitions, which this converter does not split",
+            fix="resume the source run with deepspeed.zero_optimization.stage=0 (or engine 'local'/'ddp') for a step "
+                "and reshard that checkpoint; `consolidate` and `export` work on this one (weights only)")
+    if ckpt.engine.get("compressor") is not None:
+        raise ConversionError(
+            "the checkpoint holds PowerSGD compressor state (error feedback per data-parallel rank): reshard does "
+            "not convert it", fix="reshard a checkpoint of a run without compression")
+    if engine == "deepspeed" and cfg.engine != "deepspeed" or engine not in ("deepspeed", "local", "ddp"):
+        raise ConversionError(f"unknown engine state {engine!r} in the checkpoint")
+
+
+def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_per_model: int,
+                       shard_strategy: str | None = None, *, world_size: int | None = None,
+                       dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None,
+                       overwrite: bool = False) -> Path:
+    """Write a training checkpoint for ``gpus_per_model`` (and ``shard_strategy``) into the
+    checkpoints directory ``out`` (``out/step_XXXXXXXX``, ``out/latest`` and
+    ``out/resume_config.json``, the config to resume with). ``world_size`` defaults to
+    ``gpus_per_model x`` the source's replicas, which it must keep. Returns the step directory."""
+    ckpt = load_any(source)
+    cfg = retarget_config(ckpt.config, gpus_per_model, shard_strategy)
+    _check_engine(ckpt, cfg)
+    replicas = len(ckpt.replicas)
+    world = gpus_per_model * replicas if world_size is None else world_size
+    try:
+        layout = cfg.parallel.layout(world)
+    except (LayoutError, ValueError) as exc:
+        raise ConversionError(f"target layout: {exc}") from None
+    if layout.data_parallel_size != replicas:
+        raise ConversionError(
+            f"the target world {world} / gpus_per_model {gpus_per_model} gives {layout.data_parallel_size} "
+            f"data-parallel replicas, the checkpoint has {replicas}: the data position is kept per replica",
+            fix=f"use --world-size {gpus_per_model * replicas}")
+    src = model_sources(cfg, resolve_checkpoint(source), dataset, graph)
+
+    # ---- lay out the target, check the tensors against it (before anything is written)
+    targets = [model_on_meta(cfg.model, src.graph, src.variables, r, gpus_per_model) for r in range(gpus_per_model)]
+    shapes = full_shapes(targets[0])
+    problems = state_differences(ckpt.model, shapes)
+    if ckpt.optimizer is not None:
+        have = set(ckpt.optimizer["state"])
+        problems += [f"{n}: no optimizer state" for n in sorted(set(shapes) - have)]
+        problems += [f"{n}: optimizer state for a tensor the model does not have" for n in sorted(have - set(shapes))]
+    if problems:
+        raise ConversionError(f"{source} does not match the model of its config:", problems,
+                              fix="convert with the config, dataset and graph the checkpoint was trained with")
+
+    step = ckpt.step
+    config_json = cfg.model_dump(mode="json")
+    layout_json = dataclasses.asdict(layout)
+    tables = [parameter_table(t) for t in targets]
+    out = Path(out)
+    step_name = f"step_{step:08d}"
+    with atomic_directory(out / step_name, overwrite) as tmp:
+        for rank in range(world):
+            model_rank, replica = rank % gpus_per_model, rank // gpus_per_model
+            target = targets[model_rank]
+            names = [n for n, _ in target.named_parameters()]
+            parts = {n: get_partition(p) for n, p in target.named_parameters()}
+            module = {n: _slice(ckpt.model[n], parts[n]) for n in names}
+            engine = dict(ckpt.engine)
+            engine["module"] = module
+            engine["optimizer"] = _optimizer_for_rank(ckpt.optimizer, names, parts, shapes)
+            rep = ckpt.replicas[replica]
+            payload = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world,
+                       "state": {"engine": engine, "data": rep["data"], "step": step}, "rng": rep["rng"]}
+            torch.save(payload, tmp / f"rank_{rank:05d}.pt")
+            save_safetensors(module, tmp / f"rank_{rank:05d}.safetensors", {"step": str(step), "rank": str(rank)})
+            (tmp / f"rank_{rank:05d}.json").write_text(json.dumps({"rank": rank, "parameters": tables[model_rank]}))
+        metadata = {"format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
+                    "layout": layout_json, "config": config_json,
+                    "ranks": [{"rank": r, "parameters": tables[r % gpus_per_model]} for r in range(world)],
+                    "resharded_from": {"layout": ckpt.source_layout, "path": str(source)}}
+        (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
+    (out / f"{LATEST}.part").write_text(step_name + "\n")
+    os.replace(out / f"{LATEST}.part", out / LATEST)
+    resume = dict(config_json)
+    if out.name == "checkpoints":
+        resume["training"] = {**resume["training"], "output_dir": str(out.parent)}
+    (out / "resume_config.json").write_text(json.dumps(resume, indent=1))
+    return out / step_name

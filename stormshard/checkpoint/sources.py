@@ -1,0 +1,97 @@
+"""What conversion needs besides the tensors: the validated config, the dataset's variables and
+the graph the model was trained on, and a check of a full state dict against the model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+from torch_geometric.data import HeteroData
+
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.data.anemoi_layout import AnemoiDataset
+from stormshard.graphs.builder import graph_hash, load_graph, load_or_build_graph
+from stormshard.models.variables import VariableIndex
+from stormshard.parallel.partition import full_shape
+from stormshard.training.config import ExperimentConfig
+
+__all__ = ["ModelSources", "model_sources", "state_differences", "full_shapes"]
+
+
+@dataclass(frozen=True)
+class ModelSources:
+    """The validated experiment config, the dataset it trained on, its variables and graph."""
+
+    config: ExperimentConfig
+    dataset: AnemoiDataset
+    variables: VariableIndex
+    graph: HeteroData
+    graph_path: Path
+
+
+def _candidates(config: ExperimentConfig, checkpoint: Path) -> list[Path]:
+    out = []
+    if config.data.graph_cache:
+        out.append(Path(config.data.graph_cache))
+    out.append(Path(config.training.output_dir) / "graph.pt")
+    for parent in checkpoint.resolve().parents[:3]:  # run/checkpoints/step_X -> run/graph.pt
+        out.append(parent / "graph.pt")
+    return out
+
+
+def model_sources(config: Mapping[str, Any] | ExperimentConfig, checkpoint: str | os.PathLike,
+                  dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None) -> ModelSources:
+    """Validate ``config``, open its dataset (or ``dataset``) and find its graph: ``graph`` if
+    given, else the graph cache / ``<run>/graph.pt`` next to ``checkpoint``, else rebuilt from the
+    config (the rebuild is deterministic). A graph built from other settings is an error."""
+    cfg = config if isinstance(config, ExperimentConfig) else ExperimentConfig(**dict(config))
+    data_path = Path(dataset) if dataset is not None else Path(cfg.data.path)
+    if not data_path.exists():
+        raise ConversionError(f"the dataset {data_path} (data.path of the checkpoint's config) does not exist",
+                              fix="pass --dataset PATH: the variables and coordinates come from it")
+    ds = AnemoiDataset.open(data_path)
+    try:
+        variables = VariableIndex.build(ds.variables, cfg.data.forcing, cfg.data.diagnostic)
+    except ValueError as exc:
+        raise ConversionError(f"the dataset {data_path} does not fit the checkpoint's config: {exc}") from None
+    latlon = (ds.latitudes, ds.longitudes) if cfg.graph.data_grid is None else None
+    digest = graph_hash(cfg.graph, latlon)
+    if graph is not None:
+        gpath = Path(graph)
+        if not gpath.is_file():
+            raise ConversionError(f"--graph {gpath} does not exist")
+        g = load_graph(gpath)
+        if g.config_hash != digest:
+            raise ConversionError(f"the graph {gpath} was built from other settings than the checkpoint's config",
+                                  fix="pass the graph the model was trained on, or leave --graph out to rebuild it")
+        return ModelSources(cfg, ds, variables, g, gpath)
+    for cand in _candidates(cfg, Path(checkpoint)):
+        if cand.is_file():
+            try:
+                g = load_graph(cand)
+            except Exception:  # noqa: BLE001 - a foreign file: try the next one
+                continue
+            if g.config_hash == digest:
+                return ModelSources(cfg, ds, variables, g, cand)
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="stormshard-graph-")) / "graph.pt"
+    return ModelSources(cfg, ds, variables, load_or_build_graph(cfg.graph, tmp, data_latlon=latlon), tmp)
+
+
+def full_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """Full (single-process) shape of every parameter of ``model`` (sliced ones included)."""
+    return {name: full_shape(p) for name, p in model.named_parameters()}
+
+
+def state_differences(state: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Missing, extra and mis-shaped tensors of ``state`` against the model's ``shapes``."""
+    out = [f"{n}: missing from the checkpoint (the model has {list(shapes[n])})" for n in sorted(set(shapes) - set(state))]
+    out += [f"{n}: in the checkpoint ({list(state[n].shape)}) but not in the model" for n in sorted(set(state) - set(shapes))]
+    out += [f"{n}: shape {list(state[n].shape)} in the checkpoint, {list(shapes[n])} in the model"
+            for n in sorted(set(state) & set(shapes)) if tuple(state[n].shape) != tuple(shapes[n])]
+    return out

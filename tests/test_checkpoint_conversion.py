@@ -1,0 +1,347 @@
+"""Checkpoint conversion: consolidate equals the gpus_per_model=1 run, reshard 2 -> 4 keeps the
+model's outputs and resumes training, export -> load_model gives the training model's forecast,
+inspect, and damaged or mismatched checkpoints fail with a list of differences and write nothing."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stormshard.checkpoint.consolidate import consolidate_checkpoint, load_consolidated, save_consolidated
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.export import export_bundle, load_model
+from stormshard.checkpoint.inspect import inspect_checkpoint
+from stormshard.checkpoint.reshard import reshard_checkpoint
+from stormshard.checkpoint.sources import model_sources
+from stormshard.data.synthetic import generate_synthetic_dataset
+from stormshard.models.registry import build_model
+from stormshard.training.launch import run_training
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = {
+    "name": "tiny",
+    "model": {
+        "name": "transformer", "num_channels": 16, "multistep_input": 2, "trainable_size": 4,
+        "processor": {"num_layers": 2, "num_heads": 4, "mlp_ratio": 2, "window_size": 16},
+        "encoder": {"num_heads": 2, "mlp_ratio": 1.0}, "decoder": {"num_heads": 2, "mlp_ratio": 1.0},
+    },
+    "graph": {"data_grid": None, "hidden": "o4", "processor": {"kind": "knn", "num_neighbours": 6}},
+    "data": {
+        "path": "", "forcing": ["insolation"], "diagnostic": ["tracer_product"], "timestep": "6h",
+        "train": {"end": "2020-01-10T18"}, "validation": {"start": "2020-01-11"}, "validation_samples": 2,
+    },
+    "parallel": {"gpus_per_model": 1},
+    "training": {"max_steps": 3, "lr": 1e-3, "warmup_steps": 1, "validation_interval": 100,
+                 "checkpoint_interval": 100, "seed": 0, "output_dir": ""},
+    "engine": "deepspeed",
+    "deepspeed": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
+    "logging": {"progress": False},
+}
+KINDS = {  # the transformer with tensor parallelism (deepspeed ZeRO 0) and a graph processor (local engine)
+    "tensor": {"parallel.shard_strategy": "tensor"},
+    "graph": {"model.name": "graphtransformer", "graph.hidden": "ico1", "graph.processor": {"kind": "multimesh"},
+              "engine": "local"},
+}
+
+
+def _config(dataset: str, out: Path, **changes) -> dict:
+    cfg = copy.deepcopy(BASE)
+    cfg["data"]["path"] = dataset
+    cfg["training"]["output_dir"] = str(out)
+    for dotted, value in changes.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return cfg
+
+
+def _train(rank, world, cfg, resume=False):
+    return run_training(cfg, resume=resume).losses
+
+
+def _forward(rank, world, step_dir, x):
+    """This rank's output slice of the model stored in ``step_dir`` (its own rank file) on the
+    normalised input ``x (batch, time, grid, variables)``; the model group is the whole world."""
+    meta = json.loads((Path(step_dir) / "metadata.json").read_text())
+    src = model_sources(meta["config"], step_dir)
+    group = dist.group.WORLD if world > 1 else None
+    torch.manual_seed(123)  # the weights come from the file, not from this
+    model = build_model(src.config.model, src.graph, src.variables, group)
+    payload = torch.load(Path(step_dir) / f"rank_{rank:05d}.pt", weights_only=False)
+    model.load_state_dict(payload["state"]["engine"]["module"])
+    with torch.no_grad():
+        out = model.eval()(x[:, :, model.plan.data_slice])
+    return model.plan.data_slice.start, out
+
+
+def _stitch(parts) -> torch.Tensor:
+    return torch.cat([out for _, out in sorted(parts, key=lambda p: p[0])], dim=1)
+
+
+def _input(step_dir: Path) -> torch.Tensor:
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    src = model_sources(meta["config"], step_dir)
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(2, 2, src.graph["data"].num_nodes, len(src.variables.input_names), generator=g)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Checkpoints after 3 steps of the same config at gpus_per_model 1 and 2, per kind."""
+    root = tmp_path_factory.mktemp("conversion")
+    dataset = root / "synthetic.zarr"
+    generate_synthetic_dataset(dataset, grid="o8", steps=64, seed=1)
+    out = {"root": root, "dataset": str(dataset)}
+    for kind, extra in KINDS.items():
+        one = _config(str(dataset), root / f"{kind}1", **extra)
+        two = _config(str(dataset), root / f"{kind}2", **{**extra, "parallel.gpus_per_model": 2})
+        _train(0, 1, one)
+        run_distributed(_train, 2, two)
+        out[kind] = (root / f"{kind}1" / "checkpoints" / "step_00000003", root / f"{kind}2" / "checkpoints" /
+                     "step_00000003", two)
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape, what
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=2e-4, msg=what)
+
+
+# ------------------------------------------------------------------------------ consolidate
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_consolidate_equals_gpus_per_model_1(runs, kind, tmp_path):
+    single_dir, sharded_dir, _ = runs[kind]
+    meta = json.loads((sharded_dir / "metadata.json").read_text())
+    sliced = [r for r in meta["ranks"][1]["parameters"] if r["partition"]]
+    if kind == "tensor":  # the conversion has real work to do: slices along both dims
+        assert {r["partition"]["dim"] for r in sliced} == {0, 1} and all(r["partition"]["index"] == 1 for r in sliced)
+    single, sharded = consolidate_checkpoint(single_dir), consolidate_checkpoint(sharded_dir)
+    assert list(sharded.model) == list(single.model)
+    for name, ref in single.model.items():
+        _close(sharded.model[name], ref, name)
+    for name in single.model:
+        for key in ("exp_avg", "exp_avg_sq"):
+            _close(sharded.optimizer["state"][name][key], single.optimizer["state"][name][key], f"{name} {key}")
+        assert float(sharded.optimizer["state"][name]["step"]) == 3
+    assert sharded.engine["scheduler"] == single.engine["scheduler"]
+    assert len(sharded.replicas) == 1 and sharded.replicas[0]["data"]["position"] == 6
+    # save -> load round trip, bit for bit
+    save_consolidated(sharded, tmp_path / "full")
+    back = load_consolidated(tmp_path / "full")
+    assert all(torch.equal(back.model[n], t) for n, t in sharded.model.items())
+    assert all(torch.equal(back.optimizer["state"][n]["exp_avg"], sharded.optimizer["state"][n]["exp_avg"])
+               for n in sharded.model)
+
+
+# ------------------------------------------------------------------------------ reshard
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reshard_2_to_4_keeps_outputs_and_resumes(runs, kind, tmp_path):
+    _, sharded_dir, two = runs[kind]
+    x = _input(sharded_dir)
+    original = _stitch(run_distributed(_forward, 2, str(sharded_dir), x))
+    out = tmp_path / "k4" / "checkpoints"
+    step_dir = reshard_checkpoint(sharded_dir, out, 4)
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    assert meta["world_size"] == 4 and meta["layout"]["gpus_per_model"] == 4
+    if kind == "tensor":
+        parts = [r["partition"] for r in meta["ranks"][3]["parameters"] if r["partition"]]
+        assert parts and all(p["parts"] == 4 and p["index"] == 3 for p in parts)
+    resharded = _stitch(run_distributed(_forward, 4, str(step_dir), x))
+    torch.testing.assert_close(resharded, original, rtol=1e-5, atol=1e-5)
+    # and to a single process
+    single = reshard_checkpoint(sharded_dir, tmp_path / "k1" / "checkpoints", 1)
+    torch.testing.assert_close(_stitch([_forward(0, 1, str(single), x)]), original, rtol=1e-5, atol=1e-5)
+    # launch/train.py --resume continues from the resharded checkpoint
+    resume = json.loads((out / "resume_config.json").read_text())
+    assert resume["training"]["output_dir"] == str(out.parent)
+    resume["training"]["max_steps"] = 4
+    losses = run_distributed(_train, 4, resume, True)
+    assert len(losses[0]) == 1 and math.isfinite(losses[0][0]) and all(o == losses[0] for o in losses)
+    assert (out / "step_00000004" / "rank_00003.pt").is_file()
+    # the continued run at gpus_per_model 4 takes the same step as the original layout would
+    cont = copy.deepcopy(two)
+    cont["training"]["max_steps"] = 4
+    shutil.copytree(sharded_dir, tmp_path / "two" / "checkpoints" / sharded_dir.name)
+    cont["training"]["output_dir"] = str(tmp_path / "two")
+    reference = run_distributed(_train, 2, cont, True)[0]
+    assert losses[0] == pytest.approx(reference, rel=1e-4)
+
+
+def test_reshard_changes_strategy(runs, tmp_path):
+    _, sharded_dir, _ = runs["tensor"]
+    x = _input(sharded_dir)
+    original = _stitch(run_distributed(_forward, 2, str(sharded_dir), x))
+    step_dir = reshard_checkpoint(sharded_dir, tmp_path / "seq", 2, "shard_sequence")
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    assert meta["config"]["model"]["processor"]["shard_strategy"] == "shard_sequence"
+    assert not any(r["partition"] for r in meta["ranks"][0]["parameters"])
+    torch.testing.assert_close(_stitch(run_distributed(_forward, 2, str(step_dir), x)), original,
+                               rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def test_export_load_gives_the_training_models_forecast(runs, tmp_path):
+    _, sharded_dir, _ = runs["tensor"]
+    x = _input(sharded_dir)
+    training = _stitch(run_distributed(_forward, 2, str(sharded_dir), x))
+    bundle = export_bundle(sharded_dir.parent, tmp_path / "bundle")
+    assert {p.name for p in bundle.iterdir()} == {"metadata.json", "model.safetensors", "statistics.json", "graph.pt"}
+    loaded = load_model(bundle)
+    assert not loaded.model.training and next(loaded.model.parameters()).device.type == "cpu"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x), training, rtol=1e-5, atol=1e-5)
+    assert loaded.variables.output_names == ("tracer_1", "tracer_2", "tracer_3", "tracer_product")
+    # one call, one process, no DeepSpeed imported
+    code = ("import sys, torch; from stormshard.checkpoint.export import load_model; "
+            f"m = load_model({str(bundle)!r}); "
+            f"x = torch.load({str(tmp_path / 'x.pt')!r}); y = m.model(x); "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed was imported'; "
+            f"torch.save(y.detach(), {str(tmp_path / 'y.pt')!r})")
+    torch.save(x, tmp_path / "x.pt")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), training, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ inspect / CLI
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "launch" / "convert_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_inspect_and_cli(runs, tmp_path, capsys):
+    _, sharded_dir, _ = runs["tensor"]
+    info = inspect_checkpoint(sharded_dir.parent)
+    assert info["kind"] == "training" and info["step"] == 3 and info["world_size"] == 2
+    assert info["layout"]["gpus_per_model"] == 2 and info["engine"] == "deepspeed" and info["zero_stage"] == 0
+    single = consolidate_checkpoint(runs["tensor"][0])
+    assert info["num_parameters"] == sum(t.numel() for t in single.model.values())
+    assert info["model_bytes"] == 4 * info["num_parameters"] and info["partitioned"] == 12
+    cli = _cli()
+    assert cli.main(["inspect", str(sharded_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 3
+    assert cli.main(["inspect", str(sharded_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "gpus_per_model 2" in text and "KiB" in text and "dim 1 / 2 parts" in text
+    assert cli.main(["consolidate", str(sharded_dir), "--out", str(tmp_path / "c")]) == 0
+    assert inspect_checkpoint(tmp_path / "c")["kind"] == "consolidated"
+    assert cli.main(["reshard", str(tmp_path / "c"), "--gpus-per-model", "4", "--out", str(tmp_path / "r")]) == 0
+    assert inspect_checkpoint(tmp_path / "r")["world_size"] == 4
+    assert cli.main(["export", str(tmp_path / "r"), "--out", str(tmp_path / "b")]) == 0
+    assert inspect_checkpoint(tmp_path / "b")["kind"] == "inference bundle"
+    assert cli.main(["reshard", str(sharded_dir), "--gpus-per-model", "3", "--out", str(tmp_path / "r3")]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "r3").exists()
+
+
+# ------------------------------------------------------------------------------ damaged / mismatched
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_rank(path: Path, rank: int, fn) -> None:
+    f = path / f"rank_{rank:05d}.pt"
+    payload = torch.load(f, weights_only=False)
+    fn(payload)
+    torch.save(payload, f)
+
+
+def _edit_meta(path: Path, fn) -> None:
+    meta = json.loads((path / "metadata.json").read_text())
+    fn(meta)
+    (path / "metadata.json").write_text(json.dumps(meta))
+
+
+def _fails(path: Path, *expected: str, tmp: Path, convert: str = "reshard") -> None:
+    out = tmp / f"out_{path.name}"
+    with pytest.raises(ConversionError) as info:
+        if convert == "reshard":
+            reshard_checkpoint(path, out / "checkpoints", 4)
+        else:
+            export_bundle(path, out)
+    for text in expected:
+        assert text in str(info.value), f"{text!r} not in:\n{info.value}"
+    assert not out.exists(), "a failed conversion wrote files"
+
+
+def test_damaged_and_mismatched_checkpoints_fail_and_write_nothing(runs, tmp_path):
+    _, good, _ = runs["tensor"]
+    qkv = "processor.processor.blocks.0.attention.lin_qkv.weight"
+
+    p = _copy(good, tmp_path / "missing_rank")
+    (p / "rank_00001.pt").unlink()
+    _fails(p, "rank_00001.pt: missing", tmp=tmp_path)
+
+    p = _copy(good, tmp_path / "corrupted")
+    data = (p / "rank_00000.pt").read_bytes()
+    (p / "rank_00000.pt").write_bytes(data[: len(data) // 2])
+    _fails(p, "rank_00000.pt: unreadable", "corrupted or truncated", tmp=tmp_path)
+
+    p = _copy(good, tmp_path / "extra_rank")
+    shutil.copy(p / "rank_00001.pt", p / "rank_00002.pt")
+    _fails(p, "rank_00002.pt: extra rank file", tmp=tmp_path)
+
+    p = _copy(good, tmp_path / "missing_tensor")
+    _edit_rank(p, 1, lambda pl: pl["state"]["engine"]["module"].pop(qkv))
+    _edit_rank(p, 0, lambda pl: pl["state"]["engine"]["module"].__setitem__("spare.weight", torch.zeros(2)))
+    _fails(p, f"rank 1: {qkv}: in metadata.json but missing", "rank 0: spare.weight: in the weights but not",
+           tmp=tmp_path)
+
+    p = _copy(good, tmp_path / "wrong_shape")
+    _edit_rank(p, 1, lambda pl: pl["state"]["engine"]["module"].__setitem__(qkv, torch.zeros(23, 16)))
+    _fails(p, f"rank 1: {qkv}: shape [23, 16], metadata.json says [24, 16]", tmp=tmp_path)
+
+    def half_shards(meta):
+        for row in meta["ranks"][1]["parameters"]:
+            if row["name"] == qkv:
+                row["partition"]["index"] = 0
+    p = _copy(good, tmp_path / "incomplete")
+    _edit_meta(p, half_shards)
+    _fails(p, f"{qkv}: incomplete shards", tmp=tmp_path)
+
+    p = _copy(good, tmp_path / "replica_disagrees")
+    _edit_rank(p, 1, lambda pl: pl["state"]["engine"]["module"]["embed_data.bias"].add_(1.0))
+    _fails(p, "embed_data.bias: replicated, but model rank 1 differs", tmp=tmp_path)
+
+    def wider(meta):  # the checkpoint no longer matches the model its config builds
+        meta["config"]["model"]["num_channels"] = 32
+    p = _copy(good, tmp_path / "other_model")
+    _edit_meta(p, wider)
+    _fails(p, "does not match the model", "embed_data.weight: shape [16, 16] in the checkpoint, [32, 16] in the model",
+           tmp=tmp_path, convert="export")
+
+    def zero1(pl):  # DeepSpeed ZeRO 1/2 keep flat per-rank partitions (state_dict keys as DeepSpeed writes them)
+        eng = pl["state"]["engine"]
+        eng["zero_stage"] = 1
+        eng["optimizer"] = {"base_optimizer_state": {}, "single_partition_of_fp32_groups": [], "zero_stage": 1}
+    p = _copy(good, tmp_path / "zero1")
+    for r in (0, 1):
+        _edit_rank(p, r, zero1)
+    _fails(p, "ZeRO stage 1", "stage=0", tmp=tmp_path)
+    export_bundle(p, tmp_path / "zero1_bundle")  # the weights are still exportable
+    assert "only the weights" in consolidate_checkpoint(p).optimizer_note
