@@ -166,3 +166,19 @@ def _check_shape_errors(rank, world):
 
 def test_shape_errors():
     run_distributed(_check_shape_errors, 2)
+
+
+def test_shape_helpers_and_memory_format():
+    x = torch.zeros(1001, 3)
+    assert [s[0] for s in get_shape_shards(x, 0, None) or [[1001]]] == [1001]
+    from stormshard.parallel.shapes import change_channels_in_shape, get_memory_format
+
+    assert change_channels_in_shape([[2, 5, 7], [2, 4, 7]], 3) == [[2, 5, 3], [2, 4, 3]]
+    # (1, 1, n, d) is both contiguous and channels-last: anemoi calls it channels_last, which
+    # then allocates non-contiguous receive buffers; it must be contiguous_format
+    for shape in [(1, 1, 7, 5), (2, 3, 1, 1), (1, 4, 1, 6), (3, 5)]:
+        assert get_memory_format(torch.zeros(shape)) == torch.contiguous_format
+    cl = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    assert get_memory_format(cl) == torch.channels_last
+    with pytest.raises(ValueError, match="dim 2 is out of range"):
+        get_shape_shards(x, 2, None)
