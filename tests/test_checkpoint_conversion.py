@@ -112,6 +112,12 @@ def runs(tmp_path_factory):
         run_distributed(_train, 2, two)
         out[kind] = (root / f"{kind}1" / "checkpoints" / "step_00000003", root / f"{kind}2" / "checkpoints" /
                      "step_00000003", two)
+    # ZeRO 2 over 2 replicas of a 2-rank tensor-parallel model: the same effective batch of 2
+    zero = _config(str(dataset), root / "zero", **{**KINDS["tensor"], "parallel.gpus_per_model": 2,
+                                                   "deepspeed.train_micro_batch_size_per_gpu": 1,
+                                                   "deepspeed.zero_optimization": {"stage": 2}})
+    run_distributed(_train, 4, zero)
+    out["zero"] = (root / "zero" / "checkpoints" / "step_00000003", zero)
     return out
 
 
@@ -146,6 +152,36 @@ def test_consolidate_equals_gpus_per_model_1(runs, kind, tmp_path):
     assert all(torch.equal(back.model[n], t) for n, t in sharded.model.items())
     assert all(torch.equal(back.optimizer["state"][n]["exp_avg"], sharded.optimizer["state"][n]["exp_avg"])
                for n in sharded.model)
+
+
+def test_consolidate_zero2_partitions_equals_gpus_per_model_1(runs):
+    """Tensor-parallel slices whose AdamW moments sit in ZeRO 2 flat partitions over 2 replicas."""
+    zero_dir, _ = runs["zero"]
+    single, zero = consolidate_checkpoint(runs["tensor"][0]), consolidate_checkpoint(zero_dir)
+    assert zero.engine["zero_stage"] == 2 and len(zero.replicas) == 2
+    assert zero.replicas[1]["data"]["rank"] == 1
+    for name, ref in single.model.items():
+        _close(zero.model[name], ref, name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            _close(zero.optimizer["state"][name][key], single.optimizer["state"][name][key], f"{name} {key}")
+
+
+def test_reshard_zero2_to_one_rank_per_model_resumes_like_the_original(runs, tmp_path):
+    zero_dir, zero_cfg = runs["zero"]
+    x = _input(zero_dir)
+    original = _stitch(run_distributed(_forward, 2, str(zero_dir), x))  # model group 0: ranks 0 and 1
+    out = tmp_path / "k1" / "checkpoints"
+    step_dir = reshard_checkpoint(zero_dir, out, 1)
+    assert json.loads((step_dir / "metadata.json").read_text())["world_size"] == 2
+    torch.testing.assert_close(_stitch([_forward(0, 1, str(step_dir), x)]), original, rtol=1e-5, atol=1e-5)
+    resume = json.loads((out / "resume_config.json").read_text())
+    resume["training"]["max_steps"] = 4
+    resumed = run_distributed(_train, 2, resume, True)[0]
+    cont = copy.deepcopy(zero_cfg)
+    cont["training"]["max_steps"] = 4
+    cont["training"]["output_dir"] = str(tmp_path / "orig")
+    shutil.copytree(zero_dir, tmp_path / "orig" / "checkpoints" / zero_dir.name)
+    assert resumed == pytest.approx(run_distributed(_train, 4, cont, True)[0], rel=1e-5)
 
 
 # ------------------------------------------------------------------------------ reshard
@@ -335,13 +371,16 @@ def test_damaged_and_mismatched_checkpoints_fail_and_write_nothing(runs, tmp_pat
     _fails(p, "does not match the model", "embed_data.weight: shape [16, 16] in the checkpoint, [32, 16] in the model",
            tmp=tmp_path, convert="export")
 
-    def zero1(pl):  # DeepSpeed ZeRO 1/2 keep flat per-rank partitions (state_dict keys as DeepSpeed writes them)
-        eng = pl["state"]["engine"]
-        eng["zero_stage"] = 1
-        eng["optimizer"] = {"base_optimizer_state": {}, "single_partition_of_fp32_groups": [], "zero_stage": 1}
-    p = _copy(good, tmp_path / "zero1")
+    def unknown_optimizer(pl):  # an optimizer format the converter does not know (e.g. DeepSpeed's bf16 one)
+        pl["state"]["engine"]["optimizer"] = {"fp32_groups_flat": [torch.zeros(3)]}
+    p = _copy(good, tmp_path / "unknown_optimizer")
     for r in (0, 1):
-        _edit_rank(p, r, zero1)
-    _fails(p, "ZeRO stage 1", "stage=0", tmp=tmp_path)
-    export_bundle(p, tmp_path / "zero1_bundle")  # the weights are still exportable
+        _edit_rank(p, r, unknown_optimizer)
+    _fails(p, "ZeRO stage 0", "only the weights were consolidated", "bf16", tmp=tmp_path)
+    export_bundle(p, tmp_path / "unknown_optimizer_bundle")  # the weights are still exportable
     assert "only the weights" in consolidate_checkpoint(p).optimizer_note
+
+    zero_dir, _ = runs["zero"]  # a ZeRO partition of a replica is gone
+    p = _copy(zero_dir, tmp_path / "zero_partition")
+    _edit_rank(p, 2, lambda pl: pl["state"]["engine"]["optimizer"]["partition_count"].__setitem__(0, 1))
+    _fails(p, "data-parallel rank 1 has partition_count [1]", tmp=tmp_path)

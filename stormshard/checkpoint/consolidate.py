@@ -11,12 +11,13 @@ rank, each parameter's local shape, full shape and :class:`~stormshard.parallel.
 - data-parallel replicas (model groups) must hold identical full tensors.
 
 Optimizer state (AdamW ``exp_avg`` / ``exp_avg_sq``, any per-parameter tensor of the parameter's
-shape) follows its parameter's partition; scalars (``step``) are taken from the first rank. This
-works for every engine whose optimizer state is a torch ``state_dict`` keyed by parameter
-position: ``local``, ``ddp`` and ``deepspeed`` at ZeRO stage 0 (fp32). DeepSpeed ZeRO 1/2 (and
-bf16) keep the optimizer state in flat per-rank partitions; for those the weights are consolidated
-and the optimizer state is left out (``optimizer_note`` says why), so :func:`~stormshard.checkpoint.reshard.reshard_checkpoint`
-refuses them with an error naming the stage and the fix.
+shape) follows its parameter's partition; scalars (``step``) are taken from the first rank.
+Supported formats: a torch ``state_dict`` keyed by parameter position (engines ``local``, ``ddp``
+and ``deepspeed`` at ZeRO 0, fp32), and DeepSpeed ZeRO 1/2 flat partitions over the data-parallel
+group (unflattened per model rank first, see :mod:`stormshard.checkpoint.zero`). Any other format
+(DeepSpeed's bf16 optimizer) keeps the weights and leaves the optimizer state out
+(``optimizer_note`` says why); :func:`~stormshard.checkpoint.reshard.reshard_checkpoint` then
+refuses it with an error naming the stage and the fix.
 
 The consolidated checkpoint on disk (:func:`save_consolidated`)::
 
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor
 
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.zero import is_zero_state, unflatten_zero, zero_extras
 from stormshard.parallel.partition import Partition
 from stormshard.parallel.topology import ParallelLayout
 from stormshard.training.checkpoint import METADATA, latest_checkpoint
@@ -247,6 +249,8 @@ def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
 
     first = engines[0]
     engine = {k: v for k, v in first.items() if k not in ("module", "optimizer")}
+    if is_zero_state(first["optimizer"]):
+        engine["zero_extras"] = zero_extras(first["optimizer"])
     replicas = [{"data": payloads[g[0]]["state"].get("data"), "rng": payloads[g[0]].get("rng")}
                 for g in layout.model_groups()]
     return ConsolidatedCheckpoint(int(metadata["step"]), metadata["config"], metadata["layout"], replicas_full[0],
@@ -256,20 +260,39 @@ def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
 def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]], engines: list[dict[str, Any]],
                            names: list[str], problems: list[str]) -> tuple[dict[str, Any] | None, str]:
     first = engines[0]
-    if _optimizer_kind(first["optimizer"]) != "torch":
-        stage = first.get("zero_stage")
-        return None, (f"engine {first.get('engine')!r} at ZeRO stage {stage} keeps the optimizer state in flat "
-                      "per-rank partitions; only the weights were consolidated")
-    per_rank = []
-    for r, eng in enumerate(engines):
-        opt = eng["optimizer"]
-        indices = [i for g in opt["param_groups"] for i in g["params"]]
-        if sorted(indices) != list(range(len(tables[r]))):
-            problems.append(f"rank {r}: the optimizer covers parameter positions {len(indices)} of "
-                            f"{len(tables[r])}: frozen or extra parameters are not supported")
-            continue
-        order = [row for row in tables[r]]  # metadata order = named_parameters order = optimizer order
-        per_rank.append({order[i]: opt["state"].get(i, {}) for i in range(len(order))})
+    per_rank: dict[int, dict[str, dict[str, Any]]] = {}
+    hyper: list[dict[str, Any]] = []
+    group0 = layout.model_groups()[0]
+    if is_zero_state(first["optimizer"]):
+        # ZeRO 1/2: model rank m's flat buffer is partitioned over its data-parallel group
+        for m, dp_ranks in enumerate(layout.data_parallel_groups()):
+            rows = [tables[dp_ranks[0]][n] for n in names]
+            states = [engines[r]["optimizer"] for r in dp_ranks]
+            if not all(is_zero_state(s) for s in states):
+                problems.append(f"ranks {dp_ranks}: mixed optimizer state formats")
+                return None, ""
+            try:
+                per_rank[group0[m]], _, hyper = unflatten_zero(states, rows, f"model rank {m} (ranks {dp_ranks})")
+            except ConversionError as exc:
+                problems.extend(exc.problems or [str(exc)])
+                return None, ""
+        hyper = [{**h, "param_names": list(names)} for h in hyper] or [{"param_names": list(names)}]
+    elif _optimizer_kind(first["optimizer"]) == "torch":
+        for r in group0:
+            opt = engines[r]["optimizer"]
+            indices = [i for g in opt["param_groups"] for i in g["params"]]
+            if sorted(indices) != list(range(len(tables[r]))):
+                problems.append(f"rank {r}: the optimizer covers {len(indices)} parameter positions of "
+                                f"{len(tables[r])}: frozen or extra parameters are not supported")
+                continue
+            order = list(tables[r])  # metadata order = named_parameters order = optimizer order
+            per_rank[r] = {order[i]: opt["state"].get(i, {}) for i in range(len(order))}
+        for g in first["optimizer"]["param_groups"]:
+            hyper.append({**{k: v for k, v in g.items() if k != "params"},
+                          "param_names": [names[i] for i in g["params"]]})
+    else:
+        return None, (f"engine {first.get('engine')!r} (ZeRO stage {first.get('zero_stage')}) writes an optimizer "
+                      "state this converter does not know (bf16?); only the weights were consolidated")
     if problems:
         return None, ""
     state: dict[str, dict[str, Any]] = {}
@@ -277,7 +300,7 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
         entry: dict[str, Any] = {}
         keys = set(per_rank[0][name])
         for key in sorted(keys):
-            ranks = layout.model_groups()[0]
+            ranks = group0
             vals = [per_rank[r][name].get(key) for r in ranks]
             v0 = vals[0]
             local_shape = tuple(tables[0][name]["shape"])
@@ -287,12 +310,7 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
             else:
                 entry[key] = v0
         state[name] = entry
-    groups = []
-    for g in first["optimizer"]["param_groups"]:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        hyper["param_names"] = [names[i] for i in g["params"]]
-        groups.append(hyper)
-    return {"param_groups": groups, "state": state}, ""
+    return {"param_groups": hyper, "state": state}, ""
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from stormshard.checkpoint.consolidate import (
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.groups import model_on_meta
 from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
+from stormshard.checkpoint.zero import flatten_zero
 from stormshard.parallel.partition import Partition, get_partition
 from stormshard.parallel.tensor import slice_partition
 from stormshard.parallel.topology import LayoutError
@@ -101,10 +102,12 @@ def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: ExperimentConfig) -> None:
     if ckpt.optimizer is None:
         stage = ckpt.engine.get("zero_stage")
         raise ConversionError(
-            f"cannot reshard a checkpoint of engine {engine!r} at ZeRO stage {stage}: its optimizer state is "
-            "held in DeepSpeed's flat per-rank partitions, which this converter does not split",
-            fix="resume the source run with deepspeed.zero_optimization.stage=0 (or engine 'local'/'ddp') for a step "
-                "and reshard that checkpoint; `consolidate` and `export` work on this one (weights only)")
+            f"cannot reshard a checkpoint of engine {engine!r} at ZeRO stage {stage}: {ckpt.optimizer_note}",
+            fix="resume the source run in fp32 (deepspeed.bf16 off) for a step and reshard that checkpoint; "
+                "`consolidate` and `export` work on this one (weights only)")
+    if engine == "deepspeed" and ckpt.engine.get("zero_stage", 0) > 0 and "zero_extras" not in ckpt.engine:
+        raise ConversionError(f"the ZeRO stage {ckpt.engine.get('zero_stage')} checkpoint lacks its DeepSpeed "
+                              "optimizer fields", fix="consolidate the training checkpoint again")
     if ckpt.engine.get("compressor") is not None:
         raise ConversionError(
             "the checkpoint holds PowerSGD compressor state (error feedback per data-parallel rank): reshard does "
@@ -164,7 +167,16 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
             module = {n: _slice(ckpt.model[n], parts[n]) for n in names}
             engine = dict(ckpt.engine)
             engine["module"] = module
-            engine["optimizer"] = _optimizer_for_rank(ckpt.optimizer, names, parts, shapes)
+            if "zero_extras" in ckpt.engine:  # DeepSpeed ZeRO 1/2: flat partitions over the replicas
+                local = {n: {k: (_slice(t, parts[n]) if isinstance(t, Tensor) and t.dim() > 0 and
+                                 tuple(t.shape) == shapes[n] else t) for k, t in ckpt.optimizer["state"][n].items()}
+                         for n in names}
+                hyper = [{k: v for k, v in g.items() if k != "param_names"} for g in ckpt.optimizer["param_groups"]]
+                engine.pop("zero_extras")
+                engine["optimizer"] = flatten_zero(ckpt.engine["zero_extras"], hyper, names, module, local,
+                                                   replicas, replica)
+            else:
+                engine["optimizer"] = _optimizer_for_rank(ckpt.optimizer, names, parts, shapes)
             rep = ckpt.replicas[replica]
             payload = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world,
                        "state": {"engine": engine, "data": rep["data"], "step": step}, "rng": rep["rng"]}
