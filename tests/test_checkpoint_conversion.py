@@ -301,6 +301,9 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _edit_rank(path: Path, rank: int, fn) -> None:
+    """Edit the engine state of a rank; its weights file (optional) would then disagree with it, so
+    it goes: the check under test is the one on the engine state."""
+    (path / f"rank_{rank:05d}.safetensors").unlink(missing_ok=True)
     f = path / f"rank_{rank:05d}.pt"
     payload = torch.load(f, weights_only=False)
     fn(payload)
@@ -337,6 +340,14 @@ def test_damaged_and_mismatched_checkpoints_fail_and_write_nothing(runs, tmp_pat
     data = (p / "rank_00000.pt").read_bytes()
     (p / "rank_00000.pt").write_bytes(data[: len(data) // 2])
     _fails(p, "rank_00000.pt: unreadable", "corrupted or truncated", tmp=tmp_path)
+
+    p = _copy(good, tmp_path / "corrupted_weights")
+    data = bytearray((p / "rank_00001.safetensors").read_bytes())
+    data[-8:] = b"\xff" * 8  # flip the last weights' bytes
+    (p / "rank_00001.safetensors").write_bytes(bytes(data))
+    _fails(p, "rank_00001.safetensors: ", "differ from the engine state", tmp=tmp_path)
+    (p / "rank_00001.safetensors").write_bytes(bytes(data[:100]))
+    _fails(p, "rank_00001.safetensors: unreadable", tmp=tmp_path)
 
     p = _copy(good, tmp_path / "extra_rank")
     shutil.copy(p / "rank_00001.pt", p / "rank_00002.pt")

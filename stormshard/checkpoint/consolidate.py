@@ -193,6 +193,26 @@ def _check_local(rank: int, table: dict[str, dict], state: Mapping[str, Tensor],
             problems.append(f"rank {rank}: {name}: shape {list(state[name].shape)}, metadata.json says {want}")
 
 
+def _check_safetensors(path: Path, module: Mapping[str, Tensor], problems: list[str]) -> None:
+    """The rank's weights file (when written) must hold exactly the engine state's weights."""
+    if not path.is_file():
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            if keys != set(module):
+                problems.append(f"{path.name}: holds {sorted(keys ^ set(module))[:5]} unlike the engine state")
+                return
+            differ = [k for k in sorted(keys) if not torch.equal(f.get_tensor(k), module[k])]
+    except Exception as exc:  # noqa: BLE001 - a header or data error means a damaged file
+        problems.append(f"{path.name}: unreadable ({type(exc).__name__}: {str(exc)[:120]}): corrupted or truncated")
+        return
+    if differ:
+        problems.append(f"{path.name}: {differ[:5]} differ from the engine state: the file is stale or corrupted")
+
+
 def _optimizer_kind(opt: Any) -> str:
     if isinstance(opt, Mapping) and "state" in opt and "param_groups" in opt:
         return "torch"
@@ -217,6 +237,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
     problems: list[str] = []
     for r, (table, eng) in enumerate(zip(tables, engines, strict=True)):
         _check_local(r, table, eng["module"], problems)
+        _check_safetensors(src / f"rank_{r:05d}.safetensors", eng["module"], problems)
     if problems:
         raise ConversionError(f"checkpoint {src} does not match its own metadata:", problems,
                               fix="the checkpoint is damaged: convert an intact one")
