@@ -28,11 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot", nargs="*", default=[], help="output variables to map")
     parser.add_argument("--plot-steps", nargs="*", type=int, default=None, help="lead steps to map (default: last)")
+    parser.add_argument("--members", type=int, default=1, help="ensemble members (ensemble models only)")
+    parser.add_argument("--seed", type=int, default=0, help="noise seed of the ensemble members")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     try:
         run_forecast(args.bundle, args.dataset, args.date, args.steps, args.out, plot_variables=args.plot,
-                     plot_steps=args.plot_steps, overwrite=args.overwrite)
+                     plot_steps=args.plot_steps, members=args.members, seed=args.seed, overwrite=args.overwrite)
     except (ConversionError, ValueError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

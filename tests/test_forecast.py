@@ -117,3 +117,29 @@ def test_cli_and_bad_requests(setup, tmp_path, capsys):
         assert not out.exists(), extra
     assert cli.main([*args, "--date", "2020-01-05T00", "--out", str(tmp_path / "ok")]) == 2  # exists already
     assert "exists" in capsys.readouterr().err
+
+
+def test_ensemble_members(setup, tmp_path):
+    cfg = copy.deepcopy(BASE)
+    cfg["data"]["path"] = setup["dataset"]
+    cfg["training"].update(output_dir=str(tmp_path / "ens"), max_steps=2)
+    cfg["model"].update(name="ensemble", ensemble={"noise_channels": 2})
+    cfg["parallel"]["ensemble_size_per_device"] = 2
+    cfg["engine"] = "local"
+    run_training(cfg)
+    bundle = load_model(export_bundle(tmp_path / "ens" / "checkpoints", tmp_path / "bundle"))
+    first = run_forecast(bundle, setup["dataset"], "2020-01-05T00", 2, tmp_path / "a", members=3, seed=5,
+                         verbose=False)
+    again = run_forecast(bundle, setup["dataset"], "2020-01-05T00", 2, tmp_path / "b", members=3, seed=5,
+                         verbose=False)
+    assert first.members.shape == (3, 2, 544, 4)
+    np.testing.assert_array_equal(first.members, again.members)  # the seed fixes the noise
+    assert not np.allclose(first.members[0], first.members[1])  # members differ
+    np.testing.assert_allclose(first.forecast, first.members.mean(axis=0))
+    store = AnemoiDataset.open(tmp_path / "a" / "forecast.zarr")
+    assert store.ensemble_size == 3
+    np.testing.assert_allclose(store.read(slice(None))[:, :, 2], first.members[2].transpose(0, 2, 1), rtol=1e-6)
+    deterministic = load_model(setup["bundle"])
+    with pytest.raises(ValueError, match="members=2 but the model is deterministic"):
+        run_forecast(deterministic, setup["dataset"], "2020-01-05T00", 2, tmp_path / "c", members=2)
+    assert not (tmp_path / "c").exists()

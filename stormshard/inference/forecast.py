@@ -39,20 +39,22 @@ class ForecastResult:
 
     init_date: np.datetime64
     dates: np.ndarray  # (steps,) valid dates
-    forecast: np.ndarray
+    forecast: np.ndarray  # (steps, grid, output_variables); the ensemble mean for ensemble models
     truth: np.ndarray
     persistence: np.ndarray  # (grid, output_variables): the state at init_date
+    members: np.ndarray | None = None  # (members, steps, grid, output_variables) for ensemble models
     rmse: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # {var: {"model": [...], "persistence": [...]}}
     files: dict[str, Any] = field(default_factory=dict)
 
 
 @torch.no_grad()
-def rollout(bundle: InferenceModel, states: Tensor, forcings: Tensor) -> Tensor:
+def rollout(bundle: InferenceModel, states: Tensor, forcings: Tensor, generator: torch.Generator | None = None
+            ) -> Tensor:
     """Autoregressive forecast in physical units.
 
     ``states``: ``(batch, multistep_input, grid, input_variables)``; ``forcings``: ``(batch, steps - 1,
     grid, input_variables)`` (only the forcing columns are read: the inputs at the predicted times).
-    Returns ``(batch, steps, grid, output_variables)``.
+    Ensemble models draw fresh noise per batch entry and step from ``generator``. Returns ``(batch, steps, grid, output_variables)``.
     """
     v = bundle.variables
     dtype = next(bundle.model.parameters()).dtype
@@ -62,7 +64,10 @@ def rollout(bundle: InferenceModel, states: Tensor, forcings: Tensor) -> Tensor:
     prog_out = torch.tensor(v.prognostic_in_output, device=x.device)
     out = []
     for k in range(f.shape[1] + 1):
-        pred = bundle.model(x)
+        if hasattr(bundle.model, "sample_noise"):
+            pred = bundle.model(x, bundle.model.sample_noise(x.shape[0], generator=generator, dtype=x.dtype))
+        else:
+            pred = bundle.model(x)
         out.append(bundle.output_normaliser.denormalise(pred.double()))
         if k < f.shape[1]:
             nxt = f[:, k].index_copy(-1, prog_in, pred[..., prog_out])
@@ -126,9 +131,14 @@ def _stride(bundle: InferenceModel, dataset: AnemoiDataset) -> tuple[int, str]:
 
 def run_forecast(bundle: str | os.PathLike | InferenceModel, dataset: str | os.PathLike, date: Any, steps: int,
                  out: str | os.PathLike, *, plot_variables: list[str] | None = None,
-                 plot_steps: list[int] | None = None, overwrite: bool = False, verbose: bool = True) -> ForecastResult:
+                 plot_steps: list[int] | None = None, members: int = 1, seed: int = 0, overwrite: bool = False,
+                 verbose: bool = True) -> ForecastResult:
     """Forecast ``steps`` lead times from ``date`` (the last input state) and write the outputs
-    under ``out`` (see the module docstring). All inputs are checked before anything is written."""
+    under ``out`` (see the module docstring). All inputs are checked before anything is written.
+
+    Ensemble models (``model.name == "ensemble"``) run ``members`` members (noise drawn from
+    ``seed``); the store gets an ensemble dimension of that size, scores and maps use the mean.
+    """
     model = bundle if isinstance(bundle, InferenceModel) else load_model(bundle)
     ds = AnemoiDataset.open(dataset)
     v = model.variables
@@ -150,6 +160,11 @@ def run_forecast(bundle: str | os.PathLike | InferenceModel, dataset: str | os.P
         hi = ds.dates[max(ds.num_dates - 1 - steps * stride, 0)]
         raise ValueError(f"date {as_datetime64(date)} with {m} input states and {steps} steps of {step_text} needs "
                          f"dataset dates from index {first} to {last}; choose a date between {lo} and {hi}")
+    ensemble = model.config.name == "ensemble"
+    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+        raise ValueError(f"members must be a positive integer, got {members!r}")
+    if members > 1 and not ensemble:
+        raise ValueError(f"members={members} but the model is deterministic ({model.config.name}): use members=1")
     plot_variables = list(plot_variables or [])
     unknown = [n for n in plot_variables if n not in v.output_names]
     if unknown:
@@ -167,27 +182,30 @@ def run_forecast(bundle: str | os.PathLike | InferenceModel, dataset: str | os.P
     raw = torch.from_numpy(rearrange(ds.read(idx)[:, :, 0], "t v c -> t c v").astype(np.float64))
     ds_index = [ds.variables.index(n) for n in v.variables]
     data = raw[..., ds_index]  # (time, grid, model's dataset variables)
-    states = data[:m][..., v.input_idx].unsqueeze(0)
-    forcings = data[m:m + steps - 1][..., v.input_idx].unsqueeze(0)
-    pred = rollout(model, states, forcings)[0].numpy()
+    states = data[:m][..., v.input_idx].unsqueeze(0).expand(members, -1, -1, -1)
+    forcings = data[m:m + steps - 1][..., v.input_idx].unsqueeze(0).expand(members, -1, -1, -1)
+    ens = rollout(model, states, forcings, torch.Generator().manual_seed(seed)).numpy()  # (members, steps, grid, variables)
+    pred = ens.mean(axis=0)
     truth = data[m:][..., v.output_idx].numpy()
     persistence = data[m - 1][..., v.output_idx].numpy()
     weights = model.graph["data"].area_weight.double().numpy()
     model_rmse = rmse_per_lead(pred, truth, weights)
     pers_rmse = rmse_per_lead(np.broadcast_to(persistence, truth.shape), truth, weights)
     dates = ds.dates[idx[m:]]
-    result = ForecastResult(ds.dates[t0], dates, pred, truth, persistence)
+    result = ForecastResult(ds.dates[t0], dates, pred, truth, persistence, ens if ensemble else None)
     names = list(v.output_names)
     result.rmse = {n: {"model": model_rmse[:, j].tolist(), "persistence": pers_rmse[:, j].tolist()}
                    for j, n in enumerate(names)}
 
     out.mkdir(parents=True, exist_ok=True)
-    write_anemoi_dataset(store, rearrange(pred, "t c v -> t v 1 c"), dates, ds.latitudes, ds.longitudes, names,
+    write_anemoi_dataset(store, rearrange(ens, "e t c v -> t v e c"), dates, ds.latitudes, ds.longitudes, names,
                          frequency=step_text, overwrite=overwrite,
                          attributes={"initial_date": str(ds.dates[t0]), "source": "stormshard forecast",
+                                     "ensemble_members": members,
                                      "model_step": model.metadata.get("step")})
     lead_hours = [float((d - ds.dates[t0]) / np.timedelta64(1, "h")) for d in dates]
-    report = {"init_date": str(ds.dates[t0]), "lead_hours": lead_hours, "valid_dates": [str(d) for d in dates],
+    report = {"init_date": str(ds.dates[t0]), "members": members, "lead_hours": lead_hours,
+              "valid_dates": [str(d) for d in dates],
               "rmse": result.rmse}
     (out / "rmse.json").write_text(json.dumps(report, indent=1))
     maps = plot_maps(result, plot_variables, names, plot_steps, ds.latitudes, ds.longitudes, out / "maps")
