@@ -25,29 +25,10 @@ from stormshard.checkpoint.reshard import reshard_checkpoint
 from stormshard.checkpoint.sources import model_sources
 from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.models.registry import build_model
-from stormshard.training.launch import run_training
 from tests.distributed import run_distributed
+from tests.tiny_run import tiny_config, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
-BASE = {
-    "name": "tiny",
-    "model": {
-        "name": "transformer", "num_channels": 16, "multistep_input": 2, "trainable_size": 4,
-        "processor": {"num_layers": 2, "num_heads": 4, "mlp_ratio": 2, "window_size": 16},
-        "encoder": {"num_heads": 2, "mlp_ratio": 1.0}, "decoder": {"num_heads": 2, "mlp_ratio": 1.0},
-    },
-    "graph": {"data_grid": None, "hidden": "o4", "processor": {"kind": "knn", "num_neighbours": 6}},
-    "data": {
-        "path": "", "forcing": ["insolation"], "diagnostic": ["tracer_product"], "timestep": "6h",
-        "train": {"end": "2020-01-10T18"}, "validation": {"start": "2020-01-11"}, "validation_samples": 2,
-    },
-    "parallel": {"gpus_per_model": 1},
-    "training": {"max_steps": 3, "lr": 1e-3, "warmup_steps": 1, "validation_interval": 100,
-                 "checkpoint_interval": 100, "seed": 0, "output_dir": ""},
-    "engine": "deepspeed",
-    "deepspeed": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
-    "logging": {"progress": False},
-}
 KINDS = {  # the transformer with tensor parallelism (deepspeed ZeRO 0) and a graph processor (local engine)
     "tensor": {"parallel.shard_strategy": "tensor"},
     "graph": {"model.name": "graphtransformer", "graph.hidden": "ico1", "graph.processor": {"kind": "multimesh"},
@@ -56,20 +37,10 @@ KINDS = {  # the transformer with tensor parallelism (deepspeed ZeRO 0) and a gr
 
 
 def _config(dataset: str, out: Path, **changes) -> dict:
-    cfg = copy.deepcopy(BASE)
-    cfg["data"]["path"] = dataset
-    cfg["training"]["output_dir"] = str(out)
-    for dotted, value in changes.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return cfg
+    return tiny_config(dataset, out, **{"data.validation_samples": 2, **changes})
 
 
-def _train(rank, world, cfg, resume=False):
-    return run_training(cfg, resume=resume).losses
+_train = train_losses
 
 
 def _forward(rank, world, step_dir, x):

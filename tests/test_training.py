@@ -3,7 +3,6 @@ ensemble training, and bad configs that fail before anything is created."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -14,26 +13,7 @@ from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.training.config import ConfigError, load_experiment_config
 from stormshard.training.launch import run_training
 from tests.distributed import run_distributed
-
-BASE = {
-    "name": "tiny",
-    "model": {
-        "name": "transformer", "num_channels": 16, "multistep_input": 2, "trainable_size": 4,
-        "processor": {"num_layers": 2, "num_heads": 4, "mlp_ratio": 2, "window_size": 16},
-        "encoder": {"num_heads": 2, "mlp_ratio": 1.0}, "decoder": {"num_heads": 2, "mlp_ratio": 1.0},
-    },
-    "graph": {"data_grid": None, "hidden": "o4", "processor": {"kind": "knn", "num_neighbours": 6}},
-    "data": {
-        "path": "", "forcing": ["insolation"], "diagnostic": ["tracer_product"], "timestep": "6h",
-        "train": {"end": "2020-01-10T18"}, "validation": {"start": "2020-01-11"}, "validation_samples": 4,
-    },
-    "parallel": {"gpus_per_model": 1},
-    "training": {"max_steps": 3, "lr": 1e-3, "warmup_steps": 1, "validation_interval": 100,
-                 "checkpoint_interval": 100, "seed": 0, "output_dir": ""},
-    "engine": "deepspeed",
-    "deepspeed": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
-    "logging": {"progress": False},
-}
+from tests.tiny_run import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +24,7 @@ def dataset(tmp_path_factory) -> str:
 
 
 def _config(dataset: str, out: Path, **changes) -> dict:
-    cfg = copy.deepcopy(BASE)
-    cfg["data"]["path"] = dataset
-    cfg["training"]["output_dir"] = str(out)
-    for dotted, value in changes.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return cfg
+    return tiny_config(dataset, out, **changes)
 
 
 def _train(rank, world, cfg, resume=False):
