@@ -17,7 +17,7 @@ from stormshard.data.anemoi_layout import AnemoiDataset
 from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.inference.forecast import run_forecast
 from stormshard.training.launch import run_training
-from tests.test_checkpoint_conversion import BASE
+from tests.tiny_run import BASE
 
 
 @pytest.fixture(scope="module")
