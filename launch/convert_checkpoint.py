@@ -6,7 +6,7 @@
         [--shard-strategy tensor] [--world-size N] --out runs/k4/checkpoints
     python launch/convert_checkpoint.py export runs/quickstart/checkpoints --out bundles/quickstart
 
-A CHECKPOINT is a step_XXXXXXXX directory, a run's checkpoints directory (its latest checkpoint)
+A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
 or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
 difference found. After ``reshard``, resume with ``OUT/resume_config.json``:
 

@@ -85,7 +85,7 @@ class ConsolidatedCheckpoint:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint step directory (``step_XXXXXXXX``), a checkpoints directory (its latest
+    """A checkpoint step directory (``step_NNNNNNNN``), a checkpoints directory (its latest
     complete checkpoint) or a consolidated checkpoint directory."""
     p = Path(path)
     if (p / METADATA).is_file():
@@ -94,8 +94,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         latest = latest_checkpoint(p)
         if latest is not None:
             return latest
-    raise ConversionError(f"{p} is not a checkpoint: no {METADATA} in it and no complete step_XXXXXXXX below it",
-                          fix="pass a step_XXXXXXXX directory or the run's checkpoints directory")
+    raise ConversionError(f"{p} is not a checkpoint: no {METADATA} in it and no complete step_NNNNNNNN below it",
+                          fix="pass a step_NNNNNNNN directory or the run's checkpoints directory")
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def _rank_file(path: Path, rank: int) -> Path:
 
 
 def load_rank_payloads(path: Path, metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's ``rank_XXXXX.pt``; one error lists all missing, extra, unreadable or foreign files."""
+    """Every rank's ``rank_NNNNN.pt``; one error lists all missing, extra, unreadable or foreign files."""
     world = int(metadata["world_size"])
     problems = []
     if len(metadata.get("ranks", [])) != world:
@@ -136,7 +136,7 @@ def load_rank_payloads(path: Path, metadata: Mapping[str, Any]) -> list[dict[str
         payloads.append(payload)
     if problems:
         raise ConversionError(f"checkpoint {path} is incomplete or damaged:", problems,
-                              fix="convert an intact checkpoint (an older step_XXXXXXXX, or re-save)")
+                              fix="convert an intact checkpoint (an older step_NNNNNNNN, or re-save)")
     return payloads
 
 

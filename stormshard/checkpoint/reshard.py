@@ -6,8 +6,8 @@ Steps: consolidate (or read a consolidated checkpoint), rewrite the config's ``p
 (the layers say which parameters they slice, see :mod:`stormshard.checkpoint.groups`), check the
 full tensors against it (missing, extra, wrong shapes: one error lists them), slice weights and
 AdamW moments along each target partition, and write the per-rank files of
-:mod:`stormshard.training.checkpoint` (``rank_XXXXX.pt`` with the engine state, data position
-and RNG; ``rank_XXXXX.safetensors``; ``metadata.json``; ``latest``) into a temporary directory that
+:mod:`stormshard.training.checkpoint` (``rank_NNNNN.pt`` with the engine state, data position
+and RNG; ``rank_NNNNN.safetensors``; ``metadata.json``; ``latest``) into a temporary directory that
 is renamed at the end: nothing is written on failure.
 
 The number of data-parallel replicas stays the same (the data position is per replica); the
@@ -121,7 +121,7 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
                        dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None,
                        overwrite: bool = False) -> Path:
     """Write a training checkpoint for ``gpus_per_model`` (and ``shard_strategy``) into the
-    checkpoints directory ``out`` (``out/step_XXXXXXXX``, ``out/latest`` and
+    checkpoints directory ``out`` (``out/step_NNNNNNNN``, ``out/latest`` and
     ``out/resume_config.json``, the config to resume with). ``world_size`` defaults to
     ``gpus_per_model x`` the source's replicas, which it must keep. Returns the step directory."""
     ckpt = load_any(source)

@@ -14,10 +14,10 @@ Layout of a checkpoint directory (all ranks must see the same file system)::
 
 Saving (:func:`save_checkpoint`, called by every rank with its own ``state``):
 
-1. rank 0 clears a stale ``step_XXXXXXXX.tmp`` and creates it; barrier;
+1. rank 0 clears a stale ``step_NNNNNNNN.tmp`` and creates it; barrier;
 2. every rank writes its files (each through a temporary name and ``os.replace``); barrier;
 3. rank 0 merges the parameter tables into ``metadata.json``, renames the ``.tmp`` directory to
-   ``step_XXXXXXXX``, rewrites ``latest`` (temporary file + ``os.replace``), fsyncs and deletes
+   ``step_NNNNNNNN``, rewrites ``latest`` (temporary file + ``os.replace``), fsyncs and deletes
    all but the last ``keep_last`` checkpoints; barrier.
 
 A crash anywhere before the rename leaves only a ``.tmp`` directory, which loading ignores, so
@@ -210,7 +210,7 @@ def _barrier(group: Any, world: int) -> None:
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints (``step_XXXXXXXX`` holding ``metadata.json``), oldest first."""
+    """Complete checkpoints (``step_NNNNNNNN`` holding ``metadata.json``), oldest first."""
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -257,7 +257,7 @@ def save_checkpoint(
     plus its RNG states into checkpoint ``step``; collective over ``group`` (default: world).
 
     ``model`` (optional) adds its parameter table (names, shapes, Partition) to the metadata and,
-    with ``weights_safetensors``, its weights as ``rank_XXXXX.safetensors``. ``keep_last`` complete
+    with ``weights_safetensors``, its weights as ``rank_NNNNN.safetensors``. ``keep_last`` complete
     checkpoints are kept (None: all). Returns the final checkpoint path.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
