@@ -36,6 +36,7 @@ from stormshard.layers.window import sliding_window_attention  # noqa: E402
 from stormshard.parallel.counter import CommCounter  # noqa: E402
 from stormshard.parallel.sequence import halo_exchange  # noqa: E402
 from stormshard.parallel.shapes import balanced_sizes  # noqa: E402
+from stormshard.parallel.shard import SequenceShard  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -109,16 +110,16 @@ def _processor_job(rank: int, world: int, sizes: Sizes) -> dict:
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    shard = balanced_sizes(sizes.proc_seq, world)
-    x = torch.randn(1, shard[rank], sizes.proc_channels, requires_grad=True)
+    shard = SequenceShard.balanced(sizes.proc_seq, group)
+    x = torch.randn(1, shard.local_size, sizes.proc_channels, requires_grad=True)
     steps, result = {}, {}
     for strategy in ("shard_sequence", "shard_heads"):
         torch.manual_seed(0)
         proc = TransformerProcessor(sizes.proc_layers, sizes.proc_channels, sizes.proc_heads, sizes.proc_window,
-                                    shard_strategy=strategy)
+                                    shard_strategy=strategy, shard=shard)
 
         def step(proc=proc):
-            proc(x, shard, group).sum().backward()
+            proc(x).sum().backward()
             dist.barrier(group)
 
         with CommCounter() as counter:

@@ -33,28 +33,28 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stormshard.layers.transformer import TransformerProcessor  # noqa: E402
+from stormshard.layers.parallelize import build_transformer_processor  # noqa: E402
 from stormshard.parallel.counter import CommCounter  # noqa: E402
 from stormshard.parallel.grads import reduce_model_parallel_gradients  # noqa: E402
-from stormshard.parallel.shapes import balanced_sizes  # noqa: E402
+from stormshard.parallel.shard import SequenceShard  # noqa: E402
 
 STRATEGIES = ("shard_sequence", "shard_heads", "tensor")
 WORLD = 2
 
 
-def _fwd_bwd(model, x, sizes, group):
+def _fwd_bwd(model, x):
     x = x.detach().requires_grad_()
-    model(x, sizes, group).square().mean().backward()
+    model(x).square().mean().backward()
 
 
-def _measure(model, x, sizes, group, repeats: int) -> float:
+def _measure(model, x, group, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=True)
         if group is not None:
             dist.barrier(group)
         start = time.perf_counter()
-        _fwd_bwd(model, x, sizes, group)
+        _fwd_bwd(model, x)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -64,26 +64,26 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     group = dist.group.WORLD
-    sizes = balanced_sizes(args.seq, WORLD)
+    shard = SequenceShard.balanced(args.seq, group)
     x_full = torch.randn(1, args.seq, args.channels, generator=torch.Generator().manual_seed(0))
-    x = x_full[:, sum(sizes[:rank]):sum(sizes[: rank + 1])]
+    x = x_full[:, shard.local_slice]
     out, models = {}, {}
     for strategy in STRATEGIES:
         torch.manual_seed(0)
-        model = models[strategy] = TransformerProcessor(args.layers, args.channels, args.heads, args.window,
-                                                        mlp_ratio=4, shard_strategy=strategy, group=group)
+        model = models[strategy] = build_transformer_processor(args.layers, args.channels, args.heads, args.window,
+                                                               mlp_ratio=4, shard_strategy=strategy, shard=shard)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        _fwd_bwd(model, x, sizes, group)  # warm-up
+        _fwd_bwd(model, x)  # warm-up
         model.zero_grad(set_to_none=True)
         with CommCounter() as fwd_bwd:
-            _fwd_bwd(model, x, sizes, group)
+            _fwd_bwd(model, x)
         with CommCounter() as grad_sync:  # replicated weights saw only this rank's tokens: sum them
             reduce_model_parallel_gradients(model.parameters(), group)
         out[strategy] = {"param_bytes": params, "fwd_bwd": fwd_bwd.as_dict(), "fwd_bwd_bytes": fwd_bwd.total_bytes,
                          "grad_sync_bytes": grad_sync.total_bytes, "times": []}
     for _ in range(args.repeats):  # interleaved rounds: load from other processes hits every strategy alike
         for strategy in STRATEGIES:
-            out[strategy]["times"].append(_measure(models[strategy], x, sizes, group, 1))
+            out[strategy]["times"].append(_measure(models[strategy], x, group, 1))
     for strategy in STRATEGIES:
         out[strategy]["seconds"] = statistics.median(out[strategy]["times"])
     results.put((rank, out))
@@ -105,10 +105,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    single = TransformerProcessor(args.layers, args.channels, args.heads, args.window, mlp_ratio=4)
+    single = build_transformer_processor(args.layers, args.channels, args.heads, args.window, mlp_ratio=4)
     x = torch.randn(1, args.seq, args.channels)
-    _fwd_bwd(single, x, None, None)
-    single_seconds = _measure(single, x, None, None, args.repeats)
+    _fwd_bwd(single, x)
+    single_seconds = _measure(single, x, None, args.repeats)
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -112,14 +112,13 @@ def _write_config(case: Case, workdir: Path, warmup: int) -> Path:
     cfg["data"].update(path=str(ROOT / data_path), graph_cache=str(workdir / f"graph_{case.config}.pt"),
                        validation_samples=2)
     cfg["logging"] = {"progress": False, "wandb": False, "log_interval": 1}
+    cfg["training"].update(micro_batch_size=case.micro_batch, gradient_accumulation_steps=1)
     ds = dict(cfg.get("deepspeed", {}))
-    ds["train_micro_batch_size_per_gpu"] = case.micro_batch
-    ds["gradient_accumulation_steps"] = 1
     if case.zero_stage is not None:
         ds["zero_optimization"] = {"stage": case.zero_stage}
     cfg["engine"] = case.engine
     if case.engine == "ddp":
-        ds.pop("zero_optimization", None)  # AdamW settings stay: every engine takes the same step
+        ds = {}  # DeepSpeed's own settings only: micro batch, clipping and AdamW are engine-neutral
         cfg["ddp"] = {"bucket_cap_mb": 25, "broadcast_buffers": False}
     cfg["deepspeed"] = ds
     if case.compression:

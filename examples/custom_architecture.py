@@ -19,38 +19,40 @@ from torch import nn
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.parallel.grads import reduce_model_parallel_gradients
 from stormshard.parallel.random import TrackedDropout, tensor_parallel_rng_tracker
-from stormshard.parallel.shapes import balanced_sizes
+from stormshard.parallel.shard import SequenceShard
 from stormshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 WORLD, FEATURES, CHANNELS, SEQ, STEPS = 2, 4, 32, 63, 25
 
 
 class WindowNet(nn.Module):
-    def __init__(self, group: dist.ProcessGroup, tracker) -> None:
+    """Every layer gets the sequence's shard (sizes + group) once; ``forward`` takes tensors only."""
+
+    def __init__(self, shard: SequenceShard, tracker) -> None:
         super().__init__()
-        self.embed = ColumnParallelLinear(FEATURES, 4 * CHANNELS, group=group, sequence_parallel=True)
+        self.embed = ColumnParallelLinear(FEATURES, 4 * CHANNELS, sequence_shard=shard)
         self.dropout = TrackedDropout(0.1, tracker)  # hidden channels differ per rank: so do the masks
-        self.mix = RowParallelLinear(4 * CHANNELS, CHANNELS, group=group, sequence_parallel=True)
-        self.attention = SlidingWindowAttention(CHANNELS, num_heads=4, window_size=3)
+        self.mix = RowParallelLinear(4 * CHANNELS, CHANNELS, sequence_shard=shard)
+        self.attention = SlidingWindowAttention(CHANNELS, num_heads=4, window_size=3, shard=shard)
         self.head = nn.Linear(CHANNELS, FEATURES)
 
-    def forward(self, x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-        h = self.mix(self.dropout(F.gelu(self.embed(x, sizes))), sizes)  # (batch, seq_local, channels)
-        return self.head(h + self.attention(h, sizes, group))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.dropout(F.gelu(self.embed(x))))  # (batch, seq_local, channels)
+        return self.head(h + self.attention(h))
 
 
 def train(rank: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    group, sizes = dist.group.WORLD, balanced_sizes(SEQ, WORLD)
+    group = dist.group.WORLD
+    shard = SequenceShard.balanced(SEQ, group)  # 32 / 31 tokens
     torch.manual_seed(0)  # same seed on every rank: same full weights, each rank keeps its slices
-    model = WindowNet(group, tensor_parallel_rng_tracker(seed=0, group=group))
+    model = WindowNet(shard, tensor_parallel_rng_tracker(seed=0, group=group))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     x = torch.randn(8, SEQ, FEATURES, generator=torch.Generator().manual_seed(1))
     target = (x.roll(1, 1) + x + x.roll(-1, 1)) / 3
-    start = sum(sizes[:rank])
-    x, target = x[:, start:start + sizes[rank]], target[:, start:start + sizes[rank]]
+    x, target = x[:, shard.local_slice], target[:, shard.local_slice]
     for step in range(STEPS):  # mean squared error over the whole sequence = sum of the ranks' parts
-        loss = (model(x, sizes, group) - target).square().sum() / (x.shape[0] * SEQ * FEATURES)
+        loss = (model(x) - target).square().sum() / (x.shape[0] * SEQ * FEATURES)
         optimizer.zero_grad()
         loss.backward()
         reduce_model_parallel_gradients(model.parameters(), group)  # replicated weights saw our tokens only

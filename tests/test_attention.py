@@ -17,11 +17,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from stormshard.layers.attention import SlidingWindowAttention
+from stormshard.layers.conditional import ConditionalTransformerBlock
 from stormshard.layers.mlp import MLP
+from stormshard.layers.parallelize import build_transformer_processor
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
 from stormshard.layers.window import dense_window_attention, sliding_window_attention
 from stormshard.parallel.counter import CommCounter
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
+from stormshard.parallel.shard import SequenceShard
 from tests.distributed import run_distributed
 
 F64 = torch.float64
@@ -163,15 +166,15 @@ def test_kernel_errors():
 # ------------------------------------------------------------------------------------------
 
 
-def _make_attention(channels, heads, window, strategy, seed):
+def _make_attention(channels, heads, window, strategy, seed, shard=None):
     torch.manual_seed(seed)
-    return SlidingWindowAttention(channels, heads, window, strategy).double()
+    return SlidingWindowAttention(channels, heads, window, strategy, shard).double()
 
 
-def _make_processor(layers, channels, heads, window, strategy, checkpointing, seed):
+def _make_processor(layers, channels, heads, window, strategy, checkpointing, seed, shard=None):
     torch.manual_seed(seed)
-    return TransformerProcessor(layers, channels, heads, window, mlp_ratio=2, shard_strategy=strategy,
-                                activation_checkpointing=checkpointing).double()
+    return build_transformer_processor(layers, channels, heads, window, mlp_ratio=2, shard_strategy=strategy,
+                                       shard=shard, activation_checkpointing=checkpointing).double()
 
 
 def _single(module, x, grad, dense=None):
@@ -234,8 +237,29 @@ def test_constructor_errors():
     layer = SlidingWindowAttention(8, 2, 1)
     with pytest.raises(ValueError, match=r"x must be \(batch, seq_local, 8\)"):
         layer(torch.zeros(3, 8))
-    with pytest.raises(ValueError, match=r"shard_sizes\[0\] = 4 but this rank's input holds 3 tokens"):
-        layer(torch.zeros(1, 3, 8), [4])
+    layer = SlidingWindowAttention(8, 2, 1, shard=SequenceShard.unsharded(4))
+    with pytest.raises(ValueError, match=r"input x has 3 rows along dim 1 .* gives this rank \(rank 0 of 1\) 4 "):
+        layer(torch.zeros(1, 3, 8))
+    with pytest.raises(TypeError, match="shard must be a SequenceShard or None"):
+        SlidingWindowAttention(8, 2, 1, shard=[4])
+
+
+def test_local_length_must_match_the_shard():
+    """Every layer bound to a shard rejects an input whose local length is not its shard's, clearly."""
+    shard = SequenceShard.unsharded(5)
+    x = torch.zeros(2, 4, 8)
+    layers = [SlidingWindowAttention(8, 2, 1, "shard_heads", shard), TransformerBlock(8, 2, 1, 2, shard=shard),
+              build_transformer_processor(2, 8, 2, 1, shard=shard),
+              build_transformer_processor(1, 8, 2, 1, shard_strategy="tensor", shard=shard,
+                                          activation_checkpointing=True)]
+    for layer in layers:
+        with pytest.raises(ValueError, match=r"has 4 rows along dim 1 \(shape \(2, 4, 8\)\) but its SequenceShard "
+                                              r"gives this rank \(rank 0 of 1\) 5 of sizes \[5\]"):
+            layer(x)
+    block = ConditionalTransformerBlock(8, 2, 1, 3, shard=shard)
+    with pytest.raises(ValueError, match="has 4 rows along dim 1"):
+        block(x, torch.zeros(2, 4, 3))
+    torch.testing.assert_close(layers[0](torch.zeros(2, 5, 8)).shape, (2, 5, 8))
 
 
 # ------------------------------------------------------------------------------------------
@@ -243,22 +267,22 @@ def test_constructor_errors():
 # ------------------------------------------------------------------------------------------
 
 
-def _sharded(module, x, grad, group, sizes, me):
-    """This rank's output, input gradient and parameter gradients of ``module`` on its slice."""
+def _sharded(module, x, grad, sizes, me):
+    """This rank's output, input gradient and parameter gradients of ``module`` (built with the shard) on its slice."""
     off = balanced_offsets(sizes)[me]
     local = x[:, off : off + sizes[me]].clone().requires_grad_()
     module.zero_grad()
-    out = module(local, sizes, group)
+    out = module(local)
     out.backward(grad[:, off : off + sizes[me]])
     return out.detach(), local.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
-def _attention_case(case):
+def _attention_case(case, shard=None):
     kind, n, channels, heads, window, strategy, extra, seed = case
     if kind == "layer":
-        module = _make_attention(channels, heads, window, strategy, seed)
+        module = _make_attention(channels, heads, window, strategy, seed, shard)
     else:
-        module = _make_processor(2, channels, heads, window, strategy, extra, seed)
+        module = _make_processor(2, channels, heads, window, strategy, extra, seed, shard)
     return module, _rand((1 if n > 500 else 2, n, channels), seed + 1), _rand((1 if n > 500 else 2, n, channels), seed + 2)
 
 
@@ -266,8 +290,9 @@ def _run_cases(rank, world, cases):
     group = dist.group.WORLD
     results = []
     for case in cases:
-        module, x, grad = _attention_case(case)
-        results.append(_sharded(module, x, grad, group, balanced_sizes(x.shape[1], world), rank))
+        sizes = balanced_sizes(case[1], world)
+        module, x, grad = _attention_case(case, SequenceShard(sizes, group))
+        results.append(_sharded(module, x, grad, sizes, rank))
     return results
 
 
@@ -325,21 +350,23 @@ def _errors_on_ranks(rank, world):
     group = dist.group.WORLD
     sizes = balanced_sizes(10, world)
     x = torch.zeros(1, sizes[rank], 8)
-    layer = SlidingWindowAttention(8, 4, 2, "shard_heads")
+    shard = SequenceShard(sizes, group)
     with pytest.raises(ValueError, match="needs num_heads=4 divisible by the group size 3"):
-        layer(x, sizes, group)
-    with pytest.raises(ValueError, match="shard_sizes lists 2 shards"):
-        layer(x, [5, 5], group)
-    with pytest.raises(ValueError, match="shard_sizes is None but model_comm_group has 3 ranks"):
-        layer(x, None, group)
-    with pytest.raises(ValueError, match=r"shard_sizes\[\d\] = 9 but this rank's input holds"):
-        layer(x, [9, 9, 9], group)
+        SlidingWindowAttention(8, 4, 2, "shard_heads", shard)
+    with pytest.raises(ValueError, match=r"SequenceShard.sizes lists 2 shards but the process group has 3 ranks"):
+        SlidingWindowAttention(8, 4, 2, "shard_sequence", SequenceShard([5, 5], group))
+    with pytest.raises(TypeError, match="shard must be a SequenceShard or None"):
+        SlidingWindowAttention(8, 4, 2, "shard_sequence", sizes)
+    layer = SlidingWindowAttention(8, 4, 2, "shard_sequence", SequenceShard([9, 9, 9], group))
+    with pytest.raises(ValueError, match=rf"input x has {sizes[rank]} rows along dim 1 .* gives this rank "
+                                          rf"\(rank {rank} of 3\) 9 of sizes \[9, 9, 9\]"):
+        layer(x)
     # communication per layer: halos of x on shard_sequence, two all-to-alls on shard_heads
     counts = {}
     for strategy in ("shard_sequence", "shard_heads"):
-        layer = SlidingWindowAttention(6, 3, 2, strategy)
+        layer = SlidingWindowAttention(6, 3, 2, strategy, shard)
         with CommCounter() as counter:
-            layer(torch.zeros(1, sizes[rank], 6), sizes, group)
+            layer(torch.zeros(1, sizes[rank], 6))
         counts[strategy] = counter.as_dict()
     halo_rows = {0: 2, 1: 4, 2: 2}[rank]
     assert counts["shard_sequence"] == {"all_to_all": {"calls": 1, "bytes": halo_rows * 6 * 4}}

@@ -40,8 +40,8 @@ TOTAL, SPLIT = 6, 3
 def _settings(engine: str, stage: int = 0, powersgd: bool = False) -> EngineSettings:
     return EngineSettings(
         engine=engine,
-        deepspeed={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
-        if engine == "deepspeed" else {},
+        micro_batch_size=MICRO,
+        deepspeed={"zero_optimization": {"stage": stage}} if engine == "deepspeed" else {},
         gradient_accumulation_steps=2,
         gradient_clipping=0.5,
         optimizer={"weight_decay": 0.1},

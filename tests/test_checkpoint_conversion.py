@@ -85,16 +85,44 @@ def runs(tmp_path_factory):
                      "step_00000003", two)
     # ZeRO 2 over 2 replicas of a 2-rank tensor-parallel model: the same effective batch of 2
     zero = _config(str(dataset), root / "zero", **{**KINDS["tensor"], "parallel.gpus_per_model": 2,
-                                                   "deepspeed.train_micro_batch_size_per_gpu": 1,
+                                                   "training.micro_batch_size": 1,
                                                    "deepspeed.zero_optimization": {"stage": 2}})
     run_distributed(_train, 4, zero)
     out["zero"] = (root / "zero" / "checkpoints" / "step_00000003", zero)
     return out
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, floor: float = 0.0) -> None:
+    """``a == b`` relative to ``b``'s own scale (AdamW's exp_avg_sq is ~1e-8: a fixed atol would pass
+    scrambled second moments). ``floor`` is an absolute tolerance for tensors whose exact value is
+    zero (e.g. key biases, to which the softmax is invariant: their moments are rounding noise)."""
     assert a.shape == b.shape, what
-    torch.testing.assert_close(a, b, rtol=1e-3, atol=2e-4, msg=what)
+    scale = float(b.abs().max())
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * scale + floor + 1e-30, msg=what)
+
+
+def _close_moments(state: dict, reference: dict, names) -> None:  # noqa: ANN001
+    """AdamW moments tensor by tensor; the noise floor is 1e-6 of the largest moment of that kind."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        floor = 1e-6 * max(float(reference[n][key].abs().max()) for n in names)
+        for name in names:
+            _close(state[name][key], reference[name][key], f"{name} {key}", floor)
+
+
+def test_moment_check_rejects_scrambled_second_moments(runs):
+    """The tolerance must fail a permuted exp_avg_sq (a fixed atol of 2e-4 passed it)."""
+    single = consolidate_checkpoint(runs["tensor"][0])
+    names = list(single.model)
+    scrambled = {n: dict(single.optimizer["state"][n]) for n in names}
+    # the most varied second moment (largest spread relative to its scale)
+    big = max(names, key=lambda n: float(single.optimizer["state"][n]["exp_avg_sq"].std()
+                                         / single.optimizer["state"][n]["exp_avg_sq"].abs().max().clamp_min(1e-30)))
+    sq = scrambled[big]["exp_avg_sq"]
+    scrambled[big]["exp_avg_sq"] = sq.flatten()[torch.randperm(sq.numel(), generator=torch.Generator().manual_seed(0))
+                                               ].view_as(sq)
+    assert not torch.equal(scrambled[big]["exp_avg_sq"], sq)
+    with pytest.raises(AssertionError):
+        _close_moments(scrambled, single.optimizer["state"], names)
 
 
 # ------------------------------------------------------------------------------ consolidate
@@ -111,9 +139,8 @@ def test_consolidate_equals_gpus_per_model_1(runs, kind, tmp_path):
     assert list(sharded.model) == list(single.model)
     for name, ref in single.model.items():
         _close(sharded.model[name], ref, name)
+    _close_moments(sharded.optimizer["state"], single.optimizer["state"], list(single.model))
     for name in single.model:
-        for key in ("exp_avg", "exp_avg_sq"):
-            _close(sharded.optimizer["state"][name][key], single.optimizer["state"][name][key], f"{name} {key}")
         assert float(sharded.optimizer["state"][name]["step"]) == 3
     assert sharded.engine["scheduler"] == single.engine["scheduler"]
     assert len(sharded.replicas) == 1 and sharded.replicas[0]["data"]["position"] == 6
@@ -133,8 +160,7 @@ def test_consolidate_zero2_partitions_equals_gpus_per_model_1(runs):
     assert zero.replicas[1]["data"]["rank"] == 1
     for name, ref in single.model.items():
         _close(zero.model[name], ref, name)
-        for key in ("exp_avg", "exp_avg_sq"):
-            _close(zero.optimizer["state"][name][key], single.optimizer["state"][name][key], f"{name} {key}")
+    _close_moments(zero.optimizer["state"], single.optimizer["state"], list(single.model))
 
 
 def test_reshard_zero2_to_one_rank_per_model_resumes_like_the_original(runs, tmp_path):

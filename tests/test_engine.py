@@ -29,7 +29,12 @@ from stormshard.parallel.grads import (  # noqa: E402
 from stormshard.parallel.partition import Partition, set_partition  # noqa: E402
 from stormshard.parallel.shapes import balanced_sizes  # noqa: E402
 from stormshard.parallel.topology import ParallelLayout, ProcessGroups, build_process_groups  # noqa: E402
-from stormshard.training.engine import EngineError, EngineSettings, build_engine  # noqa: E402
+from stormshard.training.engine import (  # noqa: E402
+    EngineError,
+    EngineSettings,
+    build_engine,
+    resolve_deepspeed_config,
+)
 from stormshard.training.schedule import build_scheduler  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -184,10 +189,10 @@ SCHEDULE = {"lr": 0.02, "lr_min": 0.001, "warmup_steps": 1, "total_steps": 3}
 
 def _settings(engine: str, stage: int = 0, accumulation: int = 2, powersgd: bool = False,
               mode: str = "hooks", clip: float = 0.05, broadcast_buffers: bool = True) -> EngineSettings:
-    ds: dict = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
     return EngineSettings(
         engine=engine,
-        deepspeed=ds if engine == "deepspeed" else {},
+        micro_batch_size=MICRO,
+        deepspeed={"zero_optimization": {"stage": stage}} if engine == "deepspeed" else {},
         gradient_accumulation_steps=accumulation,
         gradient_clipping=clip,
         optimizer={"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
@@ -206,7 +211,7 @@ def _reference(settings: EngineSettings, data_parallel: int) -> tuple[NodeModel,
     sched = build_scheduler(opt, settings.schedule)
     compressor = None
     if settings.compression is not None:
-        compressor = PowerSGDCompressor(list(model.named_parameters()), None, settings.compression.to_config())
+        compressor = PowerSGDCompressor(list(model.named_parameters()), None, settings.compression)
     effective = MICRO * settings.accumulation * data_parallel
     lrs = []
     for step in range(STEPS):
@@ -310,14 +315,24 @@ def test_engines_match_single_process_world4():
         ({"engine": "local", "compression": {}}, "no data parallelism"),
         ({"compression": {"rank": 0}}, "rank must be at least 1"),
         ({"compression": {"ranks": 2}}, "ranks"),
-        ({"gradient_accumulation_steps": 2, "deepspeed": {"gradient_accumulation_steps": 4}}, "disagree"),
-        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
-        ({"deepspeed": {"optimizer": {"type": "Lamb"}}}, "AdamW"),
-        ({"deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}}, "params.lr=0.5"),
+        # DeepSpeed's spellings of the engine-neutral knobs name the field to use
+        ({"gradient_accumulation_steps": 2, "deepspeed": {"gradient_accumulation_steps": 4}},
+         "deepspeed.gradient_accumulation_steps is not read .* set training.gradient_accumulation_steps"),
+        ({"deepspeed": {"train_micro_batch_size_per_gpu": 2}},
+         "deepspeed.train_micro_batch_size_per_gpu .* set training.micro_batch_size .*EngineSettings.micro_batch_size"),
+        ({"deepspeed": {"gradient_clipping": 1.0}}, "set training.gradient_clipping"),
+        ({"deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}}, "deepspeed.optimizer .* set optimizer"),
         ({"optimizer": {"weight_decay": 0.1}, "deepspeed": {"optimizer": {"type": "AdamW",
                                                                            "params": {"weight_decay": 0.2}}}},
-         "weight_decay"),
+         "deepspeed.optimizer is not read"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"micro_batch_size": 0}, "micro_batch_size"),
+        ({"micro_batch_size": True}, "micro_batch_size"),
+        ({"gradient_clipping": -1.0}, "gradient_clipping"),
+        ({"optimizer": {"type": "Lamb"}}, "adamw"),
+        ({"optimizer": {"lr": 0.5}}, "optimizer.lr"),
         ({"optimizer": {"betas": (0.9, 1.5)}}, "betas"),
+        ({"optimizer": {"eps": 0.0}}, "eps"),
         ({"schedule": {"lr": 1e-3, "lr_min": 1e-2}}, "lr_min"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
         ({"model_parallel_grad_reduction": "ring"}, "model_parallel_grad_reduction"),
@@ -329,11 +344,65 @@ def test_bad_engine_settings(kwargs, match):
 
 
 def test_settings_resolution():
-    s = EngineSettings(deepspeed={"gradient_accumulation_steps": 3, "gradient_clipping": 1.0,
-                                  "optimizer": {"type": "AdamW", "params": {"weight_decay": 0.05}}})
+    s = EngineSettings(gradient_accumulation_steps=3, gradient_clipping=1.0, optimizer={"weight_decay": 0.05})
     assert s.accumulation == 3 and s.clipping == 1.0
     assert s.adamw_kwargs() == {"lr": s.schedule.lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.05}
     assert EngineSettings().accumulation == 1 and EngineSettings().clipping == 0.0
+    assert EngineSettings().micro_batch_size == 1
+    assert EngineSettings().adamw_kwargs() == {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+KNOBS = dict(micro_batch_size=3, gradient_accumulation_steps=2, gradient_clipping=0.5,
+             optimizer={"betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.2},
+             schedule={"lr": 0.02, "lr_min": 0.001, "warmup_steps": 1, "total_steps": 3})
+
+
+def test_generated_deepspeed_config():
+    """DeepSpeed's batch, clipping and optimizer keys come from the engine-neutral fields; the section
+    keeps DeepSpeed's own keys."""
+    own = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "communication_data_type": "bf16"}
+    settings = EngineSettings(deepspeed=own, **KNOBS)
+    params = {"lr": 0.02, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2}
+    expected = {**own, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+                "gradient_clipping": 0.5, "train_batch_size": 3 * 2 * 4,
+                "optimizer": {"type": "AdamW", "params": params}}
+    assert resolve_deepspeed_config(settings, 4, on_cpu=False) == expected
+    # on the CPU accelerator torch's AdamW (no JIT build of DeepSpeed's fused Adam)
+    on_cpu = resolve_deepspeed_config(settings, 4, on_cpu=True)
+    assert on_cpu["optimizer"] == {"type": "AdamW", "params": {**params, "torch_adam": True}}
+    assert settings.deepspeed == own  # the settings are not modified
+    # an explicit train_batch_size is a cross-check; zero_optimization defaults to stage 0
+    plain = EngineSettings(deepspeed={"train_batch_size": 6}, **KNOBS)
+    assert resolve_deepspeed_config(plain, 1, on_cpu=True)["zero_optimization"] == {"stage": 0}
+    with pytest.raises(EngineError, match="train_batch_size=6 but micro batch 3 x accumulation 2 x data-parallel size 2"):
+        resolve_deepspeed_config(plain, 2, on_cpu=True)
+
+
+def _check_knobs_reach_engines(rank: int, world: int) -> list[str]:
+    """micro batch, accumulation, clipping and AdamW settings as each engine sees them."""
+    seen = []
+    for engine, gpus_per_model in (("local", world), ("ddp", 1), ("deepspeed", 1)):
+        settings = EngineSettings(engine=engine, deepspeed={"zero_optimization": {"stage": 0}} if engine == "deepspeed"
+                                  else {}, **KNOBS)
+        built = build_engine(shard_model(make_model(0), gpus_per_model, rank if gpus_per_model > 1 else 0),
+                             groups_for(world, gpus_per_model), settings)
+        assert built.micro_batch_size == 3 and built.accumulation == 2, engine
+        if engine == "deepspeed":
+            assert built.ds.train_micro_batch_size_per_gpu() == 3 and built.ds.gradient_accumulation_steps() == 2
+            assert built.ds.gradient_clipping() == 0.5 and built.ds.train_batch_size() == 3 * 2 * world
+            groups = built.ds.optimizer.param_groups
+        else:
+            assert built.settings.clipping == 0.5
+            groups = built.optimizer.param_groups
+        for group in groups:
+            assert tuple(group["betas"]) == (0.8, 0.9) and group["eps"] == 1e-6 and group["weight_decay"] == 0.2, engine
+        assert built.lr == pytest.approx(0.02)  # a warm-up of 1 step reaches the peak at step 0
+        seen.append(engine)
+    return seen
+
+
+def test_engine_neutral_knobs_reach_every_engine():
+    assert run_distributed(_check_knobs_reach_engines, 2, timeout=300)[0] == ["local", "ddp", "deepspeed"]
 
 
 def _check_layout_errors(rank: int, world: int) -> None:
@@ -350,14 +419,8 @@ def _check_layout_errors(rank: int, world: int) -> None:
     with pytest.raises(EngineError, match="use 'hooks'"):
         build_engine(make_model(0), sharded, EngineSettings(engine="ddp", compression={},
                                                            model_parallel_grad_reduction="bucketed"))
-    with pytest.raises(EngineError, match="train_micro_batch_size_per_gpu"):
-        build_engine(make_model(0), data_parallel, EngineSettings())
     with pytest.raises(EngineError, match="train_batch_size=5"):
-        build_engine(make_model(0), data_parallel, EngineSettings(
-            deepspeed={"train_micro_batch_size_per_gpu": 2, "train_batch_size": 5}))
-    with pytest.raises(EngineError, match="torch_adam"):
-        build_engine(make_model(0), data_parallel, EngineSettings(deepspeed={
-            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"torch_adam": False}}}))
+        build_engine(make_model(0), data_parallel, EngineSettings(micro_batch_size=2, deepspeed={"train_batch_size": 5}))
     frozen = make_model(0).requires_grad_(False)
     with pytest.raises(EngineError, match="no trainable parameter"):
         build_engine(frozen, data_parallel, EngineSettings(engine="ddp"))

@@ -143,3 +143,22 @@ def test_ensemble_members(setup, tmp_path):
     with pytest.raises(ValueError, match="members=2 but the model is deterministic"):
         run_forecast(deterministic, setup["dataset"], "2020-01-05T00", 2, tmp_path / "c", members=2)
     assert not (tmp_path / "c").exists()
+
+
+def test_advance_window_moves_the_window_and_feeds_back_prognostics():
+    from stormshard.models.rollout import advance_window
+
+    window = torch.arange(2 * 3 * 5 * 4, dtype=torch.float64).reshape(2, 3, 5, 4)  # (batch, time, grid, inputs)
+    forcing = -torch.ones(2, 5, 4, dtype=torch.float64)
+    pred = torch.rand(2, 5, 3, dtype=torch.float64, requires_grad=True)  # (batch, grid, outputs)
+    out = advance_window(window, forcing, pred, [0, 2], [1, 0])
+    assert out.shape == window.shape
+    assert torch.equal(out[:, :2], window[:, 1:])
+    assert torch.equal(out[:, 2, :, 0], pred[..., 1].detach()) and torch.equal(out[:, 2, :, 2], pred[..., 0].detach())
+    assert torch.equal(out[:, 2, :, 1], forcing[..., 1]) and torch.equal(out[:, 2, :, 3], forcing[..., 3])
+    out[:, 2, :, 0].sum().backward()  # differentiable through the rollout
+    assert torch.equal(pred.grad[..., 1], torch.ones(2, 5)) and pred.grad[..., [0, 2]].abs().sum() == 0
+    with pytest.raises(ValueError, match="disagree on batch, grid or input variables"):
+        advance_window(window, forcing[:, :4], pred, [0, 2], [1, 0])
+    with pytest.raises(ValueError, match="2 prognostic input positions but 1 output"):
+        advance_window(window, forcing, pred, [0, 2], [1])

@@ -29,16 +29,22 @@ CASES = [
 ]
 
 
-def make_block(kind: str, num_chunks: int, seed: int = 0) -> torch.nn.Module:
+def make_plan(kind: str, edge_index: torch.Tensor, num_src: int, num_dst: int, group=None) -> GraphShardPlan:
+    """The block's plan: one node set for a processor, (sources, destinations) for a mapper."""
+    num_nodes = num_src if kind.endswith("processor") else (num_src, num_dst)
+    return GraphShardPlan.build(edge_index, num_nodes, group)
+
+
+def make_block(kind: str, plan: GraphShardPlan, num_chunks: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "transformer_mapper":
-        block = GraphTransformerMapperBlock(SRC_C, DST_C, EDGE_C, HEADS, mlp_ratio=2.0, num_chunks=num_chunks)
+        block = GraphTransformerMapperBlock(SRC_C, DST_C, EDGE_C, HEADS, plan, mlp_ratio=2.0, num_chunks=num_chunks)
     elif kind == "transformer_processor":
-        block = GraphTransformerProcessorBlock(DST_C, EDGE_C, HEADS, mlp_ratio=2.0, num_chunks=num_chunks)
+        block = GraphTransformerProcessorBlock(DST_C, EDGE_C, HEADS, plan, mlp_ratio=2.0, num_chunks=num_chunks)
     elif kind == "gnn_mapper":
-        block = GNNMapperBlock(SRC_C, DST_C, EDGE_C, num_chunks=num_chunks)
+        block = GNNMapperBlock(SRC_C, DST_C, EDGE_C, plan, num_chunks=num_chunks)
     else:
-        block = GNNProcessorBlock(DST_C, EDGE_C, num_chunks=num_chunks)
+        block = GNNProcessorBlock(DST_C, EDGE_C, plan, num_chunks=num_chunks)
     return block.double()
 
 
@@ -53,23 +59,33 @@ def make_inputs(kind: str, num_src: int, num_dst: int, num_edges: int, limit: in
     return edge_index, x_src, x_dst, edge_attr, w_nodes, w_edges
 
 
-def run_block(block, kind, x_src, x_dst, edge_attr, edge_index, plan=None, group=None):
-    """Nodes out and edges out (None for the transformer)."""
-    if kind.endswith("processor"):
-        out = block(x_dst, edge_attr, edge_index, shard_plan=plan, model_comm_group=group)
-    else:
-        out = block(x_src, x_dst, edge_attr, edge_index, shard_plan=plan, model_comm_group=group)
-    return out if isinstance(out, tuple) else (out, None)
+def run_block(block, kind, x_src, x_dst, edge_attr):
+    """Nodes out and edges out (plan order; None where the block does not update edges).
+
+    Mapper blocks return the destinations only; processor blocks return ``(nodes, edges)``, the
+    graph transformer its edge attributes unchanged."""
+    if not kind.endswith("processor"):
+        out = block(x_src, x_dst, edge_attr)
+        assert isinstance(out, torch.Tensor)
+        return out, None
+    nodes, edges = block(x_dst, edge_attr)
+    if kind.startswith("transformer"):
+        assert edges is edge_attr
+        return nodes, None
+    return nodes, edges
 
 
 def reference(kind, num_chunks, inputs):
-    """Single-process forward and backward: output, edge output and every gradient."""
+    """Single-process forward and backward: output, edge output (edge_index order) and every gradient."""
     edge_index, x_src, x_dst, edge_attr, w_nodes, w_edges = inputs
-    block = make_block(kind, num_chunks)
+    plan = make_plan(kind, edge_index, x_src.shape[0], x_dst.shape[0])
+    block = make_block(kind, plan, num_chunks)
     xs = x_src.clone().requires_grad_()
     xd = xs if kind.endswith("processor") else x_dst.clone().requires_grad_()
     ea = edge_attr.clone().requires_grad_()
-    nodes, edges = run_block(block, kind, xs, xd, ea, edge_index)
+    nodes, edges = run_block(block, kind, xs, xd, plan.shard_edges(ea))
+    if edges is not None:  # the one-rank plan orders edges by destination: back to edge_index order
+        edges = edges[torch.argsort(plan.edge_ids)]
     loss = (nodes * w_nodes).sum() + (0 if edges is None else (edges * w_edges).sum())
     loss.backward()
     grads = {n: p.grad.clone() for n, p in block.named_parameters()}
@@ -83,16 +99,17 @@ def _check_sharded_blocks(rank, world, num_chunks_list):
         edge_index, x_src, x_dst, edge_attr, w_nodes, w_edges = inputs
         ref_nodes, ref_edges, ref_gsrc, ref_gdst, ref_gea, ref_grads = reference(kind, 1, inputs)
         processor = kind.endswith("processor")
-        plan = GraphShardPlan.build(edge_index, num_src if processor else (num_src, num_dst), group)
+        plan = make_plan(kind, edge_index, num_src, num_dst, group)
+        assert plan.group is group
         if world >= 3 and limit is not None and case in (1, 4):
             assert plan.edges_per_rank[-1] == 0  # the case really has a rank without edges
         for num_chunks in num_chunks_list:
-            block = make_block(kind, num_chunks)
+            block = make_block(kind, plan, num_chunks)
             xs = plan.shard_src(x_src).clone().requires_grad_()
             xd = xs if processor else plan.shard_dst(x_dst).clone().requires_grad_()
             ea_full = edge_attr.clone().requires_grad_()
             with CommCounter() as counter:
-                nodes, edges = run_block(block, kind, xs, xd, plan.shard_edges(ea_full), None, plan, group)
+                nodes, edges = run_block(block, kind, xs, xd, plan.shard_edges(ea_full))
                 loss = (nodes * plan.shard_dst(w_nodes)).sum()
                 if edges is not None:
                     loss = loss + (edges * plan.shard_edges(w_edges)).sum()
@@ -137,39 +154,47 @@ def test_chunked_equals_unchunked(kind):
     # inference (no autograd) chunks too, without checkpointing
     with torch.no_grad():
         edge_index, x_src, x_dst, edge_attr, _, _ = inputs
-        a = run_block(make_block(kind, 1), kind, x_src, x_dst, edge_attr, edge_index)[0]
-        b = run_block(make_block(kind, 5), kind, x_src, x_dst, edge_attr, edge_index)[0]
+        plan = make_plan(kind, edge_index, num_src, num_dst)
+        a = run_block(make_block(kind, plan, 1), kind, x_src, x_dst, plan.shard_edges(edge_attr))[0]
+        b = run_block(make_block(kind, plan, 5), kind, x_src, x_dst, plan.shard_edges(edge_attr))[0]
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
 def test_destination_without_edges_keeps_residual_path():
     """A destination with no incoming edge gets zero attention: x + MLP(LN(x)) after the projection bias."""
-    block = make_block("transformer_mapper", 1)
+    edge_index = torch.tensor([[0, 1, 3], [0, 0, 1]])
+    block = make_block("transformer_mapper", GraphShardPlan.build(edge_index, (4, 3)), 1)
     x_src = torch.randn(4, SRC_C, dtype=torch.float64)
     x_dst = torch.randn(3, DST_C, dtype=torch.float64)
-    edge_index = torch.tensor([[0, 1, 3], [0, 0, 1]])
-    out = block(x_src, x_dst, torch.randn(3, EDGE_C, dtype=torch.float64), edge_index)
+    out = block(x_src, x_dst, torch.randn(3, EDGE_C, dtype=torch.float64))
     x = x_dst[2] + block.proj.bias
     torch.testing.assert_close(out[2], x + block.mlp(block.norm_mlp(x)))
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="not divisible by num_heads"):
-        GraphTransformerProcessorBlock(10, 4, num_heads=3)
-    with pytest.raises(ValueError, match="num_chunks"):
-        GNNProcessorBlock(8, 4, num_chunks=0)
-    with pytest.raises(ValueError, match="num_heads"):
-        GraphTransformerMapperBlock(4, 8, 2, num_heads=0)
-    block = make_block("transformer_mapper", 1)
-    x_src, x_dst = torch.randn(5, SRC_C).double(), torch.randn(4, DST_C).double()
     edge_index = torch.tensor([[0, 1], [2, 3]])
+    one_set, bipartite = GraphShardPlan.build(edge_index, 5), GraphShardPlan.build(edge_index, (5, 4))
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        GraphTransformerProcessorBlock(10, 4, 3, one_set)
+    with pytest.raises(ValueError, match="num_chunks"):
+        GNNProcessorBlock(8, 4, one_set, num_chunks=0)
+    with pytest.raises(ValueError, match="num_heads"):
+        GraphTransformerMapperBlock(4, 8, 2, 0, bipartite)
+    with pytest.raises(TypeError, match="plan must be a GraphShardPlan"):
+        GNNMapperBlock(4, 8, 2, edge_index)
+    block = make_block("transformer_mapper", bipartite, 1)
+    x_src, x_dst = torch.randn(5, SRC_C).double(), torch.randn(4, DST_C).double()
     with pytest.raises(ValueError, match="x_src must be"):
-        block(x_dst, x_dst, torch.randn(2, EDGE_C).double(), edge_index)
+        block(x_dst, x_dst, torch.randn(2, EDGE_C).double())
     with pytest.raises(ValueError, match="edge_attr must be"):
-        block(x_src, x_dst, torch.randn(3, EDGE_C).double(), edge_index)
+        block(x_src, x_dst, torch.randn(3, EDGE_C).double())
     plan = GraphShardPlan.for_rank(edge_index, (5, 4), 2, 0)
+    sharded = make_block("transformer_mapper", plan, 1)
     with pytest.raises(ValueError, match="pass this rank's node slices"):
-        block(x_src, x_dst, torch.randn(0, EDGE_C).double(), None, plan)
-    proc = make_block("transformer_processor", 1)
-    with pytest.raises(ValueError, match="one node set"):
-        proc(x_dst[:2], torch.randn(0, EDGE_C).double(), None, plan)
+        sharded(x_src, x_dst, torch.randn(0, EDGE_C).double())
+    # a for_rank plan of a 2-rank layout has no group: the block cannot exchange its halo
+    with pytest.raises(ValueError, match="no process group"):
+        sharded(plan.shard_src(x_src), plan.shard_dst(x_dst), torch.randn(0, EDGE_C).double())
+    for kind in ("transformer_processor", "gnn_processor"):
+        with pytest.raises(ValueError, match="one node set"):
+            make_block(kind, plan, 1)

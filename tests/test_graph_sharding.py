@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from stormshard.parallel import comm
-from stormshard.parallel.counter import CommCounter
-from stormshard.parallel.graph import (
-    GraphShardPlan,
-    exchange_halo,
+from stormshard.parallel.anemoi_compat import (
     get_k_hop_edges,
     sort_edges_1hop_chunks,
     sort_edges_1hop_sharding,
 )
+from stormshard.parallel.counter import CommCounter
+from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
 from tests.distributed import run_distributed
 
@@ -133,10 +134,11 @@ def test_plan_errors():
     with pytest.raises(TypeError, match="int64"):
         GraphShardPlan.for_rank(edge_index.float(), (10, 8), 2, 0)
     plan = GraphShardPlan.for_rank(edge_index, (10, 8), 2, 0)
+    assert plan.group is None  # for_rank: a plan to inspect a layout, without a process group
     with pytest.raises(ValueError, match="x_src has 4 rows"):
-        plan.exchange_halo(torch.zeros(4, 3), None)
-    with pytest.raises(ValueError, match="built for rank 0 of 2"):
-        plan.exchange_halo(torch.zeros(5, 3), None)
+        plan.exchange_halo(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="rank 0 of 2"):
+        plan.exchange_halo(torch.zeros(5, 3))
     with pytest.raises(ValueError, match="edge attributes have 29 rows"):
         plan.shard_edges(torch.zeros(29, 3))
     with pytest.raises(AttributeError):
@@ -154,6 +156,7 @@ def _check_halo_exchange(rank, world):
         edge_index = random_graph(num_src, num_dst, num_edges, seed=11 + case, dst_limit=limit)
         num_nodes = num_src if num_src == num_dst else (num_src, num_dst)
         plan = GraphShardPlan.build(edge_index, num_nodes, group)
+        assert plan.group is group and (plan.world, plan.rank) == (world, rank)
         g = torch.Generator().manual_seed(case)
         x_full = torch.randn(num_src, 3, 2, generator=g, dtype=torch.float64)  # trailing dims kept
         w_edges = torch.randn(num_edges, 3, 2, generator=g, dtype=torch.float64)
@@ -164,7 +167,7 @@ def _check_halo_exchange(rank, world):
 
         x = plan.shard_src(x_full).clone().requires_grad_()
         with CommCounter() as counter:
-            ext = plan.exchange_halo(x, group)
+            ext = plan.exchange_halo(x)
             assert ext.shape[0] == plan.num_src_local + plan.num_halo
             torch.testing.assert_close(ext[plan.edge_index[0]], x_full[edge_index[0, plan.edge_ids]], rtol=0, atol=0)
             (ext[plan.edge_index[0]] * plan.shard_edges(w_edges)).sum().backward()
@@ -189,10 +192,13 @@ def _check_halo_exchange(rank, world):
         assert torch.equal(mine_attr.flatten().long(), plan.edge_ids.sort().values)
         assert torch.equal(mine_index, edge_index[:, plan.edge_ids.sort().values])
 
-    # a layout where the plan built for another group size is refused
+    # a plan of another layout is refused: without a group it cannot exchange, and it cannot hold
+    # a group whose size differs from its layout
     plan = GraphShardPlan.for_rank(random_graph(10, 8, 30, seed=1), (10, 8), world + 1, 0)
     with pytest.raises(ValueError, match=f"of {world + 1}"):
-        exchange_halo(torch.zeros(plan.num_src_local, 1), plan, group)
+        plan.exchange_halo(torch.zeros(plan.num_src_local, 1))
+    with pytest.raises(ValueError, match=f"describes rank 0 of {world + 1}"):
+        replace(plan, group=group)
     return True
 
 

@@ -183,9 +183,9 @@ def test_halo_bytes_counted():
 def _halo_errors(rank, world):
     group = dist.group.WORLD
     x = torch.zeros(1, 4, 2)
-    with pytest.raises(ValueError, match="shard_sizes lists 3 shards"):
+    with pytest.raises(ValueError, match="sizes lists 3 shards"):
         halo_exchange(x, 1, group, [4, 4, 4])
-    with pytest.raises(ValueError, match=r"holds 4 rows along dim 1 but shard_sizes \[5, 5\]"):
+    with pytest.raises(ValueError, match=r"holds 4 rows along dim 1 but sizes \[5, 5\]"):
         halo_exchange(x, 1, group, [5, 5])
     with pytest.raises(ValueError, match="halo_size must be a non-negative int"):
         halo_exchange(x, -2, group, [4, 4])

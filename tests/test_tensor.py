@@ -23,6 +23,7 @@ from stormshard.parallel.random import (
     tensor_parallel_rng_tracker,
 )
 from stormshard.parallel.shapes import balanced_sizes
+from stormshard.parallel.shard import SequenceShard
 from stormshard.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -61,6 +62,7 @@ def _check_grads(layer, reference, group, sequence_parallel):
 def _linear_cases(rank, world, seq, batch=2, c_in=4, c_out=8):
     group = dist.group.WORLD
     seq_sizes = balanced_sizes(seq, world)
+    shard = SequenceShard(seq_sizes, group)
     checked = 0
     for kind, bias, flag, sp in itertools.product(("column", "row"), (True, False), (True, False), (False, True)):
         torch.manual_seed(11)
@@ -73,9 +75,10 @@ def _linear_cases(rank, world, seq, batch=2, c_in=4, c_out=8):
         (y_ref * w_out).sum().backward()
 
         if kind == "column":
-            layer = ColumnParallelLinear.from_linear(full, group, gather_output=flag, sequence_parallel=sp)
+            layer = ColumnParallelLinear.from_linear(full, group, gather_output=flag,
+                                                     sequence_shard=shard if sp else None)
             x = (_narrow(x_full, 1, seq_sizes, rank) if sp else x_full).clone().requires_grad_()
-            y = layer(x, seq_sizes if sp else None)
+            y = layer(x)
             expect = y_ref if flag else _narrow(y_ref, 2, balanced_sizes(c_out, world), rank)
             torch.testing.assert_close(y, expect, **TIGHT)
             # gathered output: every rank computes the same loss; sliced: the loss is the sum over ranks
@@ -83,10 +86,11 @@ def _linear_cases(rank, world, seq, batch=2, c_in=4, c_out=8):
             (y * weight).sum().backward()
             expect_grad = _narrow(x_ref.grad, 1, seq_sizes, rank) if sp else x_ref.grad
         else:
-            layer = RowParallelLinear.from_linear(full, group, input_is_parallel=flag, sequence_parallel=sp)
+            layer = RowParallelLinear.from_linear(full, group, input_is_parallel=flag,
+                                                  sequence_shard=shard if sp else None)
             x_in = _narrow(x_full, 2, balanced_sizes(c_in, world), rank) if flag else x_full
             x = x_in.clone().requires_grad_()
-            y = layer(x, seq_sizes if sp else None)
+            y = layer(x)
             expect = _narrow(y_ref, 1, seq_sizes, rank) if sp else y_ref
             torch.testing.assert_close(y, expect, **TIGHT)
             weight = _narrow(w_out, 1, seq_sizes, rank) if sp else w_out
@@ -152,13 +156,18 @@ def _error_cases(rank, world):
         ColumnParallelLinear.from_linear(nn.Linear(4, 11), group)
     with pytest.raises(ValueError, match=r"in_features=11 is not divisible"):
         RowParallelLinear.from_linear(nn.Linear(11, 4), group)
-    col = ColumnParallelLinear(4, 12, group=group, sequence_parallel=True)
-    with pytest.raises(ValueError, match="shard_sizes is None"):
+    with pytest.raises(TypeError, match="sequence_shard must be a SequenceShard or None"):
+        ColumnParallelLinear(4, 12, group=group, sequence_shard=[3] * world)
+    with pytest.raises(ValueError, match=rf"sequence_shard is split over a different process group \(1 ranks\) than "
+                                          rf"the tensor-parallel group \({world} ranks\)"):
+        RowParallelLinear(12, 4, group=group, sequence_shard=SequenceShard.unsharded(3))
+    col = ColumnParallelLinear(4, 12, group=group, sequence_shard=SequenceShard([5] * world, group))
+    with pytest.raises(ValueError, match=rf"has 3 rows along dim -2 .* gives this rank \(rank {rank} of {world}\) 5"):
         col(torch.randn(1, 3, 4))
-    with pytest.raises(ValueError, match=r"shard_sizes\[\d\]=5"):
-        col(torch.randn(1, 3, 4), [5] * world)
+    col = ColumnParallelLinear(4, 12, sequence_shard=SequenceShard([3] * world, group))  # the shard's group
+    assert col.group is group and col.parts == world
     with pytest.raises(ValueError, match="input has 3 channels but in_features=4"):
-        col(torch.randn(1, 3, 3), [3] * world)
+        col(torch.randn(1, 3, 3))
     row = RowParallelLinear(12, 4, group=group)
     with pytest.raises(ValueError, match=rf"input has 12 channels but this rank expects {12 // world}"):
         row(torch.randn(1, 3, 12))
@@ -213,11 +222,12 @@ def _uneven_sequence(rank, world):
     y_ref = fc2(F.gelu(fc1(x_ref)))
     y_ref.square().sum().backward()
     sizes = balanced_sizes(10, world)
-    col = ColumnParallelLinear.from_linear(fc1, group, sequence_parallel=True)
-    row = RowParallelLinear.from_linear(fc2, group, sequence_parallel=True)
+    shard = SequenceShard(sizes, group)
+    col = ColumnParallelLinear.from_linear(fc1, group, sequence_shard=shard)
+    row = RowParallelLinear.from_linear(fc2, group, sequence_shard=shard)
     x = _narrow(x_full, 1, sizes, rank).clone().requires_grad_()
     with CommCounter() as counter:
-        y = row(F.gelu(col(x, sizes)), sizes)
+        y = row(F.gelu(col(x)))
         y.square().sum().backward()
     torch.testing.assert_close(y, _narrow(y_ref, 1, sizes, rank), **TIGHT)
     torch.testing.assert_close(x.grad, _narrow(x_ref.grad, 1, sizes, rank), **TIGHT)
@@ -253,8 +263,10 @@ def test_bad_arguments_raise_before_work():
         ColumnParallelLinear(4.0, 8)
     with pytest.raises(ValueError, match="out_features must be positive"):
         RowParallelLinear(4, 0)
-    with pytest.raises(TypeError, match="sequence_parallel must be True or False"):
-        ColumnParallelLinear(4, 8, sequence_parallel="yes")
+    with pytest.raises(TypeError, match="sequence_shard must be a SequenceShard or None"):
+        ColumnParallelLinear(4, 8, sequence_shard="yes")
+    with pytest.raises(TypeError, match="gather_output must be True or False"):
+        ColumnParallelLinear(4, 8, gather_output="yes")
     with pytest.raises(TypeError, match="linear must be a torch.nn.Linear"):
         ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1))
     with pytest.raises(ValueError, match="missing keys"):

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from stormshard.layers.checkpointing import ActivationCheckpoint, checkpoint_blocks
+from stormshard.layers.parallelize import build_transformer_processor
 from stormshard.layers.tensor_parallel import (
     TensorParallelMLP,
     TensorParallelSlidingWindowAttention,
@@ -23,6 +25,7 @@ from stormshard.parallel.counter import CommCounter
 from stormshard.parallel.grads import reduce_model_parallel_gradients
 from stormshard.parallel.partition import get_partition
 from stormshard.parallel.shapes import balanced_sizes
+from stormshard.parallel.shard import SequenceShard
 from stormshard.parallel.tensor import full_state_dict, load_full_state_dict
 from tests.distributed import run_distributed
 
@@ -51,7 +54,7 @@ def _reference(num_channels, num_heads, mlp_ratio, num_layers=2):
 
 
 def _compare(ref, tp, rank, world, group, num_channels, seq, sp, call):
-    """Run ``call(module, x, sizes)`` on both; compare outputs, input grads and gathered param grads.
+    """Run ``call(module, x)`` on both (``tp`` built for ``sp``); compare outputs, input grads and gathered param grads.
 
     Returns the collectives of the tensor-parallel forward + backward (without the gradient sum).
     """
@@ -62,12 +65,12 @@ def _compare(ref, tp, rank, world, group, num_channels, seq, sp, call):
     ref.zero_grad(set_to_none=True)
     tp.zero_grad(set_to_none=True)
     x_ref = x_full.clone().requires_grad_()
-    y_ref = call(ref, x_ref, None)
+    y_ref = call(ref, x_ref)
     (y_ref * w_full).sum().backward()
 
     x = (_narrow(x_full, 1, sizes, rank) if sp else x_full).clone().requires_grad_()
     with CommCounter() as counter:
-        y = call(tp, x, sizes if sp else None)
+        y = call(tp, x)
         # sequence parallel: the loss is the sum of every rank's; otherwise every rank computes it whole
         (y * (_narrow(w_full, 1, sizes, rank) if sp else w_full)).sum().backward()
     torch.testing.assert_close(y, _narrow(y_ref, 1, sizes, rank) if sp else y_ref, **TIGHT)
@@ -99,9 +102,11 @@ def _processor_cases(rank, world, num_channels, num_heads, mlp_ratio, seq, split
     ref, initial = _reference(num_channels, num_heads, mlp_ratio)
 
     # fresh initialisation: same seed -> the same full weights as A's processor, whatever the layout
+    shard = SequenceShard(balanced_sizes(seq, world), group)
     torch.manual_seed(0)
-    tp = TransformerProcessor(2, num_channels, num_heads, WINDOW, mlp_ratio=mlp_ratio, shard_strategy="tensor",
-                              group=group)
+    tp = build_transformer_processor(2, num_channels, num_heads, WINDOW, mlp_ratio=mlp_ratio,
+                                     shard_strategy="tensor", shard=shard)
+    assert all(isinstance(b, TensorParallelTransformerBlock) for b in tp.blocks)
     gathered = full_state_dict(tp, group)
     assert list(gathered) == list(initial)
     for name, value in initial.items():
@@ -109,30 +114,32 @@ def _processor_cases(rank, world, num_channels, num_heads, mlp_ratio, seq, split
 
     tp = tp.double()
     load_full_state_dict(tp, ref.state_dict())
+    # tensor parallel only: the same blocks over the full sequence, replicated on every rank
+    tp_only = TransformerProcessor(2, num_channels, num_heads, WINDOW, mlp_ratio=mlp_ratio).double()
+    for i, block in enumerate(tp_only.blocks):
+        tp_only.blocks[i] = TensorParallelTransformerBlock.from_block(block, group=group)
+    load_full_state_dict(tp_only, ref.state_dict())
     counts = {}
-    for sp in (True, False):
-        counts[sp] = _compare(ref, tp, rank, world, group, num_channels, seq, sp,
-                              lambda m, x, s: m(x, s, group if m is tp else None))
-    # activation checkpointing recomputes the block, its collectives included
-    tp.activation_checkpointing = True
-    _compare(ref, tp, rank, world, group, num_channels, seq, True,
-             lambda m, x, s: m(x, s, group if m is tp else None))
-    tp.activation_checkpointing = False
+    for sp, module in ((True, tp), (False, tp_only)):
+        counts[sp] = _compare(ref, module, rank, world, group, num_channels, seq, sp, lambda m, x: m(x))
+    # activation checkpointing recomputes the block, its collectives included; names unchanged
+    checkpoint_blocks(tp.blocks)
+    assert all(isinstance(b, ActivationCheckpoint) for b in tp.blocks)
+    assert list(full_state_dict(tp, group)) == list(initial)
+    _compare(ref, tp, rank, world, group, num_channels, seq, True, lambda m, x: m(x))
 
     # one block, sliced with from_block; and the attention and MLP on their own
     block = ref.blocks[1]
-    tp_block = TensorParallelTransformerBlock.from_block(block, group)
-    for name, value in full_state_dict(tp_block, group).items():
-        torch.testing.assert_close(value, block.state_dict()[name], **EXACT)
-    attention = TensorParallelSlidingWindowAttention.from_attention(block.attention, group)
-    mlp = TensorParallelMLP.from_mlp(block.mlp, group)
     for sp in (True, False):
-        _compare(block, tp_block, rank, world, group, num_channels, seq, sp,
-                 lambda m, x, s: m(x, s, group if m is tp_block else None))
-        _compare(block.attention, attention, rank, world, group, num_channels, seq, sp,
-                 lambda m, x, s: m(x, s) if m is attention else m(x))
-        _compare(block.mlp, mlp, rank, world, group, num_channels, seq, sp,
-                 lambda m, x, s: m(x, s) if m is mlp else m(x))
+        seq_shard = shard if sp else None
+        tp_block = TensorParallelTransformerBlock.from_block(block, seq_shard, group=group)
+        for name, value in full_state_dict(tp_block, group).items():
+            torch.testing.assert_close(value, block.state_dict()[name], **EXACT)
+        attention = TensorParallelSlidingWindowAttention.from_attention(block.attention, seq_shard, group=group)
+        mlp = TensorParallelMLP.from_mlp(block.mlp, seq_shard, group=group)
+        _compare(block, tp_block, rank, world, group, num_channels, seq, sp, lambda m, x: m(x))
+        _compare(block.attention, attention, rank, world, group, num_channels, seq, sp, lambda m, x: m(x))
+        _compare(block.mlp, mlp, rank, world, group, num_channels, seq, sp, lambda m, x: m(x))
     return counts
 
 
@@ -182,18 +189,21 @@ def _error_cases(rank, world):
     with pytest.raises(ValueError, match=rf"num_heads=4 is not divisible by the tensor-parallel group size {world}"):
         TensorParallelTransformerBlock(12, 4, WINDOW, group=group)
     with pytest.raises(ValueError, match=rf"num_heads=4 is not divisible .* size {world}"):
-        TransformerProcessor(1, 12, 4, WINDOW, shard_strategy="tensor", group=group)
+        build_transformer_processor(1, 12, 4, WINDOW, shard_strategy="tensor", shard=SequenceShard.balanced(10, group))
     with pytest.raises(ValueError, match=r"MLP hidden size mlp_ratio \* num_channels = 4 is not divisible by .* 3"):
         TensorParallelTransformerBlock(4, 3, WINDOW, mlp_ratio=1, group=group)
     with pytest.raises(ValueError, match=r"num_heads=4 is not divisible"):
-        TensorParallelTransformerBlock.from_block(TransformerBlock(12, 4, WINDOW), group)
-    block = TensorParallelTransformerBlock(6, 3, WINDOW, mlp_ratio=2, group=group)
-    with pytest.raises(ValueError, match="is not the group this block's weights were split over"):
-        TensorParallelTransformerBlock(6, 3, WINDOW, mlp_ratio=2)(torch.randn(1, 2, 6), [2] * world, group)
-    with pytest.raises(ValueError, match=r"shard_sizes\[\d\]=4 but this rank's input holds 2"):
-        block(torch.randn(1, 2, 6), [4] * world, group)
+        TensorParallelTransformerBlock.from_block(TransformerBlock(12, 4, WINDOW), SequenceShard([4, 3, 3], group))
+    # the channels are split over the shard's group: a different group is refused at construction
+    with pytest.raises(ValueError, match=r"shard is split over a different process group \(1 ranks\) than group "
+                                         rf"\({world} ranks\)"):
+        TensorParallelTransformerBlock(6, 3, WINDOW, mlp_ratio=2, shard=SequenceShard.unsharded(2), group=group)
+    block = TensorParallelTransformerBlock(6, 3, WINDOW, mlp_ratio=2, shard=SequenceShard([4] * world, group))
+    with pytest.raises(ValueError, match=rf"input x has 2 rows along dim 1 .* gives this rank \(rank {rank} of "
+                                         rf"{world}\) 4 of sizes"):
+        block(torch.randn(1, 2, 6))
     with pytest.raises(ValueError, match=r"x must be \(batch, seq_local, 6\)"):
-        block(torch.randn(2, 6), [2] * world, group)
+        block(torch.randn(2, 6))
     return True
 
 

@@ -46,7 +46,7 @@ def test_loss_parity_across_layouts(dataset, tmp_path):
     losses = {}
     for world, gpm, micro in LAYOUTS:
         cfg = _config(dataset, tmp_path / f"w{world}g{gpm}", **{
-            "parallel.gpus_per_model": gpm, "deepspeed.train_micro_batch_size_per_gpu": micro})
+            "parallel.gpus_per_model": gpm, "training.micro_batch_size": micro})
         if world == 1:
             losses[(world, gpm)] = _train(0, 1, cfg)[0]
         else:
@@ -87,13 +87,71 @@ def test_resume_equals_uninterrupted(dataset, tmp_path):
     assert resumed == full[2:]
 
 
+def test_resume_without_checkpoint_fails_before_anything_is_created(dataset, tmp_path):
+    out = tmp_path / "fresh"
+    with pytest.raises(ConfigError) as err:
+        run_training(_config(dataset, out), resume=True)
+    message = str(err.value)
+    assert str(out / "checkpoints") in message and "remove --resume" in message and "training.output_dir" in message
+    assert not out.exists()
+    # the launcher reports it without a traceback
+    cfg_file = tmp_path / "fresh.json"
+    cfg_file.write_text(json.dumps(_config(dataset, out)))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", Path(__file__).parent.parent / "launch" / "train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["--config", str(cfg_file), "--resume"]) == 2
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ read_group_size
+
+
+def _train_counting_reads(rank, world, cfg):
+    """Train and count this rank's reads from the store (AnemoiDataset.read calls)."""
+    from stormshard.data.anemoi_layout import AnemoiDataset
+
+    original, calls = AnemoiDataset.read, [0]
+
+    def counting(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    AnemoiDataset.read = counting
+    try:
+        result = run_training(cfg)
+    finally:
+        AnemoiDataset.read = original
+    return result.losses, result.validation, calls[0]
+
+
+def test_read_group_size_readers_hand_out_slices(dataset, tmp_path):
+    """r readers per model group: the losses and validation equal the default (every rank reads its
+    own slice), and only the readers touch the store."""
+    runs = {}
+    for r in (None, 2, 1):
+        cfg = _config(dataset, tmp_path / f"r{r}", **{"parallel.gpus_per_model": 2, "parallel.read_group_size": r,
+                                                      "training.rollout": 2})
+        runs[r] = run_distributed(_train_counting_reads, 2, cfg)
+    default = runs[None]
+    assert default[0][2] > 0 and default[1][2] > 0  # r = gpus_per_model: every rank reads
+    for r in (2, 1):
+        for rank in range(2):
+            assert runs[r][rank][0] == default[0][0], f"read_group_size={r}: losses differ"
+            assert runs[r][rank][1] == default[0][1], f"read_group_size={r}: validation differs"
+    assert runs[2][0][2] == default[0][2] and runs[2][1][2] == default[1][2]
+    assert runs[1][0][2] == default[0][2] and runs[1][1][2] == 0, "only the reader may touch the store"
+
+
 # ------------------------------------------------------------------------------ skill
 
 
 def test_tiny_model_beats_persistence(dataset, tmp_path):
     cfg = _config(dataset, tmp_path / "skill", **{
         "training.max_steps": 400, "training.lr": 3e-3, "training.warmup_steps": 10, "engine": "local",
-        "deepspeed": {"train_micro_batch_size_per_gpu": 2}, "model.num_channels": 32,
+        "training.micro_batch_size": 2, "model.num_channels": 32,
         "data.validation_samples": 8})
     losses, validation = _train(0, 1, cfg)
     assert losses[-1] < 0.5 * losses[0]
@@ -105,7 +163,7 @@ def test_ensemble_training_runs_and_learns(dataset, tmp_path):
     cfg = _config(dataset, tmp_path / "ens", **{
         "model.name": "ensemble", "model.ensemble": {"noise_channels": 2}, "parallel.gpus_per_model": 1,
         "parallel.gpus_per_ensemble": 2, "parallel.ensemble_size_per_device": 2, "training.max_steps": 6,
-        "deepspeed.train_micro_batch_size_per_gpu": 1})
+        "training.micro_batch_size": 1})
     out = run_distributed(_train, 2, cfg)
     losses = out[0][0]
     assert out[1][0] == losses and len(losses) == 6 and losses[-1] < losses[0]
@@ -155,5 +213,7 @@ def test_config_file_errors(tmp_path):
 
 
 def test_shipped_configs_validate():
-    for path in sorted(Path("configs").glob("*.json")):
+    paths = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.json"))
+    assert len(paths) >= 8, "the shipped configs were not found next to tests/"
+    for path in paths:
         load_experiment_config(path)

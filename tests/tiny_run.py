@@ -23,9 +23,9 @@ BASE: dict[str, Any] = {
     },
     "parallel": {"gpus_per_model": 1},
     "training": {"max_steps": 3, "lr": 1e-3, "warmup_steps": 1, "validation_interval": 100,
-                 "checkpoint_interval": 100, "seed": 0, "output_dir": ""},
+                 "checkpoint_interval": 100, "seed": 0, "output_dir": "", "micro_batch_size": 2},
     "engine": "deepspeed",
-    "deepspeed": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0}},
+    "deepspeed": {"zero_optimization": {"stage": 0}},
     "logging": {"progress": False},
 }
 

@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-from stormshard.checkpoint.consolidate import (  # noqa: F401
-    ConsolidatedCheckpoint,
-    consolidate_checkpoint,
-    load_any,
-    load_consolidated,
-    save_consolidated,
-)
-from stormshard.checkpoint.errors import ConversionError  # noqa: F401
-from stormshard.checkpoint.export import InferenceModel, export_bundle, load_model  # noqa: F401
-from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint  # noqa: F401
-from stormshard.checkpoint.reshard import reshard_checkpoint  # noqa: F401
+from stormshard.checkpoint.consolidate import consolidate_checkpoint, load_consolidated, save_consolidated
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.export import export_bundle, load_model
+from stormshard.checkpoint.inspect import inspect_checkpoint
+from stormshard.checkpoint.reshard import reshard_checkpoint
 
 __all__ = [
-    "ConsolidatedCheckpoint",
-    "consolidate_checkpoint",
-    "load_any",
-    "load_consolidated",
-    "save_consolidated",
-    "ConversionError",
-    "InferenceModel",
-    "export_bundle",
-    "load_model",
-    "format_inspection",
-    "inspect_checkpoint",
-    "reshard_checkpoint",
+    "consolidate_checkpoint", "save_consolidated", "load_consolidated", "reshard_checkpoint",
+    "export_bundle", "load_model", "inspect_checkpoint", "ConversionError",
 ]

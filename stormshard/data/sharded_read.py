@@ -16,10 +16,21 @@ takes its own grid shard from that, as anemoi does after its ``allgather_batch``
 Split in two so it fits a DataLoader: :class:`CellShardDataset` reads the slice (no
 communication, safe in worker processes), :func:`gather_cells` runs the all-gather in the
 training process on the (batched) slices.
+
+**Training reads** (:class:`SliceReadPlan`, :class:`ModelSliceReader`, ``parallel.read_group_size``):
+the sharded model needs only its own grid slice, never the whole sample, so the training read
+hands each rank its slice instead of all-gathering. With ``r`` readers in a model group of ``k``
+ranks (``r`` divides ``k``; default ``r = k``), reader ``j`` is model rank ``j * k / r``: it
+reads from the store the contiguous cells of the ``k / r`` consecutive ranks it serves (about
+``1/r`` of the grid: exactly their model slices), keeps its own slice and sends the others theirs
+(point-to-point over the model group). Only the ``r`` readers open the store, which helps file
+systems that suffer from many readers; at ``r = k`` every rank reads exactly its own slice and
+nothing is communicated. Every rank ends up with the same tensor as a direct read of its slice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +42,8 @@ from stormshard.data.dataset import WindowedSampleDataset
 from stormshard.parallel.comm import all_gather_along
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
 
-__all__ = ["CellShard", "cell_shard", "CellShardDataset", "gather_cells", "read_sample_sharded"]
+__all__ = ["CellShard", "cell_shard", "CellShardDataset", "gather_cells", "read_sample_sharded", "SliceReadPlan",
+           "ModelSliceReader"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -124,3 +136,102 @@ def read_sample_sharded(samples: WindowedSampleDataset, index: int, group: Proce
     if device is not None:
         part = part.to(device)
     return gather_cells(part, shard, group, dim=-2)
+
+
+@dataclass(frozen=True)
+class SliceReadPlan:
+    """Who reads what in one model group when ``readers`` of its ranks touch the store.
+
+    ``sizes``: every model rank's number of grid cells (rank order; the slices are contiguous and
+    in rank order, as :class:`~stormshard.models.sharding.ModelShardPlan` lays them out);
+    ``readers``: readers per model group (``parallel.read_group_size``), dividing ``len(sizes)``;
+    ``rank``: this rank's position in the model group.
+    """
+
+    sizes: tuple[int, ...]
+    readers: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        world = len(self.sizes)
+        if isinstance(self.readers, bool) or not isinstance(self.readers, int) or self.readers < 1 \
+                or world % self.readers:
+            raise ValueError(f"read_group_size={self.readers} must be a positive divisor of gpus_per_model={world}: "
+                             f"choose one of {[d for d in range(1, world + 1) if world % d == 0]}")
+        if not 0 <= self.rank < world:
+            raise ValueError(f"rank {self.rank} is outside a model group of {world} ranks")
+
+    @property
+    def world(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def served(self) -> int:
+        """Ranks each reader serves (itself included): ``gpus_per_model / read_group_size``."""
+        return self.world // self.readers
+
+    @property
+    def reader(self) -> int:
+        """Model rank of the reader that serves this rank."""
+        return self.rank - self.rank % self.served
+
+    @property
+    def is_reader(self) -> bool:
+        return self.rank == self.reader
+
+    @property
+    def clients(self) -> range:
+        """Model ranks served by this rank's reader, in order (the reader first)."""
+        return range(self.reader, self.reader + self.served)
+
+    def cells(self, rank: int) -> slice:
+        """Grid cells of model rank ``rank``'s slice."""
+        start = sum(self.sizes[:rank])
+        return slice(start, start + self.sizes[rank])
+
+    @property
+    def read_cells(self) -> slice:
+        """The cells this rank's reader takes from the store: the slices of all its clients."""
+        first, last = self.cells(self.clients[0]), self.cells(self.clients[-1])
+        return slice(first.start, last.stop)
+
+
+class ModelSliceReader:
+    """Reads batches of samples for one rank of a model group: its own grid slice, read by ``plan.readers``
+    readers per model group (see the module docstring).
+
+    :meth:`read` returns ``(batch, *sample dims with cells = this rank's slice)``, e.g. ``(batch, time,
+    cells_local, variables)`` for ``ensemble="each"`` samples, on ``device``; every rank of the model
+    group must call it with the same indices. ``store_reads`` counts this rank's reads from the store.
+    Communicates (``served > 1``): the reader sends each client its slice, one point-to-point
+    message per client over ``group`` (the model group).
+    """
+
+    def __init__(self, plan: SliceReadPlan, group: ProcessGroup | None, device: torch.device | str = "cpu") -> None:
+        if group_size(group) != plan.world or group_rank(group) != plan.rank:
+            raise ValueError(f"the read plan is for rank {plan.rank} of {plan.world} but this rank is "
+                             f"{group_rank(group)} of a model group of {group_size(group)}: build it for this group")
+        self.plan, self.group, self.device = plan, group, torch.device(device)
+        self.store_reads = 0
+
+    def _global(self, model_rank: int) -> int:
+        return dist.get_global_rank(self.group, model_rank)
+
+    def read(self, samples: WindowedSampleDataset, indices: Sequence[int]) -> Tensor:
+        plan = self.plan
+        if plan.is_reader:
+            self.store_reads += len(indices)
+            block = torch.stack([samples.read(i, cells=plan.read_cells) for i in indices]).to(self.device)
+            if plan.served == 1:
+                return block
+            offset = plan.read_cells.start
+            parts = {c: block[..., plan.cells(c).start - offset:plan.cells(c).stop - offset, :].contiguous()
+                     for c in plan.clients}
+            sends = [dist.isend(parts[c], self._global(c), group=self.group) for c in plan.clients[1:]]
+            for work in sends:
+                work.wait()
+            return parts[plan.rank]
+        shape = (len(indices), *samples.sample_shape[:-2], plan.sizes[plan.rank], samples.sample_shape[-1])
+        out = torch.empty(shape, dtype=samples.dtype, device=self.device)
+        dist.recv(out, self._global(plan.reader), group=self.group)
+        return out

@@ -3,13 +3,8 @@ attributes, area weights and the encoder-processor-decoder graph."""
 
 from __future__ import annotations
 
-from stormshard.graphs.attributes import (  # noqa: F401
-    area_weights,
-    edge_attributes,
-    edge_directions,
-    edge_lengths,
-)
-from stormshard.graphs.builder import (  # noqa: F401
+from stormshard.graphs.attributes import area_weights, edge_attributes
+from stormshard.graphs.builder import (
     DECODER,
     ENCODER,
     PROCESSOR,
@@ -18,87 +13,14 @@ from stormshard.graphs.builder import (  # noqa: F401
     KNNEdges,
     MultimeshEdges,
     build_graph,
-    graph_hash,
-    load_graph,
     load_or_build_graph,
-    save_graph,
 )
-from stormshard.graphs.edges import (  # noqa: F401
-    cover_destinations,
-    cover_sources,
-    cutoff_edges,
-    knn_edges,
-    max_nearest_neighbour_distance,
-    sort_unique_edges,
-    unique_sorted,
-)
-from stormshard.graphs.grids import (  # noqa: F401
-    gaussian_latitudes,
-    grid_from_name,
-    latlon_patch,
-    octahedral_grid,
-    octahedral_ring_sizes,
-    regular_latlon_grid,
-)
-from stormshard.graphs.icosahedral import (  # noqa: F401
-    IcosahedralMesh,
-    icosahedral_mesh,
-    icosahedral_num_nodes,
-    icosahedron,
-    multimesh_edges,
-    refine_triangles,
-    triangle_edges,
-)
-from stormshard.graphs.sphere import (  # noqa: F401
-    arc_to_chord,
-    check_latlon_degrees,
-    chord_to_arc,
-    haversine,
-    latlon_to_xyz,
-    xyz_to_latlon,
-)
+from stormshard.graphs.edges import cutoff_edges, knn_edges
+from stormshard.graphs.grids import grid_from_name, octahedral_grid, regular_latlon_grid
+from stormshard.graphs.icosahedral import icosahedral_mesh
 
 __all__ = [
-    "gaussian_latitudes",
-    "octahedral_ring_sizes",
-    "octahedral_grid",
-    "regular_latlon_grid",
-    "latlon_patch",
-    "grid_from_name",
-    "latlon_to_xyz",
-    "xyz_to_latlon",
-    "arc_to_chord",
-    "chord_to_arc",
-    "haversine",
-    "check_latlon_degrees",
-    "IcosahedralMesh",
-    "icosahedron",
-    "refine_triangles",
-    "icosahedral_mesh",
-    "icosahedral_num_nodes",
-    "triangle_edges",
-    "multimesh_edges",
-    "unique_sorted",
-    "sort_unique_edges",
-    "knn_edges",
-    "max_nearest_neighbour_distance",
-    "cutoff_edges",
-    "cover_sources",
-    "cover_destinations",
-    "edge_lengths",
-    "edge_directions",
-    "edge_attributes",
-    "area_weights",
-    "KNNEdges",
-    "CutoffEdges",
-    "MultimeshEdges",
-    "GraphConfig",
-    "build_graph",
-    "graph_hash",
-    "save_graph",
-    "load_graph",
-    "load_or_build_graph",
-    "ENCODER",
-    "PROCESSOR",
-    "DECODER",
+    "GraphConfig", "KNNEdges", "CutoffEdges", "MultimeshEdges", "build_graph", "load_or_build_graph",
+    "ENCODER", "PROCESSOR", "DECODER", "grid_from_name", "octahedral_grid", "regular_latlon_grid",
+    "icosahedral_mesh", "knn_edges", "cutoff_edges", "edge_attributes", "area_weights",
 ]

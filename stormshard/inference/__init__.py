@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
-from stormshard.inference.forecast import ForecastResult, plot_maps, rmse_per_lead, rollout, run_forecast  # noqa: F401
+from stormshard.inference.forecast import ForecastResult, rollout, run_forecast
 
-__all__ = ["ForecastResult", "plot_maps", "rmse_per_lead", "rollout", "run_forecast"]
+__all__ = [
+    "rollout", "run_forecast", "ForecastResult",
+]

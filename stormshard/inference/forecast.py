@@ -4,7 +4,8 @@
 
 1. reads the ``multistep_input`` states ending at ``date`` (spaced by the model's timestep) from an
    anemoi-layout dataset, on the whole grid;
-2. rolls the model out ``steps`` times, as in training: each prediction replaces the prognostic
+2. rolls the model out ``steps`` times, as in training
+   (:func:`~stormshard.models.rollout.advance_window`): each prediction replaces the prognostic
    variables of the next input, forcings come from the dataset at the predicted time;
 3. writes the forecast (output variables, dates ``date + k * timestep``, k = 1..steps) as an
    anemoi-layout zarr store ``out/forecast.zarr``;
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from stormshard.checkpoint.export import InferenceModel, load_model
 from stormshard.data.anemoi_layout import AnemoiDataset, as_datetime64, parse_frequency, write_anemoi_dataset
+from stormshard.models.rollout import advance_window
 
 __all__ = ["ForecastResult", "rollout", "rmse_per_lead", "plot_maps", "run_forecast"]
 
@@ -70,8 +72,7 @@ def rollout(bundle: InferenceModel, states: Tensor, forcings: Tensor, generator:
             pred = bundle.model(x)
         out.append(bundle.output_normaliser.denormalise(pred.double()))
         if k < f.shape[1]:
-            nxt = f[:, k].index_copy(-1, prog_in, pred[..., prog_out])
-            x = torch.cat([x[:, 1:], nxt.unsqueeze(1)], dim=1)
+            x = advance_window(x, f[:, k], pred, prog_in, prog_out)
     return torch.stack(out, dim=1)
 
 

@@ -1,8 +1,9 @@
 """Multi-head sliding-window self-attention over a sequence sharded across a process group.
 
-Layout: ``x`` is ``(batch, seq_local, channels)``; ``shard_sizes`` lists every rank's
-``seq_local`` in rank order (None when unsharded) and the ranks hold consecutive pieces of the
-sequence. Token ``i`` attends token ``j`` exactly when ``|i - j| <= window_size`` in global
+Layout: ``x`` is ``(batch, seq_local, channels)``. The layer is built with the
+:class:`~stormshard.parallel.shard.SequenceShard` of the sequence it receives (every rank's
+``seq_local`` in rank order and the group; None: unsharded, any length) and the ranks hold
+consecutive pieces of the sequence; ``forward`` takes ``x`` only. Token ``i`` attends token ``j`` exactly when ``|i - j| <= window_size`` in global
 positions; scale ``1 / sqrt(head_dim)``; no dropout.
 
 Two strategies give the same numbers (and share parameter names and shapes):
@@ -18,46 +19,36 @@ Two strategies give the same numbers (and share parameter names and shapes):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 import einops
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from stormshard.layers.window import sliding_window_attention
 from stormshard.parallel.sequence import add_halos, remove_halos, shard_heads, shard_sequence
-from stormshard.parallel.shapes import group_rank, group_size
+from stormshard.parallel.shard import SequenceShard
 
-__all__ = ["SlidingWindowAttention", "ShardStrategy", "SHARD_STRATEGIES", "check_shard_sizes"]
+__all__ = ["SlidingWindowAttention", "ShardStrategy", "SHARD_STRATEGIES", "check_shard_strategy"]
 
-ProcessGroup = dist.ProcessGroup
 ShardStrategy = Literal["shard_sequence", "shard_heads"]
 SHARD_STRATEGIES: tuple[str, ...] = ("shard_sequence", "shard_heads")
 
 
-def check_shard_sizes(x: Tensor, shard_sizes: Sequence[int] | None, group: ProcessGroup | None) -> list[int]:
-    """Validate ``shard_sizes`` against the group and ``x`` ``(batch, seq_local, channels)``; return them as ints."""
-    world, rank = group_size(group), group_rank(group)
-    if shard_sizes is None:
-        if world > 1:
-            raise ValueError(
-                f"shard_sizes is None but model_comm_group has {world} ranks: pass every rank's local "
-                "sequence length in rank order"
-            )
-        return [x.shape[1]]
-    sizes = [int(s) for s in shard_sizes]
-    if len(sizes) != world:
+def check_shard_strategy(shard_strategy: str, num_heads: int, shard: SequenceShard | None) -> None:
+    """Raise unless ``shard_strategy`` is known and, for ``"shard_heads"``, the heads split over the shard's group."""
+    if shard_strategy not in SHARD_STRATEGIES:
+        raise ValueError(f"shard_strategy must be one of {SHARD_STRATEGIES}, got {shard_strategy!r}")
+    world = 1 if shard is None else shard.world
+    if shard_strategy == "shard_heads" and num_heads % world != 0:
         raise ValueError(
-            f"shard_sizes lists {len(sizes)} shards {sizes} but model_comm_group has {world} ranks: "
-            "pass one local sequence length per rank, in rank order"
+            f"shard_strategy='shard_heads' needs num_heads={num_heads} divisible by the group size "
+            f"{world}; use a multiple of {world} heads or shard_strategy='shard_sequence'"
         )
-    if sizes[rank] != x.shape[1]:
-        raise ValueError(
-            f"shard_sizes[{rank}] = {sizes[rank]} but this rank's input holds {x.shape[1]} tokens "
-            f"(x.shape = {tuple(x.shape)}): shard_sizes must list every rank's x.shape[1]"
-        )
-    return sizes
+
+
+def _check_shard(shard: object) -> None:
+    if shard is not None and not isinstance(shard, SequenceShard):
+        raise TypeError(f"shard must be a SequenceShard or None (unsharded), got {type(shard).__name__}")
 
 
 class SlidingWindowAttention(nn.Module):
@@ -69,7 +60,8 @@ class SlidingWindowAttention(nn.Module):
     """
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int,
-                 shard_strategy: ShardStrategy = "shard_sequence", bias: bool = True) -> None:
+                 shard_strategy: ShardStrategy = "shard_sequence", shard: SequenceShard | None = None,
+                 *, bias: bool = True) -> None:
         super().__init__()
         if num_heads < 1 or num_channels % num_heads != 0:
             raise ValueError(
@@ -77,16 +69,18 @@ class SlidingWindowAttention(nn.Module):
             )
         if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 0:
             raise ValueError(f"window_size must be a non-negative int (tokens each side), got {window_size!r}")
-        if shard_strategy not in SHARD_STRATEGIES:
-            raise ValueError(f"shard_strategy must be one of {SHARD_STRATEGIES}, got {shard_strategy!r}")
+        _check_shard(shard)
+        check_shard_strategy(shard_strategy, num_heads, shard)
         self.num_channels, self.num_heads, self.window_size = num_channels, num_heads, window_size
         self.head_dim = num_channels // num_heads
         self.shard_strategy = shard_strategy
+        self.shard = shard
         self.lin_qkv = nn.Linear(num_channels, 3 * num_channels, bias=bias)
         self.projection = nn.Linear(num_channels, num_channels, bias=bias)
 
     def extra_repr(self) -> str:
-        return f"heads={self.num_heads}, window_size={self.window_size}, shard_strategy={self.shard_strategy}"
+        return (f"heads={self.num_heads}, window_size={self.window_size}, shard_strategy={self.shard_strategy}, "
+                f"shard={self.shard}")
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(batch, seq, C)`` -> q, k, v each ``(batch, heads, seq, head_dim)``."""
@@ -97,40 +91,36 @@ class SlidingWindowAttention(nn.Module):
         """``(batch, heads, seq, head_dim)`` -> ``(batch, seq, C)`` through the output projection."""
         return self.projection(einops.rearrange(heads, "b h s d -> b s (h d)"))
 
-    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None,
-                model_comm_group: ProcessGroup | None = None) -> Tensor:
-        """``x`` ``(batch, seq_local, C)`` -> ``(batch, seq_local, C)``."""
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` ``(batch, seq_local, C)`` (this rank's ``shard.local_size`` tokens) -> same shape."""
         if x.dim() != 3 or x.shape[-1] != self.num_channels:
             raise ValueError(
                 f"x must be (batch, seq_local, {self.num_channels}), got shape {tuple(x.shape)}"
             )
-        sizes = check_shard_sizes(x, shard_sizes, model_comm_group)
-        if group_size(model_comm_group) == 1:
+        shard = self.shard
+        if shard is None or not shard.is_sharded:
+            if shard is not None:
+                shard.check_local(x, 1, "SlidingWindowAttention input x")
             q, k, v = self._qkv(x)
             return self._out(sliding_window_attention(q, k, v, self.window_size))
+        shard.check_local(x, 1, "SlidingWindowAttention input x")
         if self.shard_strategy == "shard_heads":
-            return self._forward_shard_heads(x, sizes, model_comm_group)
-        return self._forward_shard_sequence(x, sizes, model_comm_group)
+            return self._forward_shard_heads(x, shard)
+        return self._forward_shard_sequence(x, shard)
 
-    def _forward_shard_sequence(self, x: Tensor, sizes: list[int], group: ProcessGroup) -> Tensor:
-        halo = min(self.window_size, sum(sizes))
-        x_ext, plan = add_halos(x, halo, group, sizes, dim=1)
+    def _forward_shard_sequence(self, x: Tensor, shard: SequenceShard) -> Tensor:
+        halo = min(self.window_size, shard.length)
+        x_ext, plan = add_halos(x, halo, shard.group, shard.sizes, dim=1)
         q, k, v = self._qkv(x_ext)
         q = remove_halos(q, plan, dim=2)
         out = sliding_window_attention(q, k, v, self.window_size, q_offset=plan.offset,
                                        k_offset=plan.offset - plan.left)
         return self._out(out)
 
-    def _forward_shard_heads(self, x: Tensor, sizes: list[int], group: ProcessGroup) -> Tensor:
-        world = group_size(group)
-        if self.num_heads % world != 0:
-            raise ValueError(
-                f"shard_strategy='shard_heads' needs num_heads={self.num_heads} divisible by the group size "
-                f"{world}; use a multiple of {world} heads or shard_strategy='shard_sequence'"
-            )
+    def _forward_shard_heads(self, x: Tensor, shard: SequenceShard) -> Tensor:
         # one all-to-all for q, k and v together: (b, heads, s_local, 3 * head_dim)
         qkv = einops.rearrange(self.lin_qkv(x), "b s (h three d) -> b h s (three d)", h=self.num_heads, three=3)
-        qkv = shard_heads(qkv, sizes, group)
+        qkv = shard_heads(qkv, shard.sizes, shard.group)
         q, k, v = einops.rearrange(qkv, "b h s (three d) -> three b h s d", three=3)
         out = sliding_window_attention(q, k, v, self.window_size)
-        return self._out(shard_sequence(out, sizes, group))
+        return self._out(shard_sequence(out, shard.sizes, shard.group))

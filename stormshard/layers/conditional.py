@@ -7,13 +7,11 @@ shift projections start at zero, so an untrained block is the plain pre-norm blo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from stormshard.layers.attention import ShardStrategy, SlidingWindowAttention
 from stormshard.layers.mlp import MLP
+from stormshard.parallel.shard import SequenceShard
 
 __all__ = ["ConditionalLayerNorm", "ConditionalTransformerBlock"]
 
@@ -38,19 +36,24 @@ class ConditionalLayerNorm(nn.Module):
 class ConditionalTransformerBlock(nn.Module):
     """Pre-norm sliding-window block with conditional norms.
 
-    ``forward(x (batch, seq_local, C), cond (batch, seq_local, cond_channels), shard_sizes, group)``;
-    the attention and MLP are the processor's (same names and sharding).
+    ``forward(x (batch, seq_local, C), cond (batch, seq_local, cond_channels))``; the sequence is
+    sharded as ``shard`` (bound at construction, None: unsharded) describes. The attention and
+    MLP are the processor's (same names and sharding).
     """
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int, cond_channels: int,
-                 mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence") -> None:
+                 mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
+                 shard: SequenceShard | None = None) -> None:
         super().__init__()
         self.norm_attention = ConditionalLayerNorm(num_channels, cond_channels)
-        self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy)
+        self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard)
         self.norm_mlp = ConditionalLayerNorm(num_channels, cond_channels)
         self.mlp = MLP(num_channels, mlp_ratio)
 
-    def forward(self, x: Tensor, cond: Tensor, shard_sizes: Sequence[int] | None = None,
-                model_comm_group: dist.ProcessGroup | None = None) -> Tensor:
-        x = x + self.attention(self.norm_attention(x, cond), shard_sizes, model_comm_group)
+    @property
+    def shard(self) -> SequenceShard | None:
+        return self.attention.shard
+
+    def forward(self, x: Tensor, cond: Tensor) -> Tensor:
+        x = x + self.attention(self.norm_attention(x, cond))
         return x + self.mlp(self.norm_mlp(x, cond))

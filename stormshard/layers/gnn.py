@@ -6,17 +6,23 @@ For an edge ``j -> i`` with features ``e_ji``::
     x_i <- x_i + MLP_n([x_i, sum_j m_ji])   (sum over the edges into i, torch-geometric scatter)
     e_ji <- e_ji + m_ji
 
-Each MLP is Linear, GELU, Linear, LayerNorm. Layouts: node features ``(num_nodes, channels)``,
-``edge_attr`` ``(num_edges, edge_channels)``, ``edge_index`` ``(2, num_edges)`` row 0 source, row 1
-destination. Both blocks return ``(nodes, edge_attr)`` so that processors can chain edge updates.
+Each MLP is Linear, GELU, Linear, LayerNorm. Layouts: node features ``(num_nodes, [*batch,]
+channels)``, ``edge_attr`` ``(num_edges, edge_channels)`` (or ``(num_edges, *batch,
+edge_channels)``), edges numbered by the block's plan.
 
-- :class:`GNNMapperBlock`: bipartite (encoder data -> hidden, decoder hidden -> data).
-- :class:`GNNProcessorBlock`: one node set (hidden -> hidden).
+- :class:`GNNMapperBlock`: bipartite (encoder data -> hidden, decoder hidden -> data);
+  ``forward(x_src, x_dst, edge_attr)`` returns the updated destinations only, like every mapper
+  block (the edge update is not computed: a mapper's edges feed nothing after it).
+- :class:`GNNProcessorBlock`: one node set (hidden -> hidden); ``forward(x, edge_attr)`` returns
+  ``(x', edge_attr')`` like every processor block, so that the processor chains edge updates.
 
-Sharding (``shard_plan`` + model group): node inputs are this rank's slices, ``edge_attr`` the
-plan's local edges; the source features cross one halo exchange (forward and backward) and the
-outputs are this rank's destination slice and local edges. ``num_chunks > 1`` processes the edges
-in destination-node chunks with activation checkpointing per chunk; results are equal.
+Graph and shard context: the block takes its :class:`~stormshard.parallel.graph.GraphShardPlan`
+once, at construction (edge index and process group; ``GraphShardPlan.build(edge_index,
+num_nodes)`` for one process). Node inputs are this rank's slices, ``edge_attr`` the plan's local
+edges in plan order (``plan.shard_edges``); the source features cross one halo exchange over the
+plan's group (forward and backward) and the outputs are this rank's destination slice (and local
+edges, plan order). ``num_chunks > 1`` processes the edges in destination-node chunks with
+activation checkpointing per chunk; results are equal.
 """
 
 from __future__ import annotations
@@ -26,8 +32,13 @@ from torch import Tensor, nn
 from torch_geometric.utils import scatter
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
-from stormshard.layers.graph_transformer import _check_positive, _resolve_edges, check_node_and_edge_shapes
-from stormshard.parallel.graph import GraphShardPlan, exchange_halo
+from stormshard.layers.graph_transformer import (
+    _check_positive,
+    check_local_rows,
+    check_node_and_edge_shapes,
+    check_plan,
+)
+from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["GNNMapperBlock", "GNNProcessorBlock"]
 
@@ -58,13 +69,14 @@ class _GNNBase(nn.Module):
         check_node_and_edge_shapes(x_src, x_dst, edge_attr, self.src_channels, self.dst_channels, self.edge_channels)
 
     def _message_pass(
-        self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """``x_src`` ``(num_src_ext, C_src)`` (local rows + halo when sharded)."""
+        self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor, update_edges: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(x_dst', edge_attr' or None)``; ``x_src`` ``(num_src_ext, C_src)`` (local rows + halo
+        when sharded); the edge update only when ``update_edges``."""
         num_dst = x_dst.shape[0]
         edge_index = edge_index.to(x_dst.device)
 
-        def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor, Tensor]:
+        def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor, ...]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             src, dst = index[0], index[1]
             h_src, h_dst = x_src.index_select(0, src), x_dst.index_select(0, dst)
@@ -73,59 +85,58 @@ class _GNNBase(nn.Module):
             msg = self.edge_mlp(torch.cat([h_src, h_dst, attr_b], dim=-1))
             agg = scatter(msg, dst - first, dim=0, dim_size=end - first, reduce="sum")
             x = x_dst[first:end]
-            return x + self.node_mlp(torch.cat([x, agg], dim=-1)), attr_b + msg
+            x = x + self.node_mlp(torch.cat([x, agg], dim=-1))
+            return (x, attr_b + msg) if update_edges else (x,)
 
         outs, order = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks)
         if order is None:
-            return outs[0]
+            return outs[0][0], outs[0][1] if update_edges else None
+        nodes = torch.cat([o[0] for o in outs], dim=0)
+        if not update_edges:
+            return nodes, None
         # per-edge outputs come chunk by chunk: put them back in edge order
-        edges = torch.cat([o[1] for o in outs], dim=0)[torch.argsort(order)]
-        return torch.cat([o[0] for o in outs], dim=0), edges
+        return nodes, torch.cat([o[1] for o in outs], dim=0)[torch.argsort(order)]
 
 
 class GNNMapperBlock(_GNNBase):
-    """Bipartite GNN block. ``forward(x_src (N_src, src_channels), x_dst (N_dst, dst_channels),
-    edge_attr (E, edge_channels), edge_index (2, E))`` returns ``(x_dst', edge_attr')``."""
+    """Bipartite GNN block, built with the graph's ``plan`` (``num_nodes=(num_source,
+    num_destination)``). ``forward(x_src (N_src_local, [*batch,] src_channels), x_dst
+    (N_dst_local, [*batch,] dst_channels), edge_attr (E_local, edge_channels))`` returns the
+    updated destinations ``(N_dst_local, [*batch,] dst_channels)``. Communicates one halo exchange
+    of the sources over the plan's group."""
 
     def __init__(
-        self, src_channels: int, dst_channels: int, edge_channels: int, mlp_ratio: float = 1.0, num_chunks: int = 1
+        self,
+        src_channels: int,
+        dst_channels: int,
+        edge_channels: int,
+        plan: GraphShardPlan,
+        mlp_ratio: float = 1.0,
+        num_chunks: int = 1,
     ) -> None:
         super().__init__(src_channels, dst_channels, edge_channels, mlp_ratio, num_chunks)
+        self.plan = check_plan(plan, processor=False)
 
-    def forward(
-        self,
-        x_src: Tensor,
-        x_dst: Tensor,
-        edge_attr: Tensor,
-        edge_index: Tensor | None,
-        shard_plan: GraphShardPlan | None = None,
-        model_comm_group=None,  # noqa: ANN001
-    ) -> tuple[Tensor, Tensor]:
+    def forward(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> Tensor:
         self._check_channels(x_src, x_dst, edge_attr)
-        edge_index = _resolve_edges(x_src.shape[0], x_dst.shape[0], edge_attr, edge_index, shard_plan)
-        return self._message_pass(exchange_halo(x_src, shard_plan, model_comm_group), x_dst, edge_attr, edge_index)
+        check_local_rows(self.plan, x_src.shape[0], x_dst.shape[0], edge_attr)
+        x_src = self.plan.exchange_halo(x_src)
+        return self._message_pass(x_src, x_dst, edge_attr, self.plan.edge_index, update_edges=False)[0]
 
 
 class GNNProcessorBlock(_GNNBase):
-    """GNN block on one node set. ``forward(x (N, channels), edge_attr (E, edge_channels),
-    edge_index (2, E))`` returns ``(x', edge_attr')``."""
+    """GNN block on one node set, built with the graph's ``plan`` (``num_nodes=<int>``).
+    ``forward(x (N_local, [*batch,] channels), edge_attr (E_local, [*batch,] edge_channels))``
+    returns ``(x', edge_attr')``, the edges ``(E_local, [*batch,] edge_channels)`` in plan order.
+    Communicates one halo exchange of the nodes over the plan's group."""
 
-    def __init__(self, channels: int, edge_channels: int, mlp_ratio: float = 1.0, num_chunks: int = 1) -> None:
+    def __init__(
+        self, channels: int, edge_channels: int, plan: GraphShardPlan, mlp_ratio: float = 1.0, num_chunks: int = 1
+    ) -> None:
         super().__init__(channels, channels, edge_channels, mlp_ratio, num_chunks)
+        self.plan = check_plan(plan, processor=True)
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_attr: Tensor,
-        edge_index: Tensor | None,
-        shard_plan: GraphShardPlan | None = None,
-        model_comm_group=None,  # noqa: ANN001
-    ) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:
         self._check_channels(x, x, edge_attr)
-        if shard_plan is not None and shard_plan.num_src != shard_plan.num_dst:
-            raise ValueError(
-                f"a processor plan must be built on one node set, got {shard_plan.num_src} sources and "
-                f"{shard_plan.num_dst} destinations: build it with num_nodes=<int>"
-            )
-        edge_index = _resolve_edges(x.shape[0], x.shape[0], edge_attr, edge_index, shard_plan)
-        return self._message_pass(exchange_halo(x, shard_plan, model_comm_group), x, edge_attr, edge_index)
+        check_local_rows(self.plan, x.shape[0], x.shape[0], edge_attr)
+        return self._message_pass(self.plan.exchange_halo(x), x, edge_attr, self.plan.edge_index, update_edges=True)

@@ -11,18 +11,24 @@ For an edge ``j -> i`` with edge features ``e_ji`` (per head ``h``, head size ``
 loop over nodes or edges). Layouts: node features ``(num_nodes, channels)``, ``edge_attr``
 ``(num_edges, edge_channels)``, ``edge_index`` ``(2, num_edges)`` row 0 source, row 1 destination.
 
-Two variants:
+Two variants, one return convention each (shared with the GNN blocks of :mod:`stormshard.layers.gnn`):
 
 - :class:`GraphTransformerMapperBlock`: bipartite (encoder data -> hidden, decoder hidden -> data),
-  separate source and destination node sets, norms and channel counts; updates the destinations.
-- :class:`GraphTransformerProcessorBlock`: one node set (hidden -> hidden).
+  separate source and destination node sets, norms and channel counts; ``forward(x_src, x_dst,
+  edge_attr)`` returns the updated destinations only (every mapper block does).
+- :class:`GraphTransformerProcessorBlock`: one node set (hidden -> hidden); ``forward(x,
+  edge_attr)`` returns ``(x, edge_attr)`` like every processor block, so that a processor chains
+  blocks the same way whether they update the edges (GNN) or not (this block: unchanged).
 
-Sharding: pass ``shard_plan`` (a :class:`~stormshard.parallel.graph.GraphShardPlan`) and the
-model group; node inputs are then this rank's node slices, ``edge_attr`` the plan's local edges
-(``plan.shard_edges``) and ``edge_index`` the plan's local index (None takes it from the plan).
-The normalised source features go through one halo exchange per block (forward and backward);
-the output is this rank's destination slice. Parameters are replicated: the caller sums their
-gradients over the model group (as DDP does).
+Graph and shard context: every block takes its :class:`~stormshard.parallel.graph.GraphShardPlan`
+once, at construction; the plan binds the edge index and the process group. One process uses the
+one-rank plan ``GraphShardPlan.build(edge_index, num_nodes)``. Node inputs are this rank's node
+slices (``plan.shard_src`` / ``plan.shard_dst``; everything with one rank) and ``edge_attr`` the
+plan's edges in plan order (``plan.shard_edges(edge_attr)``; edges sorted by destination, also
+with one rank). The normalised source features go through one halo exchange per block (forward
+and backward, over the plan's group; nothing with one rank); the output is this rank's
+destination slice. Parameters are replicated: the caller sums their gradients over the model
+group (as DDP does).
 
 Chunking: ``num_chunks > 1`` processes the edges in destination-node chunks with activation
 checkpointing per chunk (see :mod:`stormshard.layers.chunking`); results are equal.
@@ -38,7 +44,7 @@ from torch import Tensor, nn
 from torch_geometric.utils import scatter, softmax
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
-from stormshard.parallel.graph import GraphShardPlan, exchange_halo
+from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "graph_attention"]
 
@@ -94,40 +100,34 @@ def _check_positive(name: str, value: object) -> int:
     return value
 
 
-def _resolve_edges(
-    x_src_rows: int,
-    x_dst_rows: int,
-    edge_attr: Tensor,
-    edge_index: Tensor | None,
-    plan: GraphShardPlan | None,
-) -> Tensor:
-    """The edge index to use, after checking every shape against the plan (or the inputs)."""
-    if plan is not None:
-        if not isinstance(plan, GraphShardPlan):
-            raise TypeError(f"shard_plan must be a GraphShardPlan, got {type(plan).__name__}")
-        if edge_index is None:
-            edge_index = plan.edge_index
-        if x_src_rows != plan.num_src_local or x_dst_rows != plan.num_dst_local:
-            raise ValueError(
-                f"node inputs have {x_src_rows} source and {x_dst_rows} destination rows but rank "
-                f"{plan.rank}'s plan owns {plan.num_src_local} and {plan.num_dst_local}: pass this "
-                "rank's node slices (plan.shard_src / plan.shard_dst)"
-            )
-        if edge_index.shape[-1] != plan.num_edges_local:
-            raise ValueError(
-                f"edge_index has {edge_index.shape[-1]} edges but rank {plan.rank}'s plan owns "
-                f"{plan.num_edges_local}: pass plan.edge_index and plan.shard_edges(edge_attr)"
-            )
-    if edge_index is None:
-        raise ValueError("edge_index is None: pass the (2, num_edges) edge index (or a shard_plan)")
-    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        raise ValueError(f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}")
-    if edge_attr.dim() < 2 or edge_attr.shape[0] != edge_index.shape[1]:
-        raise ValueError(
-            f"edge_attr must be (num_edges, edge_channels) with num_edges = {edge_index.shape[1]}, "
-            f"got {tuple(edge_attr.shape)}"
+def check_plan(plan: object, processor: bool) -> GraphShardPlan:
+    """``plan`` if it is a :class:`GraphShardPlan` (on one node set for a ``processor``), else an error."""
+    if not isinstance(plan, GraphShardPlan):
+        raise TypeError(
+            f"plan must be a GraphShardPlan, got {type(plan).__name__}: build one with "
+            "GraphShardPlan.build(edge_index, num_nodes, group) (group None for one process)"
         )
-    return edge_index
+    if processor and plan.num_src != plan.num_dst:
+        raise ValueError(
+            f"a processor plan must be built on one node set, got {plan.num_src} sources and "
+            f"{plan.num_dst} destinations: build it with num_nodes=<int>"
+        )
+    return plan
+
+
+def check_local_rows(plan: GraphShardPlan, x_src_rows: int, x_dst_rows: int, edge_attr: Tensor) -> None:
+    """Raise unless the node and edge inputs are this rank's rows of the plan's graph."""
+    if x_src_rows != plan.num_src_local or x_dst_rows != plan.num_dst_local:
+        raise ValueError(
+            f"node inputs have {x_src_rows} source and {x_dst_rows} destination rows but rank "
+            f"{plan.rank}'s plan owns {plan.num_src_local} and {plan.num_dst_local}: pass this "
+            "rank's node slices (plan.shard_src / plan.shard_dst)"
+        )
+    if edge_attr.shape[0] != plan.num_edges_local:
+        raise ValueError(
+            f"edge_attr must be (num_edges, edge_channels) with num_edges = {plan.num_edges_local} (rank "
+            f"{plan.rank}'s edges in the plan), got {tuple(edge_attr.shape)}: pass plan.shard_edges(edge_attr)"
+        )
 
 
 class _GraphTransformerBase(nn.Module):
@@ -200,10 +200,11 @@ class _GraphTransformerBase(nn.Module):
 class GraphTransformerMapperBlock(_GraphTransformerBase):
     """Bipartite graph-transformer block (encoder data -> hidden, decoder hidden -> data).
 
-    ``forward(x_src (N_src, src_channels), x_dst (N_dst, dst_channels), edge_attr (E,
-    edge_channels), edge_index (2, E))`` returns the updated destinations ``(N_dst,
-    dst_channels)``. Sharded: rows are this rank's slices; the normed sources cross one halo
-    exchange.
+    Built with the graph's ``plan`` (``num_nodes=(num_source, num_destination)``).
+    ``forward(x_src (N_src_local, [*batch,] src_channels), x_dst (N_dst_local, [*batch,]
+    dst_channels), edge_attr (E_local, edge_channels))`` returns the updated destinations
+    ``(N_dst_local, [*batch,] dst_channels)``. Communicates one halo exchange of the normed
+    sources over the plan's group (forward and backward).
     """
 
     def __init__(
@@ -212,34 +213,30 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
         dst_channels: int,
         edge_channels: int,
         num_heads: int,
+        plan: GraphShardPlan,
         mlp_ratio: float = 4.0,
         num_chunks: int = 1,
         hidden_dim: int | None = None,
     ) -> None:
         super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim)
+        self.plan = check_plan(plan, processor=False)
         self.norm_src = nn.LayerNorm(src_channels)
         self.norm_dst = nn.LayerNorm(dst_channels)
 
-    def forward(
-        self,
-        x_src: Tensor,
-        x_dst: Tensor,
-        edge_attr: Tensor,
-        edge_index: Tensor | None,
-        shard_plan: GraphShardPlan | None = None,
-        model_comm_group=None,  # noqa: ANN001
-    ) -> Tensor:
+    def forward(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> Tensor:
         self._check_channels(x_src, x_dst, edge_attr)
-        edge_index = _resolve_edges(x_src.shape[0], x_dst.shape[0], edge_attr, edge_index, shard_plan)
-        h_src = exchange_halo(self.norm_src(x_src), shard_plan, model_comm_group)
-        return self._attend(h_src, self.norm_dst(x_dst), x_dst, edge_attr, edge_index)
+        check_local_rows(self.plan, x_src.shape[0], x_dst.shape[0], edge_attr)
+        h_src = self.plan.exchange_halo(self.norm_src(x_src))
+        return self._attend(h_src, self.norm_dst(x_dst), x_dst, edge_attr, self.plan.edge_index)
 
 
 class GraphTransformerProcessorBlock(_GraphTransformerBase):
     """Graph-transformer block on one node set (processor, hidden -> hidden).
 
-    ``forward(x (N, channels), edge_attr (E, edge_channels), edge_index (2, E))`` returns
-    ``(N, channels)``. Sharded: ``x`` is this rank's slice; its normed rows cross one halo exchange.
+    Built with the graph's ``plan`` (``num_nodes=<int>``). ``forward(x (N_local, [*batch,]
+    channels), edge_attr (E_local, edge_channels))`` returns ``(x', edge_attr)``: the updated
+    nodes and the edge attributes unchanged (the processor-block convention; GNN blocks update
+    them). Communicates one halo exchange of the normed nodes over the plan's group.
     """
 
     def __init__(
@@ -247,28 +244,17 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         channels: int,
         edge_channels: int,
         num_heads: int,
+        plan: GraphShardPlan,
         mlp_ratio: float = 4.0,
         num_chunks: int = 1,
         hidden_dim: int | None = None,
     ) -> None:
         super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim)
+        self.plan = check_plan(plan, processor=True)
         self.norm = nn.LayerNorm(channels)
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_attr: Tensor,
-        edge_index: Tensor | None,
-        shard_plan: GraphShardPlan | None = None,
-        model_comm_group=None,  # noqa: ANN001
-    ) -> Tensor:
+    def forward(self, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:
         self._check_channels(x, x, edge_attr)
-        if shard_plan is not None and shard_plan.num_src != shard_plan.num_dst:
-            raise ValueError(
-                f"a processor plan must be built on one node set, got {shard_plan.num_src} sources and "
-                f"{shard_plan.num_dst} destinations: build it with num_nodes=<int>"
-            )
-        edge_index = _resolve_edges(x.shape[0], x.shape[0], edge_attr, edge_index, shard_plan)
+        check_local_rows(self.plan, x.shape[0], x.shape[0], edge_attr)
         h = self.norm(x)
-        h_src = exchange_halo(h, shard_plan, model_comm_group)
-        return self._attend(h_src, h, x, edge_attr, edge_index)
+        return self._attend(self.plan.exchange_halo(h), h, x, edge_attr, self.plan.edge_index), edge_attr

@@ -33,6 +33,7 @@ from stormshard.models.config import ModelConfig
 from stormshard.models.processors import GraphProcessor, WindowTransformerProcessor
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.models.variables import VariableIndex
+from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["EncoderProcessorDecoder", "coordinate_features"]
 
@@ -44,18 +45,23 @@ def coordinate_features(latlon: Tensor) -> Tensor:
 
 
 class EncoderProcessorDecoder(nn.Module):
-    """Graph encoder, processor and graph decoder over a (possibly sharded) grid."""
+    """Graph encoder, processor and graph decoder over a grid sharded over ``model_group``.
+
+    The constructor builds the single-device-looking model on this rank's node slices;
+    :func:`~stormshard.models.registry.build_model` then applies
+    :func:`~stormshard.models.parallelize.parallelize` (tensor-parallel blocks, checkpointing).
+    """
 
     def __init__(
         self,
         config: ModelConfig,
         graph: HeteroData,
         variables: VariableIndex,
-        model_comm_group: dist.ProcessGroup | None = None,
+        model_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.config, self.variables, self.group = config, variables, model_comm_group
-        self.plan = ModelShardPlan.build(graph, model_comm_group, processor_graph=config.uses_graph_processor)
+        self.config, self.variables = config, variables
+        self.plan = ModelShardPlan.build(graph, model_group, processor_graph=config.uses_graph_processor)
         c, t = config.num_channels, config.trainable_size
         n_in, n_out = len(variables.input_names), len(variables.output_names)
         data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
@@ -72,31 +78,34 @@ class EncoderProcessorDecoder(nn.Module):
         enc_attr, dec_attr = graph[ENCODER].edge_attr, graph[DECODER].edge_attr
         self.register_buffer("encoder_edge_attr", self.plan.encoder.shard_edges(enc_attr), persistent=False)
         self.register_buffer("decoder_edge_attr", self.plan.decoder.shard_edges(dec_attr), persistent=False)
-        self.encoder = self._mapper(config.encoder, enc_attr.shape[1])
+        self.encoder = self._mapper(config.encoder, enc_attr.shape[1], self.plan.encoder)
         self.processor = self.build_processor(graph)
-        self.decoder = self._mapper(config.decoder, dec_attr.shape[1])
+        self.decoder = self._mapper(config.decoder, dec_attr.shape[1], self.plan.decoder)
         self.head = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, n_out))
 
         residual = torch.zeros(n_in, n_out)
         residual[variables.prognostic_in_input, variables.prognostic_in_output] = 1.0
         self.register_buffer("residual_map", residual, persistent=False)
 
+    @property
+    def model_group(self) -> dist.ProcessGroup | None:
+        """The model-communication group the model is sharded over (None: one process)."""
+        return self.plan.group
+
     def build_processor(self, graph: HeteroData) -> nn.Module:
         """The processor named by the config, on this rank's hidden nodes."""
         if self.config.uses_graph_processor:
-            return GraphProcessor(self.config, self.plan, self.group, graph[PROCESSOR].edge_attr)
-        return WindowTransformerProcessor(self.config, self.plan, self.group)
+            return GraphProcessor(self.config, self.plan, graph[PROCESSOR].edge_attr)
+        return WindowTransformerProcessor(self.config, self.plan)
 
-    def _mapper(self, cfg, edge_channels: int) -> nn.Module:  # noqa: ANN001
+    def _mapper(self, cfg, edge_channels: int, plan: GraphShardPlan) -> nn.Module:  # noqa: ANN001
+        """The encoder or decoder block (config section ``cfg``) on its graph's plan; ``forward(x_src,
+        x_dst, edge_attr)`` returns the destination nodes."""
         c = self.config.num_channels
         if self.config.name == "gnn":
-            return GNNMapperBlock(c, c, edge_channels, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks)
-        return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, mlp_ratio=cfg.mlp_ratio,
+            return GNNMapperBlock(c, c, edge_channels, plan, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks)
+        return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, plan, mlp_ratio=cfg.mlp_ratio,
                                            num_chunks=cfg.num_chunks)
-
-    @staticmethod
-    def _first(out: Tensor | tuple[Tensor, Tensor]) -> Tensor:
-        return out[0] if isinstance(out, tuple) else out
 
     def check_input(self, x: Tensor) -> None:
         expect = (self.config.multistep_input, self.plan.data_sizes[self.plan.rank], len(self.variables.input_names))
@@ -117,14 +126,12 @@ class EncoderProcessorDecoder(nn.Module):
         x_data = self.embed_data(torch.cat([states, data_static.unsqueeze(1).expand(-1, batch, -1)], dim=-1))
         hidden_static = torch.cat([self.hidden_coords.to(dtype), self.hidden_embedding[hidden_slice]], dim=-1)
         x_hidden = self.embed_hidden(hidden_static).unsqueeze(1).expand(-1, batch, -1)
-        x_hidden = self._first(self.encoder(x_data, x_hidden, self.encoder_edge_attr, None, self.plan.encoder,
-                                            self.group))
+        x_hidden = self.encoder(x_data, x_hidden, self.encoder_edge_attr)
         return x_data, x_hidden
 
     def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor) -> Tensor:
         """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
-        x_data = self._first(self.decoder(x_hidden, x_data, self.decoder_edge_attr, None, self.plan.decoder,
-                                          self.group))
+        x_data = self.decoder(x_hidden, x_data, self.decoder_edge_attr)
         out = rearrange(self.head(x_data), "g b v -> b g v")
         return out + x[:, -1] @ self.residual_map.to(x.dtype)
 

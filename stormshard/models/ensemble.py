@@ -12,35 +12,34 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 from torch_geometric.data import HeteroData
 
 from stormshard.layers.conditional import ConditionalTransformerBlock
 from stormshard.models.config import ModelConfig
 from stormshard.models.encoder_processor_decoder import EncoderProcessorDecoder
 from stormshard.models.variables import VariableIndex
+from stormshard.parallel.shard import SequenceShard
 
 __all__ = ["EnsembleEncoderProcessorDecoder", "NoiseConditionedProcessor"]
 
 
 class NoiseConditionedProcessor(nn.Module):
-    """Sliding-window blocks with conditional norms; ``forward(x (hidden_local, batch, C), noise)``."""
+    """Sliding-window blocks with conditional norms over the hidden nodes, sharded as ``shard``.
 
-    def __init__(self, config: ModelConfig, shard_sizes: list[int] | None, group: dist.ProcessGroup | None) -> None:
+    ``forward(x (hidden_local, batch, C), noise (batch, hidden_local, noise_channels))``. Only the
+    sequence strategies apply (``"tensor"`` is rejected by the parallelize step); checkpointing
+    is wrapped by :func:`stormshard.models.parallelize.parallelize`.
+    """
+
+    def __init__(self, config: ModelConfig, shard: SequenceShard | None) -> None:
         super().__init__()
         p, e = config.processor, config.ensemble
-        if p.shard_strategy == "tensor":
-            raise ValueError(
-                "model.name='ensemble' supports processor.shard_strategy 'shard_sequence' or 'shard_heads', "
-                "not 'tensor'"
-            )
-        self.shard_sizes, self.group = shard_sizes, group
-        self.checkpointing = config.activation_checkpointing
         cond = config.num_channels
         self.noise_embedding = nn.Sequential(nn.Linear(e.noise_channels, cond), nn.GELU(), nn.Linear(cond, cond))
+        strategy = "shard_sequence" if p.shard_strategy == "tensor" else p.shard_strategy
         self.blocks = nn.ModuleList(
             ConditionalTransformerBlock(config.num_channels, p.num_heads, p.window_size, cond, p.mlp_ratio,
-                                        p.shard_strategy)
+                                        strategy, shard)
             for _ in range(p.num_layers)
         )
 
@@ -48,10 +47,7 @@ class NoiseConditionedProcessor(nn.Module):
         h = rearrange(x, "n b c -> b n c")
         cond = self.noise_embedding(noise.to(h.dtype))
         for block in self.blocks:
-            if self.checkpointing and torch.is_grad_enabled():
-                h = checkpoint(block, h, cond, self.shard_sizes, self.group, use_reentrant=False)
-            else:
-                h = block(h, cond, self.shard_sizes, self.group)
+            h = block(h, cond)
         return rearrange(h, "b n c -> n b c")
 
 
@@ -59,12 +55,11 @@ class EnsembleEncoderProcessorDecoder(EncoderProcessorDecoder):
     """The encoder-processor-decoder with a noise-conditioned processor."""
 
     def __init__(self, config: ModelConfig, graph: HeteroData, variables: VariableIndex,
-                 model_comm_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(config, graph, variables, model_comm_group)
+                 model_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(config, graph, variables, model_group)
 
     def build_processor(self, graph: HeteroData) -> nn.Module:
-        shard_sizes = list(self.plan.hidden_sizes) if self.plan.world > 1 else None
-        return NoiseConditionedProcessor(self.config, shard_sizes, self.group)
+        return NoiseConditionedProcessor(self.config, self.plan.hidden_shard)
 
     def sample_noise(self, batch: int, generator: torch.Generator | None = None,
                      dtype: torch.dtype | None = None) -> Tensor:

@@ -9,10 +9,8 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from stormshard.layers.gnn import GNNProcessorBlock
 from stormshard.layers.graph_transformer import GraphTransformerProcessorBlock
@@ -24,61 +22,66 @@ __all__ = ["WindowTransformerProcessor", "GraphProcessor"]
 
 
 class WindowTransformerProcessor(nn.Module):
-    """Pre-norm sliding-window transformer blocks; ``forward(x (hidden_local, batch, C))``."""
+    """Pre-norm sliding-window transformer blocks over the hidden nodes, sharded as ``plan.hidden_shard``.
 
-    def __init__(self, config: ModelConfig, plan: ModelShardPlan, group: dist.ProcessGroup | None) -> None:
+    ``forward(x (hidden_local, batch, C)) -> (hidden_local, batch, C)``. Built in its
+    single-device form (full-weight blocks); :func:`stormshard.models.parallelize.parallelize`
+    swaps in tensor-parallel blocks (``shard_strategy="tensor"``) and wraps checkpointing.
+    """
+
+    def __init__(self, config: ModelConfig, plan: ModelShardPlan) -> None:
         super().__init__()
         p = config.processor
-        self.group = group
-        self.shard_sizes = list(plan.hidden_sizes) if plan.world > 1 else None
         self.processor = TransformerProcessor(
             num_layers=p.num_layers, num_channels=config.num_channels, num_heads=p.num_heads,
             window_size=p.window_size, mlp_ratio=p.mlp_ratio, shard_strategy=p.shard_strategy,
-            activation_checkpointing=config.activation_checkpointing, group=group,
+            shard=plan.hidden_shard,
         )
 
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks (``processor.blocks``)."""
+        return self.processor.blocks
+
     def forward(self, x: Tensor) -> Tensor:
-        y = self.processor(rearrange(x, "n b c -> b n c"), shard_sizes=self.shard_sizes, model_comm_group=self.group)
+        y = self.processor(rearrange(x, "n b c -> b n c"))
         return rearrange(y, "b n c -> n b c")
 
 
 class GraphProcessor(nn.Module):
-    """Graph-transformer (``kind="graphtransformer"``) or GNN (``kind="gnn"``) blocks over the
-    hidden graph; ``forward(x (hidden_local, batch, C))``. Edge attributes are this rank's edges."""
+    """Graph-transformer (``config.name == "graphtransformer"``) or GNN (``"gnn"``) blocks over the
+    hidden graph, built with the model's processor plan (edge index and model group, bound once).
 
-    def __init__(
-        self, config: ModelConfig, plan: ModelShardPlan, group: dist.ProcessGroup | None, edge_attr: Tensor
-    ) -> None:
+    ``forward(x (hidden_local, batch, C)) -> (hidden_local, batch, C)``. The edge attributes are
+    this rank's edges of the processor graph (``plan.processor.shard_edges``), held as a buffer;
+    every block takes and returns ``(x, edge_attr)`` (GNN blocks update the edges, graph-transformer
+    blocks pass them on). Each block exchanges one halo of hidden nodes over the model group.
+    Activation checkpointing is not applied here: the parallelize step
+    (:func:`stormshard.models.parallelize.parallelize`) wraps ``blocks`` once.
+    """
+
+    def __init__(self, config: ModelConfig, plan: ModelShardPlan, edge_attr: Tensor) -> None:
         super().__init__()
         if plan.processor is None:
             raise ValueError("a graph processor needs the processor plan: build ModelShardPlan with processor_graph=True")
-        p, c = config.processor, config.num_channels
+        p, c, graph_plan = config.processor, config.num_channels, plan.processor
         self.kind = config.name
-        self.group, self.plan = group, plan.processor
-        self.checkpointing = config.activation_checkpointing
-        self.register_buffer("edge_attr", plan.processor.shard_edges(edge_attr), persistent=False)
+        self.register_buffer("edge_attr", graph_plan.shard_edges(edge_attr), persistent=False)
         edge_channels = edge_attr.shape[1]
         if self.kind == "gnn":
             self.blocks = nn.ModuleList(
-                GNNProcessorBlock(c, edge_channels, mlp_ratio=p.mlp_ratio, num_chunks=p.num_chunks)
+                GNNProcessorBlock(c, edge_channels, graph_plan, mlp_ratio=p.mlp_ratio, num_chunks=p.num_chunks)
                 for _ in range(p.num_layers)
             )
         else:
             self.blocks = nn.ModuleList(
-                GraphTransformerProcessorBlock(c, edge_channels, p.num_heads, mlp_ratio=p.mlp_ratio,
+                GraphTransformerProcessorBlock(c, edge_channels, p.num_heads, graph_plan, mlp_ratio=p.mlp_ratio,
                                                num_chunks=p.num_chunks)
                 for _ in range(p.num_layers)
             )
 
-    def _run(self, block: nn.Module, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:
-        out = block(x, edge_attr, None, self.plan, self.group)
-        return out if isinstance(out, tuple) else (out, edge_attr)
-
     def forward(self, x: Tensor) -> Tensor:
         edge_attr = self.edge_attr
         for block in self.blocks:
-            if self.checkpointing and self.training:
-                x, edge_attr = checkpoint(self._run, block, x, edge_attr, use_reentrant=False)
-            else:
-                x, edge_attr = self._run(block, x, edge_attr)
+            x, edge_attr = block(x, edge_attr)
         return x

@@ -1,4 +1,4 @@
-"""Named models: ``build_model(config, graph, variables, model_comm_group)``.
+"""Named models: ``build_model(config, graph, variables, model_group)``.
 
 =================  ==========================================================================
 name               processor
@@ -8,6 +8,10 @@ graphtransformer   graph transformer over the hidden graph (sharded by destinati
 gnn                message-passing GNN (encoder, processor and decoder all GNN blocks)
 ensemble           sliding-window transformer with noise through conditional layer norms
 =================  ==========================================================================
+
+A builder constructs the single-device-looking model; :func:`build_model` then applies
+:func:`~stormshard.models.parallelize.parallelize` (strategy checks, tensor-parallel blocks,
+activation checkpointing) and returns the result.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from torch_geometric.data import HeteroData
 
 from stormshard.models.config import MODEL_NAMES, ModelConfig
+from stormshard.models.parallelize import parallelize
 from stormshard.models.variables import VariableIndex
 
 __all__ = ["MODEL_REGISTRY", "register_model", "build_model"]
@@ -39,16 +44,16 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
     return add
 
 
-def _encoder_processor_decoder(config, graph, variables, group):  # noqa: ANN001, ANN202
+def _encoder_processor_decoder(config, graph, variables, model_group):  # noqa: ANN001, ANN202
     from stormshard.models.encoder_processor_decoder import EncoderProcessorDecoder
 
-    return EncoderProcessorDecoder(config, graph, variables, group)
+    return EncoderProcessorDecoder(config, graph, variables, model_group)
 
 
-def _ensemble(config, graph, variables, group):  # noqa: ANN001, ANN202
+def _ensemble(config, graph, variables, model_group):  # noqa: ANN001, ANN202
     from stormshard.models.ensemble import EnsembleEncoderProcessorDecoder
 
-    return EnsembleEncoderProcessorDecoder(config, graph, variables, group)
+    return EnsembleEncoderProcessorDecoder(config, graph, variables, model_group)
 
 
 for _name in ("transformer", "graphtransformer", "gnn"):
@@ -59,9 +64,10 @@ if set(MODEL_REGISTRY) != set(MODEL_NAMES):  # a developer error: the config and
 
 
 def build_model(
-    config: ModelConfig, graph: HeteroData, variables: VariableIndex, model_comm_group: dist.ProcessGroup | None = None
+    config: ModelConfig, graph: HeteroData, variables: VariableIndex, model_group: dist.ProcessGroup | None = None
 ) -> nn.Module:
-    """The model ``config.name`` on ``graph``, sharded over ``model_comm_group`` (None: one rank)."""
+    """The model ``config.name`` on ``graph``, sharded over ``model_group`` (None: one rank), parallelized."""
     if config.name not in MODEL_REGISTRY:
         raise ValueError(f"unknown model {config.name!r}: choose one of {sorted(MODEL_REGISTRY)}")
-    return MODEL_REGISTRY[config.name](config, graph, variables, model_comm_group)
+    model = MODEL_REGISTRY[config.name](config, graph, variables, model_group)
+    return parallelize(model, config, model.plan)

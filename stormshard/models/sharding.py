@@ -3,7 +3,8 @@
 Each rank of the group holds a balanced contiguous slice of the data nodes (the grid) and of the
 hidden nodes; the encoder, decoder (and graph processor) are sharded by destination node with a
 :class:`~stormshard.parallel.graph.GraphShardPlan` each, whose source and destination slices are
-exactly these node slices, so activations move between layers without re-sharding.
+exactly these node slices, so activations move between layers without re-sharding. The plan holds
+the model group (``group``) and is handed to the layers once, at construction.
 """
 
 from __future__ import annotations
@@ -15,38 +16,69 @@ from torch_geometric.data import HeteroData
 
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
 from stormshard.parallel.graph import GraphShardPlan
-from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
+from stormshard.parallel.shapes import balanced_sizes, group_rank, group_size
+from stormshard.parallel.shard import SequenceShard
 
 __all__ = ["ModelShardPlan"]
 
 
 @dataclass(frozen=True, eq=False)
 class ModelShardPlan:
-    """Node slices and graph plans of one rank (``rank`` of ``world``)."""
+    """Node slices and graph plans of this rank of the model group ``group`` (None: one process).
 
-    world: int
-    rank: int
+    ``data_sizes`` / ``hidden_sizes``: every rank's number of data (grid) / hidden nodes, rank
+    order; ``encoder`` (data -> hidden), ``decoder`` (hidden -> data) and ``processor`` (hidden ->
+    hidden, None without a graph processor) are this rank's graph plans, built with ``group``.
+    """
+
     data_sizes: tuple[int, ...]
     hidden_sizes: tuple[int, ...]
     encoder: GraphShardPlan
     decoder: GraphShardPlan
     processor: GraphShardPlan | None
+    group: dist.ProcessGroup | None = None
 
     @classmethod
-    def build(cls, graph: HeteroData, group: dist.ProcessGroup | None, processor_graph: bool) -> ModelShardPlan:
+    def build(
+        cls, graph: HeteroData, model_group: dist.ProcessGroup | None, processor_graph: bool
+    ) -> ModelShardPlan:
+        """The plan of this rank of ``model_group`` for ``graph`` (``processor_graph``: build the
+        hidden -> hidden plan too). Computed on every rank without communication."""
         num_data, num_hidden = graph["data"].num_nodes, graph["hidden"].num_nodes
-        world, rank = group_size(group), group_rank(group)
+        world = group_size(model_group)
         for name, count in (("data", num_data), ("hidden", num_hidden)):
             if count < world:
                 raise ValueError(
                     f"the graph has {count} {name} nodes, fewer than the {world} ranks of the model group: "
                     f"lower gpus_per_model to at most {count}"
                 )
-        encoder = GraphShardPlan.build(graph[ENCODER].edge_index, (num_data, num_hidden), group)
-        decoder = GraphShardPlan.build(graph[DECODER].edge_index, (num_hidden, num_data), group)
-        processor = GraphShardPlan.build(graph[PROCESSOR].edge_index, num_hidden, group) if processor_graph else None
-        return cls(world, rank, tuple(balanced_sizes(num_data, world)), tuple(balanced_sizes(num_hidden, world)),
-                   encoder, decoder, processor)
+        encoder = GraphShardPlan.build(graph[ENCODER].edge_index, (num_data, num_hidden), model_group)
+        decoder = GraphShardPlan.build(graph[DECODER].edge_index, (num_hidden, num_data), model_group)
+        processor = (
+            GraphShardPlan.build(graph[PROCESSOR].edge_index, num_hidden, model_group) if processor_graph else None
+        )
+        return cls(tuple(balanced_sizes(num_data, world)), tuple(balanced_sizes(num_hidden, world)),
+                   encoder, decoder, processor, model_group)
+
+    @property
+    def world(self) -> int:
+        """Number of ranks of the model group."""
+        return group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the model group."""
+        return group_rank(self.group)
+
+    @property
+    def data_shard(self) -> SequenceShard:
+        """How the data (grid) node dimension is split over the model group."""
+        return SequenceShard(self.data_sizes, self.group)
+
+    @property
+    def hidden_shard(self) -> SequenceShard:
+        """How the hidden node dimension is split over the model group."""
+        return SequenceShard(self.hidden_sizes, self.group)
 
     @property
     def num_data(self) -> int:
@@ -58,10 +90,10 @@ class ModelShardPlan:
 
     @property
     def data_slice(self) -> slice:
-        start = balanced_offsets(self.data_sizes)[self.rank]
-        return slice(start, start + self.data_sizes[self.rank])
+        """This rank's rows of the full data-node dimension."""
+        return self.data_shard.local_slice
 
     @property
     def hidden_slice(self) -> slice:
-        start = balanced_offsets(self.hidden_sizes)[self.rank]
-        return slice(start, start + self.hidden_sizes[self.rank])
+        """This rank's rows of the full hidden-node dimension."""
+        return self.hidden_shard.local_slice

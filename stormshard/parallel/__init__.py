@@ -1,69 +1,25 @@
-"""Parallel building blocks (knows nothing of weather): process groups and batch arithmetic,
-autograd-aware collectives, sequence (all-to-all, halos), tensor (column/row linears), graph
-(destination-node sharding), gradient reduction and compression, communication accounting."""
+"""Parallel building blocks (knows nothing of weather): the layout and its process groups, shard
+context (:class:`SequenceShard`, :class:`GraphShardPlan`), anemoi-named autograd collectives,
+sequence parallelism (halos, head all-to-all), tensor-parallel linears, gradient reduction and
+PowerSGD compression, communication accounting. Everything else stays in its module
+(e.g. :mod:`stormshard.parallel.anemoi_compat` for anemoi's edge-sorting helpers)."""
 
 from __future__ import annotations
 
-from stormshard.parallel.comm import (  # noqa: F401
-    all_gather_along,
-    all_reduce_sum,
+from stormshard.parallel.comm import (
     copy_tensor,
     gather_tensor,
-    reduce_scatter_along,
     reduce_shard_tensor,
     reduce_tensor,
     shard_tensor,
-    split_along,
     sync_tensor,
 )
-from stormshard.parallel.compression import (  # noqa: F401
-    CompressionPlan,
-    MatrixEntry,
-    PowerSGDCompressor,
-    PowerSGDConfig,
-    PowerSGDHookState,
-    StepBytes,
-    exact_allreduce_gradients,
-    powersgd_ddp_hook,
-    register_powersgd_hook,
-)
-from stormshard.parallel.counter import (  # noqa: F401
-    CommCounter,
-    CommRecord,
-    record_communication,
-)
-from stormshard.parallel.grads import (  # noqa: F401
-    clip_grad_norm_,
-    grad_norm,
-    partitioned_parameters,
-    reduce_model_parallel_gradients,
-    register_model_parallel_grad_hooks,
-    replicated_parameters,
-)
-from stormshard.parallel.graph import (  # noqa: F401
-    GraphShardPlan,
-    destination_chunks,
-    exchange_halo,
-    get_k_hop_edges,
-    sort_edges_1hop_chunks,
-    sort_edges_1hop_sharding,
-)
-from stormshard.parallel.partition import (  # noqa: F401
-    Partition,
-    full_shape,
-    get_partition,
-    set_partition,
-)
-from stormshard.parallel.random import (  # noqa: F401
-    REPLICATED_REGION,
-    TENSOR_PARALLEL_REGION,
-    RNGStatesTracker,
-    TrackedDropout,
-    tensor_parallel_rng_tracker,
-)
-from stormshard.parallel.sequence import (  # noqa: F401
-    DEFAULT_HALO_METHOD,
-    HaloMethod,
+from stormshard.parallel.compression import PowerSGDCompressor, PowerSGDConfig, register_powersgd_hook
+from stormshard.parallel.counter import CommCounter
+from stormshard.parallel.grads import clip_grad_norm_, reduce_model_parallel_gradients
+from stormshard.parallel.graph import GraphShardPlan
+from stormshard.parallel.random import TrackedDropout, tensor_parallel_rng_tracker
+from stormshard.parallel.sequence import (
     HaloPlan,
     add_halos,
     halo_exchange,
@@ -71,36 +27,15 @@ from stormshard.parallel.sequence import (  # noqa: F401
     shard_heads,
     shard_sequence,
 )
-from stormshard.parallel.shapes import (  # noqa: F401
-    balanced_offsets,
-    balanced_sizes,
-    change_channels_in_shape,
-    get_memory_format,
-    get_shape_shards,
-    group_rank,
-    group_size,
-    sizes_along,
-)
-from stormshard.parallel.te_backend import (  # noqa: F401
-    LocalLinear,
-    resolve_use_te,
-    transformer_engine_available,
-)
-from stormshard.parallel.tensor import (  # noqa: F401
+from stormshard.parallel.shapes import balanced_sizes, get_shape_shards
+from stormshard.parallel.shard import SequenceShard, check_shard_sizes
+from stormshard.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
-    divide,
     full_state_dict,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region,
-    gather_partition,
     load_full_state_dict,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_parallel_region,
-    slice_partition,
 )
-from stormshard.parallel.topology import (  # noqa: F401
-    BatchPlan,
+from stormshard.parallel.topology import (
     LayoutError,
     ParallelLayout,
     ProcessGroups,
@@ -109,83 +44,11 @@ from stormshard.parallel.topology import (  # noqa: F401
 )
 
 __all__ = [
-    "shard_tensor",
-    "gather_tensor",
-    "reduce_tensor",
-    "copy_tensor",
-    "sync_tensor",
-    "reduce_shard_tensor",
-    "split_along",
-    "all_gather_along",
-    "all_reduce_sum",
-    "reduce_scatter_along",
-    "balanced_sizes",
-    "balanced_offsets",
-    "get_shape_shards",
-    "change_channels_in_shape",
-    "get_memory_format",
-    "sizes_along",
-    "group_size",
-    "group_rank",
-    "CommCounter",
-    "CommRecord",
-    "record_communication",
-    "Partition",
-    "set_partition",
-    "get_partition",
-    "full_shape",
-    "LayoutError",
-    "ParallelLayout",
-    "BatchPlan",
-    "batch_arithmetic",
-    "ProcessGroups",
-    "build_process_groups",
-    "shard_heads",
-    "shard_sequence",
-    "HaloPlan",
-    "halo_exchange",
-    "add_halos",
-    "remove_halos",
-    "HaloMethod",
-    "DEFAULT_HALO_METHOD",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "scatter_to_tensor_parallel_region",
-    "gather_from_tensor_parallel_region",
-    "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
-    "divide",
-    "slice_partition",
-    "gather_partition",
-    "full_state_dict",
-    "load_full_state_dict",
-    "RNGStatesTracker",
-    "TrackedDropout",
-    "tensor_parallel_rng_tracker",
-    "TENSOR_PARALLEL_REGION",
-    "REPLICATED_REGION",
-    "replicated_parameters",
-    "partitioned_parameters",
-    "reduce_model_parallel_gradients",
-    "register_model_parallel_grad_hooks",
-    "grad_norm",
-    "clip_grad_norm_",
-    "get_k_hop_edges",
-    "sort_edges_1hop_chunks",
-    "sort_edges_1hop_sharding",
-    "GraphShardPlan",
-    "exchange_halo",
-    "destination_chunks",
-    "PowerSGDConfig",
-    "PowerSGDCompressor",
-    "CompressionPlan",
-    "MatrixEntry",
-    "StepBytes",
-    "exact_allreduce_gradients",
-    "PowerSGDHookState",
-    "powersgd_ddp_hook",
-    "register_powersgd_hook",
-    "transformer_engine_available",
-    "resolve_use_te",
-    "LocalLinear",
+    "ParallelLayout", "LayoutError", "ProcessGroups", "build_process_groups", "batch_arithmetic",
+    "SequenceShard", "check_shard_sizes", "balanced_sizes", "get_shape_shards", "shard_tensor",
+    "gather_tensor", "reduce_tensor", "copy_tensor", "sync_tensor", "reduce_shard_tensor", "shard_heads",
+    "shard_sequence", "add_halos", "remove_halos", "halo_exchange", "HaloPlan", "ColumnParallelLinear",
+    "RowParallelLinear", "full_state_dict", "load_full_state_dict", "tensor_parallel_rng_tracker",
+    "TrackedDropout", "GraphShardPlan", "reduce_model_parallel_gradients", "clip_grad_norm_",
+    "PowerSGDConfig", "PowerSGDCompressor", "register_powersgd_hook", "CommCounter",
 ]

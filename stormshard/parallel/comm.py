@@ -36,6 +36,7 @@ from torch import Tensor
 
 from stormshard.parallel.counter import record_communication
 from stormshard.parallel.shapes import group_rank, group_size, sizes_along
+from stormshard.parallel.shard import check_shard_sizes
 
 # torch >= 2.13 renames the fixed-size collectives; older releases only have the *_tensor names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,23 +63,13 @@ ProcessGroup = dist.ProcessGroup
 # --------------------------------------------------------------------------------------------
 
 
-def _check_sizes(sizes: list[int], group: ProcessGroup | None) -> None:
-    world = group_size(group)
-    if len(sizes) != world:
-        raise ValueError(
-            f"shapes lists {len(sizes)} shards but the process group has {world} ranks: "
-            "pass one shard shape per rank, in group-rank order (see get_shape_shards)"
-        )
-
-
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
 def split_along(x: Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup | None) -> Tensor:
     """This rank's slice of the full tensor ``x`` along ``dim``; no communication."""
-    sizes = list(sizes)
-    _check_sizes(sizes, group)
+    sizes = list(check_shard_sizes(sizes, group, "shapes"))
     if x.shape[dim] != sum(sizes):
         raise ValueError(
             f"cannot split dimension {dim} of length {x.shape[dim]} into shards {sizes} "
@@ -94,8 +85,7 @@ def all_gather_along(x: Tensor, dim: int, sizes: Sequence[int], group: ProcessGr
 
     Communicates: each rank's shard (padded to the largest) to every other rank.
     """
-    sizes = list(sizes)
-    _check_sizes(sizes, group)
+    sizes = list(check_shard_sizes(sizes, group, "shapes"))
     world, rank = len(sizes), group_rank(group)
     if world == 1:
         return x
@@ -136,8 +126,7 @@ def reduce_scatter_along(x: Tensor, dim: int, sizes: Sequence[int], group: Proce
 
     Communicates: a reduce-scatter of ``x`` with every shard padded to the largest one.
     """
-    sizes = list(sizes)
-    _check_sizes(sizes, group)
+    sizes = list(check_shard_sizes(sizes, group, "shapes"))
     world, rank = len(sizes), group_rank(group)
     if world == 1:
         return x
@@ -258,9 +247,7 @@ class _ReduceShardParallelSection(torch.autograd.Function):
 
 
 def _sizes(shapes: Sequence, dim: int, input_: Tensor, mgroup: ProcessGroup | None) -> list[int]:
-    sizes = sizes_along(shapes, dim % input_.dim())
-    _check_sizes(sizes, mgroup)
-    return sizes
+    return list(check_shard_sizes(sizes_along(shapes, dim % input_.dim()), mgroup, "shapes"))
 
 
 def shard_tensor(

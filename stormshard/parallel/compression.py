@@ -69,7 +69,11 @@ ParamsArg = Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]]
 
 @dataclass(frozen=True)
 class PowerSGDConfig:
-    """Settings of :class:`PowerSGDCompressor`; validated on construction.
+    """Settings of :class:`PowerSGDCompressor`; validated on construction (a wrong type is a
+    ``TypeError``, a bad value a ``ValueError``, each naming the field).
+
+    The one PowerSGD schema: an experiment config's ``compression`` section,
+    ``{"type": "powersgd", <these fields>}``, is parsed into this class and handed to the engines as is.
 
     - ``rank``: rank ``r`` of the approximation ``P Q^T`` (capped at ``min(rows, cols)``);
     - ``start_iter``: steps ``0 .. start_iter - 1`` use exact all-reduce (0: compress from the start);

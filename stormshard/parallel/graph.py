@@ -4,20 +4,18 @@ Conventions: ``edge_index`` is a ``(2, num_edges)`` integer tensor, row 0 the so
 row 1 the destination node of every edge; ``edge_attr`` is ``(num_edges, channels)``; node
 features are ``(num_nodes, channels...)`` with the node dimension first.
 
-Two parts:
-
-- anemoi's edge-sorting API (``get_k_hop_edges``, ``sort_edges_1hop_chunks``,
-  ``sort_edges_1hop_sharding``) with anemoi's documented arguments and returns;
-- :class:`GraphShardPlan`: the plan for sharding a (directed, possibly bipartite) graph by
-  destination nodes. Each rank of a group owns a balanced contiguous slice of the destination
-  nodes and of the source nodes (``balanced_sizes``, the way the model shards node features), the
-  edges into its destination nodes, and receives through one ``all_to_all_single`` with uneven
-  splits exactly the remote source rows those edges read (its *halo*), not an all-gather of the
-  whole source set. The backward pass sends the halo gradients back to their owners, which add
-  them to their own rows.
+:class:`GraphShardPlan` is the plan for sharding a (directed, possibly bipartite) graph by
+destination nodes. Each rank of a group owns a balanced contiguous slice of the destination
+nodes and of the source nodes (``balanced_sizes``, the way the model shards node features), the
+edges into its destination nodes, and receives through one ``all_to_all_single`` with uneven
+splits exactly the remote source rows those edges read (its *halo*), not an all-gather of the
+whole source set. The backward pass sends the halo gradients back to their owners, which add
+them to their own rows. One process is the one-rank case of the same plan (``group`` None).
 
 The plan is computed once per graph and layout, on every rank, from the full ``edge_index``;
-every rank derives every other rank's needs itself, so building it needs no communication.
+every rank derives every other rank's needs itself, so building it needs no communication. It
+holds its process group, so layers receive it once, at construction, and their ``forward`` takes
+tensors only. anemoi's edge-sorting helpers live in :mod:`stormshard.parallel.anemoi_compat`.
 """
 
 from __future__ import annotations
@@ -29,19 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch_geometric.typing import SparseTensor
-from torch_geometric.utils import k_hop_subgraph
 
 from stormshard.parallel.counter import record_communication
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
 
-__all__ = [
-    "get_k_hop_edges",
-    "sort_edges_1hop_chunks",
-    "sort_edges_1hop_sharding",
-    "GraphShardPlan",
-    "exchange_halo",
-    "destination_chunks",
-]
+__all__ = ["GraphShardPlan", "destination_chunks"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -121,33 +111,8 @@ def _bucket(ids: Tensor, sizes: Sequence[int]) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# anemoi's API
+# destination chunks
 # --------------------------------------------------------------------------------------------
-
-
-def get_k_hop_edges(
-    nodes: Tensor, edge_attr: Tensor, edge_index: Tensor, num_hops: int = 1
-) -> tuple[Tensor, Tensor]:
-    """The edges of the ``num_hops``-hop neighbourhood pointing towards the destination ``nodes``.
-
-    With ``num_hops=1``: every edge whose destination is in ``nodes``, in edge_index order. With
-    more hops, torch-geometric's directed ``k_hop_subgraph`` semantics (flow source -> target).
-
-    Returns ``(edge_index_k (2, E_k), edge_attr_k (E_k, ...))`` as documented by anemoi
-    (anemoi's code returns the two the other way round).
-    """
-    edge_index = _check_edge_index(edge_index)
-    _check_edge_attr(edge_attr, edge_index)
-    if not isinstance(num_hops, int) or num_hops < 1:
-        raise ValueError(f"num_hops must be a positive int, got {num_hops!r}")
-    nodes = torch.as_tensor(nodes, dtype=edge_index.dtype, device=edge_index.device)
-    if nodes.numel() == 0 or edge_index.shape[1] == 0:
-        keep = torch.zeros(edge_index.shape[1], dtype=torch.bool, device=edge_index.device)
-    else:
-        num_nodes = int(max(edge_index.max(), nodes.max())) + 1
-        _, _, _, keep = k_hop_subgraph(nodes, num_hops, edge_index, num_nodes=num_nodes, directed=True)
-    ids = keep.nonzero().flatten()
-    return edge_index[:, ids], edge_attr[ids]
 
 
 def _chunk_edge_ids(dst: Tensor, num_dst: int, num_chunks: int) -> list[Tensor]:
@@ -156,48 +121,6 @@ def _chunk_edge_ids(dst: Tensor, num_dst: int, num_chunks: int) -> list[Tensor]:
     order = torch.sort(chunk, stable=True).indices
     counts = torch.bincount(chunk, minlength=num_chunks).tolist()
     return list(order.split(counts))
-
-
-def sort_edges_1hop_chunks(
-    num_nodes: int | tuple[int, int], edge_attr: Tensor, edge_index: Tensor, num_chunks: int
-) -> tuple[list[Tensor], list[Tensor]]:
-    """Split the edges into ``num_chunks`` 1-hop neighbourhoods of balanced destination-node chunks.
-
-    ``num_nodes`` is the number of nodes, or ``(num_source, num_destination)`` for a bipartite
-    graph; chunk ``c`` holds every edge into the ``c``-th of ``balanced_sizes(num_destination,
-    num_chunks)`` contiguous destination ranges, in edge_index order (global node ids kept).
-
-    Returns ``(edge_attr chunks, edge_index chunks)``, two lists of ``num_chunks`` tensors.
-    """
-    edge_index = _check_edge_index(edge_index)
-    _check_edge_attr(edge_attr, edge_index)
-    num_src, num_dst = _split_num_nodes(num_nodes)
-    if not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    _check_node_range(edge_index, num_dst if num_src is None else num_src, num_dst)
-    ids = _chunk_edge_ids(edge_index[1], num_dst, num_chunks)
-    return [edge_attr[i] for i in ids], [edge_index[:, i] for i in ids]
-
-
-def sort_edges_1hop_sharding(
-    num_nodes: int | tuple[int, int],
-    edge_attr: Tensor,
-    edge_index: Tensor,
-    mgroup: ProcessGroup | None = None,
-) -> tuple[Tensor, Tensor, list, list]:
-    """Reorder the edges so that rank ``r``'s 1-hop neighbourhood (edges into its destination
-    slice) is the ``r``-th contiguous block, for ``shard_tensor`` along the edge dimension.
-
-    Returns ``(edge_index (2, E), edge_attr (E, ...), edge_index shapes, edge_attr shapes)`` as
-    anemoi documents it (anemoi's code returns attributes first); with ``mgroup`` None the inputs
-    come back unchanged with two empty shape lists.
-    """
-    if mgroup is None:
-        return edge_index, edge_attr, [], []
-    attr_chunks, index_chunks = sort_edges_1hop_chunks(num_nodes, edge_attr, edge_index, group_size(mgroup))
-    index_shapes = [list(c.shape) for c in index_chunks]
-    attr_shapes = [list(c.shape) for c in attr_chunks]
-    return torch.cat(index_chunks, dim=1), torch.cat(attr_chunks, dim=0), index_shapes, attr_shapes
 
 
 def destination_chunks(edge_index: Tensor, num_dst: int, num_chunks: int) -> list[tuple[int, int, Tensor]]:
@@ -246,7 +169,12 @@ class _HaloAllToAll(torch.autograd.Function):
 
 @dataclass(frozen=True, eq=False)
 class GraphShardPlan:
-    """Destination-node sharding of one graph over one group layout (computed once, then reused).
+    """Destination-node sharding of one graph over one process group (computed once, then reused).
+
+    ``group`` is the group the plan was built for (:meth:`build`); None for one process, and for
+    plans of another rank built with :meth:`for_rank` to inspect a layout (those cannot exchange
+    halos when ``world > 1``). The layers take the plan once, at construction: it binds both their
+    edge index and their group.
 
     Node slices: rank ``r`` owns source rows ``[src_offsets[r], src_offsets[r] + src_sizes[r])``
     and destination rows likewise (``balanced_sizes``). Local tensors:
@@ -278,6 +206,15 @@ class GraphShardPlan:
     halo_ids: Tensor
     edges_per_rank: tuple[int, ...]
     halo_per_rank: tuple[int, ...]
+    group: ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.group is not None and (group_size(self.group) != self.world or group_rank(self.group) != self.rank):
+            raise ValueError(
+                f"GraphShardPlan.group is rank {group_rank(self.group)} of {group_size(self.group)} but the plan "
+                f"describes rank {self.rank} of {self.world}: build it with GraphShardPlan.build(edge_index, "
+                "num_nodes, group), or use for_rank(...) without a group to inspect another rank"
+            )
 
     # ----------------------------------------------------------------------------------------
     # construction
@@ -290,18 +227,24 @@ class GraphShardPlan:
         num_nodes: int | tuple[int, int],
         group: ProcessGroup | None = None,
     ) -> GraphShardPlan:
-        """The plan for this rank of ``group`` (None: one rank holding everything).
+        """The plan for this rank of ``group``, holding ``group`` (None: one rank holding everything).
 
         ``num_nodes``: the node count of a graph on one node set (processor), or
         ``(num_source, num_destination)`` for a bipartite graph (encoder, decoder).
         """
-        return cls.for_rank(edge_index, num_nodes, group_size(group), group_rank(group))
+        plan = cls.for_rank(edge_index, num_nodes, group_size(group), group_rank(group))
+        return replace(plan, group=group)
 
     @classmethod
     def for_rank(
         cls, edge_index: Tensor, num_nodes: int | tuple[int, int], world: int, rank: int
     ) -> GraphShardPlan:
-        """The plan of rank ``rank`` of a ``world``-rank layout (no process group needed)."""
+        """The plan of rank ``rank`` of a ``world``-rank layout, without a process group.
+
+        For inspecting any rank's share of a layout (tests, benchmarks, reference plans); such a
+        plan slices tensors and reports sizes, but only a one-rank plan can also run the layers
+        (:meth:`exchange_halo` needs the group, from :meth:`build`, when ``world > 1``).
+        """
         edge_index = _check_edge_index(edge_index).long()
         num_src, num_dst = _split_num_nodes(num_nodes)
         num_src = num_dst if num_src is None else num_src
@@ -417,31 +360,27 @@ class GraphShardPlan:
     # communication
     # ----------------------------------------------------------------------------------------
 
-    def exchange_halo(self, x_src: Tensor, group: ProcessGroup | None) -> Tensor:
+    def exchange_halo(self, x_src: Tensor) -> Tensor:
         """``(num_src_local + num_halo, ...)``: this rank's source rows followed by its halo.
 
-        ``x_src`` is ``(num_src_local, ...)``. Communicates one ``all_to_all_single`` with uneven
-        splits (only the rows other ranks' edges read); its backward returns the halo gradients
-        to their owners, where they are added to the local rows' gradients.
+        ``x_src`` is ``(num_src_local, ...)``. Communicates over the plan's group one
+        ``all_to_all_single`` with uneven splits (only the rows other ranks' edges read); its
+        backward returns the halo gradients to their owners, where they are added to the local
+        rows' gradients. Nothing is communicated when no rank of the layout needs a halo.
         """
         if x_src.shape[0] != self.num_src_local:
             raise ValueError(
                 f"x_src has {x_src.shape[0]} rows but rank {self.rank} owns {self.num_src_local} source "
                 f"nodes in this plan (sizes {list(self.src_sizes)}): pass this rank's slice (plan.shard_src)"
             )
-        world = group_size(group)
-        if world != self.world or group_rank(group) != self.rank:
+        if self.group is None and self.world > 1:
             raise ValueError(
-                f"the plan was built for rank {self.rank} of {self.world} but the group gives rank "
-                f"{group_rank(group)} of {world}: build the plan with this group (GraphShardPlan.build)"
+                f"this plan (rank {self.rank} of {self.world}) has no process group, so it cannot exchange "
+                "halos: it was built with for_rank; build it with GraphShardPlan.build(edge_index, "
+                "num_nodes, group)"
             )
         if sum(self.halo_per_rank) == 0:  # every rank knows this, so all skip the collective together
             return x_src
         rows = x_src.index_select(0, self.send_index.to(x_src.device))
-        halo = _HaloAllToAll.apply(rows, list(self.send_splits), list(self.recv_splits), group)
+        halo = _HaloAllToAll.apply(rows, list(self.send_splits), list(self.recv_splits), self.group)
         return torch.cat([x_src, halo], dim=0)
-
-
-def exchange_halo(x_src: Tensor, plan: GraphShardPlan | None, group: ProcessGroup | None) -> Tensor:
-    """``plan.exchange_halo(x_src, group)``; ``x_src`` unchanged when ``plan`` is None."""
-    return x_src if plan is None else plan.exchange_halo(x_src, group)

@@ -35,6 +35,7 @@ from torch import Tensor
 from stormshard.parallel.comm import all_gather_along
 from stormshard.parallel.counter import record_communication
 from stormshard.parallel.shapes import balanced_offsets, group_rank, group_size, sizes_along
+from stormshard.parallel.shard import check_shard_sizes
 
 __all__ = [
     "shard_heads",
@@ -54,20 +55,6 @@ DEFAULT_HALO_METHOD: HaloMethod = "all_to_all"
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _seq_sizes(shapes: Sequence, group: ProcessGroup | None, what: str) -> list[int]:
-    """Per-rank sequence lengths from ``shapes`` (shapes with seq at -2, or plain lengths)."""
-    sizes = sizes_along(shapes, -2)
-    world = group_size(group)
-    if len(sizes) != world:
-        raise ValueError(
-            f"{what}: shapes lists {len(sizes)} shards but the process group has {world} ranks; "
-            "pass one shard shape (or sequence length) per rank, in group-rank order"
-        )
-    if any(s < 0 for s in sizes):
-        raise ValueError(f"{what}: shard sequence lengths must be non-negative, got {sizes}")
-    return sizes
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +120,7 @@ def shard_heads(input_: Tensor, shapes: Sequence, mgroup: ProcessGroup | None) -
     """
     if group_size(mgroup) == 1:
         return input_
-    sizes = _seq_sizes(shapes, mgroup, "shard_heads")
+    sizes = list(check_shard_sizes(sizes_along(shapes, -2), mgroup, "shard_heads: shapes"))
     world, rank = len(sizes), group_rank(mgroup)
     if input_.dim() != 4:
         raise ValueError(f"shard_heads: input must be (batch, heads, seq_local, dim), got shape {tuple(input_.shape)}")
@@ -158,7 +145,7 @@ def shard_sequence(input_: Tensor, shapes: Sequence, mgroup: ProcessGroup | None
     """
     if group_size(mgroup) == 1:
         return input_
-    sizes = _seq_sizes(shapes, mgroup, "shard_sequence")
+    sizes = list(check_shard_sizes(sizes_along(shapes, -2), mgroup, "shard_sequence: shapes"))
     if input_.dim() != 4:
         raise ValueError(
             f"shard_sequence: input must be (batch, heads_local, seq, dim), got shape {tuple(input_.shape)}"
@@ -185,7 +172,7 @@ class HaloPlan:
     in rank order). ``offset`` is the global position of the first local row.
     """
 
-    shard_sizes: tuple[int, ...]
+    sizes: tuple[int, ...]
     rank: int
     halo_size: int
     offset: int
@@ -196,8 +183,8 @@ class HaloPlan:
     recv_counts: tuple[int, ...]
 
     @classmethod
-    def build(cls, shard_sizes: Sequence[int], rank: int, halo_size: int) -> HaloPlan:
-        sizes = [int(s) for s in shard_sizes]
+    def build(cls, sizes: Sequence[int], rank: int, halo_size: int) -> HaloPlan:
+        sizes = [int(s) for s in sizes]
         if not 0 <= rank < len(sizes):
             raise ValueError(f"rank {rank} is outside the {len(sizes)} shards {sizes}")
         if not isinstance(halo_size, int) or isinstance(halo_size, bool) or halo_size < 0:
@@ -228,7 +215,7 @@ class HaloPlan:
 
     @property
     def local_size(self) -> int:
-        return self.shard_sizes[self.rank]
+        return self.sizes[self.rank]
 
     @property
     def hops(self) -> int:
@@ -304,8 +291,8 @@ def _gather_lengths(x: Tensor, dim: int, group: ProcessGroup | None) -> list[int
 def add_halos(
     x: Tensor,
     halo_size: int,
-    mgroup: ProcessGroup | None,
-    shard_sizes: Sequence[int] | None = None,
+    group: ProcessGroup | None,
+    sizes: Sequence[int] | None = None,
     *,
     dim: int = -2,
     method: HaloMethod = DEFAULT_HALO_METHOD,
@@ -313,7 +300,7 @@ def add_halos(
     """The local shard with up to ``halo_size`` neighbouring rows on each side, and the plan used.
 
     ``x``: the local shard, sequence along ``dim`` (``(batch, seq_local, channels)`` or
-    ``(batch, heads, seq_local, dim)``). ``shard_sizes``: every rank's local length in rank order
+    ``(batch, heads, seq_local, dim)``). ``sizes``: every rank's local length in rank order
     (gathered with a tiny all-gather when None). Returns ``(x_with_halos, plan)``; the first local
     row of ``x_with_halos`` is ``plan.left``. Communicates: the halo rows, from every rank that
     owns part of them (one exchange). Backward: halo gradients go back to their owners and are added.
@@ -323,36 +310,31 @@ def add_halos(
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
     dim = dim % x.dim()
-    world, rank = group_size(mgroup), group_rank(mgroup)
-    if shard_sizes is None:
-        shard_sizes = [x.shape[dim]] if world == 1 else _gather_lengths(x, dim, mgroup)
-    sizes = [int(s) for s in shard_sizes]
-    if len(sizes) != world:
-        raise ValueError(
-            f"shard_sizes lists {len(sizes)} shards {sizes} but the process group has {world} ranks; "
-            "pass every rank's local sequence length in rank order"
-        )
+    world, rank = group_size(group), group_rank(group)
+    if sizes is None:
+        sizes = [x.shape[dim]] if world == 1 else _gather_lengths(x, dim, group)
+    sizes = list(check_shard_sizes(sizes, group, "sizes"))
     if sizes[rank] != x.shape[dim]:
         raise ValueError(
-            f"rank {rank} holds {x.shape[dim]} rows along dim {dim} but shard_sizes {sizes} say {sizes[rank]}"
+            f"rank {rank} holds {x.shape[dim]} rows along dim {dim} but sizes {sizes} say {sizes[rank]}"
         )
     plan = HaloPlan.build(sizes, rank, halo_size)
     if world == 1 or (plan.left == 0 and plan.right == 0 and not any(plan.send_counts)):
         return x, plan
-    return _HaloExchange.apply(x, plan, dim, mgroup, method), plan
+    return _HaloExchange.apply(x, plan, dim, group, method), plan
 
 
 def halo_exchange(
     x: Tensor,
     halo_size: int,
-    mgroup: ProcessGroup | None,
-    shard_sizes: Sequence[int] | None = None,
+    group: ProcessGroup | None,
+    sizes: Sequence[int] | None = None,
     *,
     dim: int = -2,
     method: HaloMethod = DEFAULT_HALO_METHOD,
 ) -> Tensor:
     """:func:`add_halos` without the plan: the local shard with ``halo_size`` neighbour rows on each side."""
-    return add_halos(x, halo_size, mgroup, shard_sizes, dim=dim, method=method)[0]
+    return add_halos(x, halo_size, group, sizes, dim=dim, method=method)[0]
 
 
 def remove_halos(x: Tensor, plan: HaloPlan, *, dim: int = -2) -> Tensor:

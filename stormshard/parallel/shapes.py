@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -18,7 +17,6 @@ __all__ = [
     "balanced_offsets",
     "get_shape_shards",
     "change_channels_in_shape",
-    "get_memory_format",
     "sizes_along",
     "group_size",
     "group_rank",
@@ -88,20 +86,6 @@ def get_shape_shards(tensor: Tensor, dim: int, model_comm_group: ProcessGroup | 
 def change_channels_in_shape(shape_list: list[list[int]], channels: int) -> list[list[int]]:
     """Copy of ``shape_list`` with the last (channel) dimension of every shape set to ``channels``."""
     return [list(shape[:-1]) + [channels] for shape in shape_list] if shape_list else []
-
-
-def get_memory_format(tensor: Tensor) -> torch.memory_format:
-    """Memory format to allocate receive buffers like ``tensor``.
-
-    A contiguous tensor is always ``contiguous_format`` (anemoi reports ``channels_last`` for
-    shapes such as ``(1, 1, n, d)``, which are both, and then builds non-contiguous buffers);
-    only a 4-d tensor that is channels-last and not contiguous is ``channels_last``.
-    """
-    if tensor.is_contiguous():
-        return torch.contiguous_format
-    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    return torch.contiguous_format
 
 
 def sizes_along(shapes: Sequence[Sequence[int]] | Sequence[int], dim: int) -> list[int]:

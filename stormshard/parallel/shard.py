@@ -36,7 +36,7 @@ def check_shard_sizes(sizes: Sequence[int], group: ProcessGroup | None, what: st
     world = group_size(group)
     if len(out) != world:
         raise ValueError(
-            f"{what} lists {len(out)} shards {list(out)} but the process group has {world} ranks: "
+            f"{what} lists {len(out)} shards but the process group has {world} ranks (got {list(out)}): "
             "pass one length per rank, in group-rank order"
         )
     if any(s < 0 for s in out):

@@ -2,8 +2,9 @@
 
 Layouts: inputs are ``(..., seq, channels)``; the sequence is dimension ``-2`` and channels ``-1``.
 A *tensor-parallel region* is a computation whose channels are split over ``group``; a
-*sequence-parallel region* is one whose sequence is split over ``group`` (uneven shards allowed,
-``shard_sizes`` lists every rank's local length in rank order).
+*sequence-parallel region* is one whose sequence is split over ``group`` as a
+:class:`~stormshard.parallel.shard.SequenceShard` describes it (uneven shards allowed), bound to
+the layer at construction.
 
 Region mappings (autograd collectives of :mod:`stormshard.parallel.comm`), forward / backward:
 
@@ -29,7 +30,7 @@ weights of every sequence-sharded layer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,8 @@ from stormshard.parallel.comm import (
     sync_tensor,
 )
 from stormshard.parallel.partition import Partition, get_partition, set_partition
-from stormshard.parallel.shapes import balanced_sizes, group_rank, group_size
+from stormshard.parallel.shapes import group_rank, group_size
+from stormshard.parallel.shard import SequenceShard
 from stormshard.parallel.te_backend import LocalLinear, resolve_use_te
 
 __all__ = [
@@ -103,51 +105,31 @@ def gather_from_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) ->
     return gather_tensor(x, -1, _channel_sizes(x, group), group)
 
 
-def _sequence_sizes(x: Tensor, shard_sizes: Sequence[int] | None, group: ProcessGroup | None) -> list[int]:
-    world, rank = group_size(group), group_rank(group)
+def gather_from_sequence_parallel_region(x: Tensor, shard: SequenceShard) -> Tensor:
+    """All-gather the sequence shards ``x (..., seq_local, C)`` over ``shard.group`` into ``(..., seq, C)``.
+
+    ``x`` must hold this rank's ``shard.local_size`` tokens along dimension -2. Backward
+    reduce-scatters the gradient along the sequence (each rank's full-sequence gradient is a
+    partial sum: it holds only its channel slice's contribution).
+    """
     if x.dim() < 2:
         raise ValueError(f"sequence parallelism needs an input (..., seq, channels), got shape {tuple(x.shape)}")
-    if shard_sizes is None:
-        if world == 1:
-            return [x.shape[SEQ_DIM]]
-        raise ValueError(
-            "shard_sizes is None but the sequence is sharded over a group of "
-            f"{world} ranks: pass every rank's local sequence length, in rank order"
-        )
-    sizes = [int(s) for s in shard_sizes]
-    if len(sizes) != world:
-        raise ValueError(f"shard_sizes has {len(sizes)} entries but the group has {world} ranks: pass one per rank")
-    if sizes[rank] != x.shape[SEQ_DIM]:
-        raise ValueError(
-            f"shard_sizes[{rank}]={sizes[rank]} but this rank's input holds {x.shape[SEQ_DIM]} tokens "
-            f"along the sequence dimension (shape {tuple(x.shape)})"
-        )
-    return sizes
+    shard.check_local(x, SEQ_DIM, "the sequence-parallel input")
+    return sync_tensor(x, SEQ_DIM, shard.sizes, shard.group)
 
 
-def gather_from_sequence_parallel_region(
-    x: Tensor, shard_sizes: Sequence[int] | None, group: ProcessGroup | None
-) -> Tensor:
-    """All-gather the sequence shards ``x (..., seq_local, C)`` into ``(..., seq, C)``.
+def reduce_scatter_to_sequence_parallel_region(x: Tensor, shard: SequenceShard) -> Tensor:
+    """Sum the partial ``x (..., seq, C)`` over ``shard.group`` and keep this rank's sequence shard.
 
-    Backward reduce-scatters the gradient along the sequence (each rank's full-sequence gradient
-    is a partial sum: it holds only its channel slice's contribution).
+    ``x`` holds the whole sequence (``shard.length`` tokens along dimension -2); the result
+    ``(..., shard.local_size, C)``. Backward all-gathers the gradient along the sequence.
     """
-    return sync_tensor(x, SEQ_DIM, _sequence_sizes(x, shard_sizes, group), group)
-
-
-def reduce_scatter_to_sequence_parallel_region(
-    x: Tensor, shard_sizes: Sequence[int] | None, group: ProcessGroup | None
-) -> Tensor:
-    """Sum the partial ``x (..., seq, C)`` over the group and keep this rank's sequence shard.
-
-    ``shard_sizes`` None means balanced shards. Backward all-gathers the gradient along the sequence.
-    """
-    full = x.shape[SEQ_DIM]
-    sizes = balanced_sizes(full, group_size(group)) if shard_sizes is None else [int(s) for s in shard_sizes]
-    if sum(sizes) != full:
-        raise ValueError(f"shard_sizes {sizes} sum to {sum(sizes)} but the sequence has {full} tokens")
-    return reduce_shard_tensor(x, SEQ_DIM, sizes, group)
+    if x.dim() < 2 or x.shape[SEQ_DIM] != shard.length:
+        raise ValueError(
+            f"reduce-scatter input has shape {tuple(x.shape)} but the sequence shard {list(shard.sizes)} sums "
+            f"to {shard.length} tokens along dimension -2"
+        )
+    return reduce_shard_tensor(x, SEQ_DIM, shard.sizes, shard.group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,10 +201,32 @@ def _check_flag(name: str, value: object) -> bool:
     return value
 
 
+def _resolve_group(group: ProcessGroup | None, sequence_shard: SequenceShard | None) -> ProcessGroup | None:
+    """The tensor-parallel group: ``group``, or ``sequence_shard.group`` when ``group`` is None.
+
+    With sequence parallelism the sequence is split over the same ranks as the channels, so the
+    shard must be over ``group`` (checked once, here).
+    """
+    if sequence_shard is not None and not isinstance(sequence_shard, SequenceShard):
+        raise TypeError(f"sequence_shard must be a SequenceShard or None, got {type(sequence_shard).__name__}")
+    if sequence_shard is None:
+        return group
+    if group is None or group is sequence_shard.group:
+        return sequence_shard.group
+    if group_size(group) == 1 and sequence_shard.world == 1:
+        return group
+    raise ValueError(
+        f"sequence_shard is split over a different process group ({sequence_shard.world} ranks) than the "
+        f"tensor-parallel group ({group_size(group)} ranks): build the SequenceShard over the same group, or "
+        "pass group=None to use the shard's"
+    )
+
+
 class _ParallelLinear(nn.Module):
     """Shared set-up: slice a full ``nn.Linear`` along ``split_dim`` of its weight (0 rows, 1 columns)."""
 
     split_dim: int
+    sequence_shard: SequenceShard | None
 
     def _setup(self, full: nn.Linear, group: ProcessGroup | None, use_te: bool | None) -> None:
         self.in_features, self.out_features = full.in_features, full.out_features
@@ -243,6 +247,11 @@ class _ParallelLinear(nn.Module):
         else:
             self.bias = nn.Parameter(full.bias.detach().clone())
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """True when the sequence side of this layer is sharded (``sequence_shard`` given)."""
+        return self.sequence_shard is not None
+
     def to_linear(self) -> nn.Linear:
         """The full ``nn.Linear`` on every rank (all-gathers the weight and bias slices)."""
         weight = gather_partition(self.weight, self.group)
@@ -260,11 +269,13 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """``y = x W^T + b`` with the output features (rows of ``W`` and ``b``) split over ``group``.
 
-    Input ``x (..., seq, in_features)``: replicated over the group, or, with
-    ``sequence_parallel``, this rank's sequence shard (all-gathered along ``seq``; backward
-    reduce-scatters). Output ``(..., seq, out_features / p)``, or ``(..., seq, out_features)``
-    replicated with ``gather_output`` (an all-gather of the channels). Without sequence
-    parallelism the input gradient is all-reduced (``copy_tensor``).
+    Input ``x (..., seq, in_features)``: replicated over the group, or, with a ``sequence_shard``
+    (sequence parallelism, bound at construction), this rank's ``sequence_shard.local_size``
+    tokens, all-gathered along ``seq`` (backward reduce-scatters). Output
+    ``(..., seq, out_features / p)``, or ``(..., seq, out_features)`` replicated with
+    ``gather_output`` (an all-gather of the channels). Without sequence parallelism the input
+    gradient is all-reduced (``copy_tensor``). ``group`` None with a ``sequence_shard`` means the
+    shard's group.
     """
 
     split_dim = 0
@@ -276,7 +287,7 @@ class ColumnParallelLinear(_ParallelLinear):
         bias: bool = True,
         group: ProcessGroup | None = None,
         gather_output: bool = False,
-        sequence_parallel: bool = False,
+        sequence_shard: SequenceShard | None = None,
         *,
         use_te: bool | None = None,
         device: torch.device | str | None = None,
@@ -284,9 +295,10 @@ class ColumnParallelLinear(_ParallelLinear):
     ) -> None:
         super().__init__()
         _check_features("in_features", in_features)
+        group = _resolve_group(group, sequence_shard)
         divide(_check_features("out_features", out_features), group, "out_features")
         self.gather_output = _check_flag("gather_output", gather_output)
-        self.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        self.sequence_shard = sequence_shard
         resolve_use_te(use_te)
         full = nn.Linear(in_features, out_features, bias=_check_flag("bias", bias), device=device, dtype=dtype)
         self._setup(full, group, use_te)
@@ -294,29 +306,26 @@ class ColumnParallelLinear(_ParallelLinear):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, group: ProcessGroup | None = None, gather_output: bool = False,
-        sequence_parallel: bool = False, *, use_te: bool | None = None,
+        sequence_shard: SequenceShard | None = None, *, use_te: bool | None = None,
     ) -> ColumnParallelLinear:
         """This rank's column-parallel slice of the full ``linear`` (no communication)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        group = _resolve_group(group, sequence_shard)
         divide(linear.out_features, group, "out_features")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.gather_output = _check_flag("gather_output", gather_output)
-        layer.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        layer.sequence_shard = sequence_shard
         layer._setup(linear, group, use_te)
         return layer
 
-    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None, *,
-                sequence_parallel: bool | None = None) -> Tensor:
-        """``x (..., seq[_local], in)`` -> ``(..., seq, out/p)`` (or ``out`` with gather_output).
-
-        ``sequence_parallel`` overrides the constructor's setting for this call (None: keep it).
-        """
+    def forward(self, x: Tensor) -> Tensor:
+        """``x (..., seq[_local], in)`` -> ``(..., seq, out/p)`` (or ``out`` with gather_output)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} channels but in_features={self.in_features}")
-        if self.sequence_parallel if sequence_parallel is None else sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, shard_sizes, self.group)
+        if self.sequence_shard is not None:
+            x = gather_from_sequence_parallel_region(x, self.sequence_shard)
         else:
             x = copy_tensor(x, self.group)
         y = self._local(x, self.weight, self.bias)
@@ -330,10 +339,10 @@ class RowParallelLinear(_ParallelLinear):
 
     Input ``x (..., seq, in_features / p)`` (``input_is_parallel``), or replicated
     ``(..., seq, in_features)`` of which this rank keeps its channel slice. The partial products
-    are summed over the group: all-reduced (output replicated ``(..., seq, out)``), or with
-    ``sequence_parallel`` reduce-scattered along ``seq`` (output this rank's shard
-    ``(..., shard_sizes[rank], out)``; ``shard_sizes`` None = balanced). The bias is replicated and
-    added after the sum.
+    are summed over the group: all-reduced (output replicated ``(..., seq, out)``), or with a
+    ``sequence_shard`` (sequence parallelism, bound at construction) reduce-scattered along
+    ``seq`` (output this rank's ``(..., sequence_shard.local_size, out)``). The bias is replicated
+    and added after the sum. ``group`` None with a ``sequence_shard`` means the shard's group.
     """
 
     split_dim = 1
@@ -345,17 +354,18 @@ class RowParallelLinear(_ParallelLinear):
         bias: bool = True,
         group: ProcessGroup | None = None,
         input_is_parallel: bool = True,
-        sequence_parallel: bool = False,
+        sequence_shard: SequenceShard | None = None,
         *,
         use_te: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        group = _resolve_group(group, sequence_shard)
         divide(_check_features("in_features", in_features), group, "in_features")
         _check_features("out_features", out_features)
         self.input_is_parallel = _check_flag("input_is_parallel", input_is_parallel)
-        self.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        self.sequence_shard = sequence_shard
         resolve_use_te(use_te)
         full = nn.Linear(in_features, out_features, bias=_check_flag("bias", bias), device=device, dtype=dtype)
         self._setup(full, group, use_te)
@@ -363,26 +373,22 @@ class RowParallelLinear(_ParallelLinear):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, group: ProcessGroup | None = None, input_is_parallel: bool = True,
-        sequence_parallel: bool = False, *, use_te: bool | None = None,
+        sequence_shard: SequenceShard | None = None, *, use_te: bool | None = None,
     ) -> RowParallelLinear:
         """This rank's row-parallel slice of the full ``linear`` (no communication)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        group = _resolve_group(group, sequence_shard)
         divide(linear.in_features, group, "in_features")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.input_is_parallel = _check_flag("input_is_parallel", input_is_parallel)
-        layer.sequence_parallel = _check_flag("sequence_parallel", sequence_parallel)
+        layer.sequence_shard = sequence_shard
         layer._setup(linear, group, use_te)
         return layer
 
-    def forward(self, x: Tensor, shard_sizes: Sequence[int] | None = None, *,
-                sequence_parallel: bool | None = None) -> Tensor:
-        """``x (..., seq, in/p)`` (or ``in`` if not input_is_parallel) -> ``(..., seq[_local], out)``.
-
-        ``sequence_parallel`` overrides the constructor's setting for this call (None: keep it).
-        """
-        sequence_parallel = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+    def forward(self, x: Tensor) -> Tensor:
+        """``x (..., seq, in/p)`` (or ``in`` if not input_is_parallel) -> ``(..., seq[_local], out)``."""
         expected = self.weight.shape[1] if self.input_is_parallel else self.in_features
         if x.shape[-1] != expected:
             raise ValueError(
@@ -392,8 +398,8 @@ class RowParallelLinear(_ParallelLinear):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
         y = self._local(x, self.weight, None)
-        if sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, shard_sizes, self.group)
+        if self.sequence_shard is not None:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.sequence_shard)
         else:
             y = reduce_tensor(y, self.group)
         if self.bias is not None:

@@ -2,15 +2,23 @@
 
 Sections: ``model`` (:class:`~stormshard.models.config.ModelConfig`), ``graph``
 (:class:`~stormshard.graphs.builder.GraphConfig`; ``data_grid`` null = the dataset's own
-coordinates), ``data``, ``parallel`` (the layout), ``training``, ``engine`` ("deepspeed", "ddp"
-or "local"), ``deepspeed`` (handed to DeepSpeed), ``ddp``, ``compression`` and ``logging``.
-Unknown keys are errors that name them; :func:`load_experiment_config` adds the file name and the
-fix to every message.
+coordinates), ``data``, ``parallel`` (the layout), ``training`` (steps, schedule, micro batch,
+accumulation, clipping), ``optimizer`` (AdamW), ``engine`` ("deepspeed", "ddp" or "local"),
+``deepspeed`` (DeepSpeed's own settings only), ``ddp``, ``compression`` and ``logging``. Unknown keys
+are errors that name them; :func:`load_experiment_config` adds the file name and the fix to every
+message.
+
+One place per knob: micro batch, accumulation, clipping and the optimizer are engine-neutral and
+read by all three engines. Their DeepSpeed spellings in the ``deepspeed`` section are errors naming
+the field to use, except in a DeepSpeed JSON file given with ``--deepspeed_config``
+(:func:`merge_deepspeed_file`): there they are moved to the engine-neutral fields, and a value that
+disagrees with one the experiment config sets is an error.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from stormshard.graphs.builder import GraphConfig, KNNEdges
 from stormshard.models.config import ModelConfig
 from stormshard.parallel.topology import ParallelLayout
-from stormshard.training.engine import EngineSettings, PowerSGDSettings
+from stormshard.training.engine.settings import (
+    MOVED_DEEPSPEED_KEYS,
+    AdamWSettings,
+    CompressionSection,
+    EngineSettings,
+    check_engine_sections,
+)
 from stormshard.training.schedule import LRScheduleSettings
 
 __all__ = [
@@ -32,6 +46,7 @@ __all__ = [
     "ExperimentConfig",
     "ConfigError",
     "load_experiment_config",
+    "merge_deepspeed_file",
 ]
 
 
@@ -109,12 +124,17 @@ class ParallelSection(_Strict):
 
 
 class TrainingSection(_Strict):
+    """Steps, schedule and the engine-neutral batch knobs (every engine reads them)."""
+
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; or give epochs")
     epochs: int | None = Field(None, ge=1)
     rollout: int = Field(1, ge=1, description="autoregressive steps in the loss")
-    lr: float = Field(1e-3, gt=0)
-    lr_min: float = Field(1e-5, ge=0)
-    warmup_steps: int = Field(10, ge=0)
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (end of warm-up)")
+    lr_min: float = Field(1e-5, ge=0, description="floor of the cosine decay; at most lr")
+    warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear warm-up; at most the run's steps")
+    micro_batch_size: int = Field(1, ge=1, strict=True, description="samples per model replica per micro-step")
+    gradient_accumulation_steps: int = Field(1, ge=1, strict=True, description="micro-steps per optimizer step")
+    gradient_clipping: float = Field(0.0, ge=0, description="max global gradient norm; 0 = off")
     validation_interval: int = Field(50, ge=1)
     checkpoint_interval: int = Field(100, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
@@ -126,6 +146,18 @@ class TrainingSection(_Strict):
     def _check(self) -> TrainingSection:
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("training: give exactly one of max_steps and epochs")
+        if not math.isfinite(self.lr):
+            raise ValueError(f"training.lr must be finite, got {self.lr}")
+        if self.lr_min > self.lr:
+            raise ValueError(
+                f"training.lr_min={self.lr_min} is above training.lr={self.lr}: the cosine decays from lr down to "
+                f"lr_min; set training.lr_min to at most {self.lr}"
+            )
+        if self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(
+                f"training.warmup_steps={self.warmup_steps} exceeds training.max_steps={self.max_steps}: warm-up is "
+                f"part of the run; set training.warmup_steps to at most {self.max_steps}"
+            )
         return self
 
 
@@ -153,15 +185,17 @@ class ExperimentConfig(_Strict):
     data: DataSection = DataSection()
     parallel: ParallelSection = ParallelSection()
     training: TrainingSection = TrainingSection(max_steps=100)
+    optimizer: AdamWSettings = AdamWSettings()
     engine: Literal["deepspeed", "ddp", "local"] = "deepspeed"
-    deepspeed: dict[str, Any] = Field(default_factory=lambda: {"train_micro_batch_size_per_gpu": 1})
+    deepspeed: dict[str, Any] = Field(default_factory=dict, description="DeepSpeed's own settings (ZeRO, bf16, ...)")
     ddp: DDPSection = DDPSection()
-    compression: PowerSGDSettings | None = None
+    compression: CompressionSection = None
     model_parallel_grad_reduction: Literal["hooks", "bucketed"] = "hooks"
     logging: LoggingSection = LoggingSection()
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
+        check_engine_sections(self.engine, self.deepspeed, self.compression)
         strategy = self.parallel.shard_strategy
         if (self.parallel.tensor_model_parallel_size or 1) > 1:
             strategy = "tensor"
@@ -196,22 +230,42 @@ class ExperimentConfig(_Strict):
         return max(1, ens // self.parallel.model_parallel_size)
 
     def engine_settings(self, total_steps: int) -> EngineSettings:
-        """The engine's settings: the deepspeed section, DDP knobs, compression and the schedule."""
+        """The engine's settings for a run of ``total_steps`` optimizer steps: the engine-neutral
+        knobs, the optimizer, the schedule, DDP knobs, compression and the DeepSpeed section.
+
+        Raises :class:`ConfigError` when ``training.warmup_steps`` exceeds ``total_steps`` (with
+        ``training.epochs`` the step count is known only once the data is read).
+        """
         t = self.training
-        return EngineSettings(
-            engine=self.engine,
-            deepspeed=self.deepspeed,
-            schedule=LRScheduleSettings(lr=t.lr, lr_min=min(t.lr_min, t.lr), warmup_steps=min(t.warmup_steps, total_steps),
-                                        total_steps=total_steps),
-            bucket_cap_mb=self.ddp.bucket_cap_mb,
-            broadcast_buffers=self.ddp.broadcast_buffers,
-            compression=self.compression,
-            model_parallel_grad_reduction=self.model_parallel_grad_reduction,
-        )
+        if t.warmup_steps > total_steps:
+            given = f"training.max_steps={t.max_steps}" if t.max_steps is not None else \
+                f"training.epochs={t.epochs} of this data"
+            raise ConfigError(
+                f"training.warmup_steps={t.warmup_steps} exceeds the run's {total_steps} optimizer steps ({given}): "
+                f"warm-up is part of the run; set training.warmup_steps to at most {total_steps}"
+            )
+        try:
+            return EngineSettings(
+                engine=self.engine,
+                micro_batch_size=t.micro_batch_size,
+                gradient_accumulation_steps=t.gradient_accumulation_steps,
+                gradient_clipping=t.gradient_clipping,
+                optimizer=self.optimizer,
+                schedule=LRScheduleSettings(lr=t.lr, lr_min=t.lr_min, warmup_steps=t.warmup_steps,
+                                            total_steps=total_steps),
+                deepspeed=self.deepspeed,
+                bucket_cap_mb=self.ddp.bucket_cap_mb,
+                broadcast_buffers=self.ddp.broadcast_buffers,
+                compression=self.compression,
+                model_parallel_grad_reduction=self.model_parallel_grad_reduction,
+            )
+        except ValidationError as err:
+            raise ConfigError(_format_errors(err, "engine settings")) from None
 
     @property
     def micro_batch(self) -> int:
-        return int(self.deepspeed.get("train_micro_batch_size_per_gpu", 1))
+        """Samples per model replica per micro-step (``training.micro_batch_size``)."""
+        return self.training.micro_batch_size
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
@@ -229,28 +283,122 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+def _read_json_object(source: str | os.PathLike, what: str, fix: str, holds: str) -> dict[str, Any]:
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist: {fix}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object with {holds}")
+    return raw
+
+
+# DeepSpeed's AdamW params -> the config field that holds them
+_OPTIMIZER_PARAM_FIELDS = {"lr": "training.lr", "betas": "optimizer.betas", "eps": "optimizer.eps",
+                           "weight_decay": "optimizer.weight_decay"}
+
+
+def _deepspeed_optimizer_moves(opt: Any, source: str) -> list[tuple[str, str, Any]]:
+    """``(deepspeed key, config field, value)`` for a DeepSpeed ``optimizer`` entry (AdamW only)."""
+    if not isinstance(opt, dict):
+        raise ConfigError(f"{source}: optimizer must be an object like {{'type': 'AdamW', 'params': {{...}}}}, "
+                          f"got {opt!r}")
+    params = dict(opt.get("params") or {})
+    kind = str(opt.get("type", "AdamW")).lower()
+    adam_w_mode = params.pop("adam_w_mode", kind == "adamw")
+    if kind not in ("adamw", "adam") or adam_w_mode is not True:
+        raise ConfigError(
+            f"{source}: optimizer {opt!r} is not AdamW: every engine uses AdamW so that they take the same step; "
+            "use type 'AdamW' (its betas, eps and weight_decay go to the config's optimizer section)"
+        )
+    unknown = sorted(set(params) - set(_OPTIMIZER_PARAM_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{source}: optimizer.params {unknown} are not AdamW settings stormshard takes (it builds the "
+            f"optimizer: torch's AdamW on the CPU accelerator, DeepSpeed's fused AdamW on GPUs): remove them; "
+            f"the known ones are {sorted(_OPTIMIZER_PARAM_FIELDS)}"
+        )
+    return [(f"optimizer.params.{k}", _OPTIMIZER_PARAM_FIELDS[k], v) for k, v in params.items()]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b
+
+
+def merge_deepspeed_file(raw: dict[str, Any], deepspeed: dict[str, Any],
+                         source: str = "--deepspeed_config") -> dict[str, Any]:
+    """A copy of the raw config ``raw`` with a DeepSpeed JSON file ``deepspeed`` merged in.
+
+    The rule (``launch/train.py --deepspeed_config FILE``): the file replaces the config's
+    ``deepspeed`` section, except its engine-neutral keys, which move to their fields:
+    ``train_micro_batch_size_per_gpu`` -> ``training.micro_batch_size``,
+    ``gradient_accumulation_steps`` -> ``training.gradient_accumulation_steps``,
+    ``gradient_clipping`` -> ``training.gradient_clipping``, ``optimizer`` (AdamW only) ->
+    ``optimizer.{betas, eps, weight_decay}`` and ``training.lr``. A field the config sets to a
+    different value is a :class:`ConfigError` naming both places; an equal one is fine.
+    ``train_batch_size`` stays in the section (checked against micro batch x accumulation x
+    data-parallel size when the engine is built).
+    """
+    if not isinstance(deepspeed, dict):
+        raise ConfigError(f"{source} must hold a JSON object (a DeepSpeed config), got {type(deepspeed).__name__}")
+    section = dict(deepspeed)
+    moves = [(key, MOVED_DEEPSPEED_KEYS[key][1], section.pop(key))
+             for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+             if key in section]
+    if "optimizer" in section:
+        moves += _deepspeed_optimizer_moves(section.pop("optimizer"), source)
+    out = dict(raw)
+    for key, dotted, value in moves:
+        name, field = dotted.split(".")
+        current = out.get(name)
+        if current is not None and not isinstance(current, dict):
+            raise ConfigError(f"{name} must be an object, got {current!r}")
+        current = dict(current or {})
+        if field in current and not _same(current[field], value):
+            raise ConfigError(
+                f"{source} sets {key}={value!r} but the config sets {dotted}={current[field]!r}: one knob, one "
+                f"place; remove one of them or make them equal"
+            )
+        current[field] = value
+        out[name] = current
+    out["deepspeed"] = section
+    return out
+
+
 def load_experiment_config(
-    source: str | os.PathLike | dict[str, Any], overrides: dict[str, Any] | None = None
+    source: str | os.PathLike | dict[str, Any],
+    overrides: dict[str, Any] | None = None,
+    deepspeed_config: str | os.PathLike | dict[str, Any] | None = None,
 ) -> ExperimentConfig:
-    """Read and validate a config (a JSON path or a dict). ``overrides`` replace top-level sections
-    (e.g. ``{"deepspeed": {...}}`` from ``--deepspeed_config``). Raises :class:`ConfigError`."""
+    """Read and validate a config (a JSON path or a dict). Raises :class:`ConfigError`.
+
+    ``overrides`` replace top-level sections as they are (a ``deepspeed`` override holds DeepSpeed's
+    own keys only). ``deepspeed_config`` (a DeepSpeed JSON file or dict, ``--deepspeed_config``) is
+    merged by :func:`merge_deepspeed_file`: it replaces the ``deepspeed`` section and its batch,
+    clipping and optimizer keys move to the engine-neutral fields.
+    """
     name = "config"
     if isinstance(source, dict):
         raw = dict(source)
     else:
-        path = Path(source)
-        name = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist: pass --config configs/<name>.json")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object with the sections model, graph, data, ...")
+        name = str(Path(source))
+        raw = _read_json_object(source, "config file", "pass --config configs/<name>.json",
+                                "the sections model, graph, data, ...")
     raw.pop("$schema", None)
     raw.pop("description", None)
     raw.update(overrides or {})
+    if deepspeed_config is not None:
+        ds_name = "--deepspeed_config"
+        if not isinstance(deepspeed_config, dict):
+            ds_name = f"--deepspeed_config {Path(deepspeed_config)}"
+            deepspeed_config = _read_json_object(deepspeed_config, "DeepSpeed config", "pass an existing JSON file",
+                                                 "DeepSpeed's settings (zero_optimization, bf16, ...)")
+        raw = merge_deepspeed_file(raw, deepspeed_config, ds_name)
     try:
         return ExperimentConfig(**raw)
     except ValidationError as err:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from stormshard.training.config import ExperimentConfig, load_experiment_config
-from stormshard.training.loop import TrainResult, preflight, train
+from stormshard.training.loop import TrainResult, train
+from stormshard.training.preflight import preflight
 
 __all__ = ["init_distributed", "run_training"]
 
@@ -51,10 +52,11 @@ def init_distributed() -> tuple[int, int]:
 
 def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, resume: bool = False,
                  overrides: dict[str, Any] | None = None) -> TrainResult:
-    """Validate ``config``, start the process group, train, and shut down."""
+    """Validate ``config`` (and, with ``resume``, that ``training.output_dir`` holds a checkpoint),
+    start the process group, train, and shut down."""
     cfg = config if isinstance(config, ExperimentConfig) else load_experiment_config(config, overrides)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    inputs = preflight(cfg, world)  # bad layouts and data fail here, before any process group exists
+    inputs = preflight(cfg, world, resume=resume)  # bad input fails here, before any process group exists
     owns_group = not dist.is_initialized()
     init_distributed()
     try:

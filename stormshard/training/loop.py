@@ -1,12 +1,12 @@
 """The training loop: config -> data, graph, sharded model, engine -> steps, validation, checkpoints.
 
-Per optimizer step and micro-batch, every rank of a model group reads the same samples, but only
-its own slice of the grid (its model slice: no all-gather of the input at all), normalises it,
-runs the sharded model for ``rollout`` autoregressive steps, and computes the loss on its sharded
-output; the loss is reduced over the model group (so it is the same number at every layout).
-Replicas (data-parallel ranks) read different samples. Ensemble models repeat each initial state
-over ``ensemble_size_per_device`` members per model group and gather the members of the ensemble
-group's model groups for the almost-fair CRPS.
+One optimizer step (:meth:`Trainer.train_step`) runs, for each micro-batch: read (every rank of
+a model group gets the same samples, but only its own slice of the grid: no all-gather of the
+input; ``parallel.read_group_size`` readers per model group touch the store, see
+:mod:`stormshard.data.sharded_read`), forward + loss over ``rollout`` autoregressive steps (the
+task, :mod:`stormshard.training.tasks`: deterministic MSE or ensemble CRPS, reduced over the model
+group so it is the same number at every layout), backward, engine step. Replicas (data-parallel
+ranks, or ensemble groups) read different samples.
 """
 
 from __future__ import annotations
@@ -20,35 +20,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from einops import rearrange, repeat
 from torch import Tensor
 
-from stormshard.data.anemoi_layout import AnemoiDataset
-from stormshard.data.dataset import ResumableSampler, WindowedSampleDataset, split_by_dates
+from stormshard.data.dataset import ResumableSampler, WindowedSampleDataset
 from stormshard.data.normalisation import Normaliser
+from stormshard.data.sharded_read import ModelSliceReader, SliceReadPlan
 from stormshard.graphs.builder import load_or_build_graph
 from stormshard.models.registry import build_model
-from stormshard.models.variables import VariableIndex
-from stormshard.parallel.comm import all_reduce_sum, gather_tensor
-from stormshard.parallel.topology import (
-    BatchPlan,
-    ParallelLayout,
-    ProcessGroups,
-    batch_arithmetic,
-    build_process_groups,
-)
+from stormshard.parallel.comm import all_reduce_sum
+from stormshard.parallel.topology import ProcessGroups, build_process_groups
 from stormshard.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stormshard.training.config import ConfigError, ExperimentConfig
-from stormshard.training.engine import EngineSettings, build_engine
-from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
+from stormshard.training.engine import build_engine
 from stormshard.training.metrics_log import MetricsLogger, format_table, rmse_rows
+from stormshard.training.preflight import RESUME_MAY_CHANGE, RunInputs, checkpoint_dir, preflight
+from stormshard.training.tasks import ForecastTask, NoiseKey, build_task
 
-__all__ = ["Trainer", "TrainResult", "RunInputs", "preflight", "train", "RESUME_MAY_CHANGE"]
-
-# config fields a resumed run may change (everything else must equal the checkpoint's)
-RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.validation_interval",
-                     "training.checkpoint_interval", "training.keep_checkpoints", "training.output_dir",
-                     "data.graph_cache", "data.validation_samples", "logging")
+__all__ = ["Trainer", "TrainResult", "train"]
 
 
 @dataclass
@@ -73,70 +61,6 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
-@dataclass(frozen=True)
-class RunInputs:
-    """What :func:`preflight` checked and opened: everything that can fail on bad input."""
-
-    layout: ParallelLayout
-    dataset: AnemoiDataset
-    variables: VariableIndex
-    train_samples: WindowedSampleDataset
-    val_samples: WindowedSampleDataset
-    replicas: int  # independent sample streams (data-parallel replicas or ensemble groups)
-    members_per_model: int  # ensemble members per model group (1 for deterministic models)
-    total_steps: int
-    settings: EngineSettings
-    plan_batch: BatchPlan
-
-
-def preflight(config: ExperimentConfig, world: int) -> RunInputs:
-    """Check the config against the world size and the dataset, before any process group or file
-    is made; raises :class:`ConfigError` / ``LayoutError`` / ``AnemoiLayoutError`` naming the field."""
-    t = config.training
-    layout = config.parallel.layout(world)
-    data_path = Path(config.data.path)
-    if not data_path.exists():
-        raise ConfigError(
-            f"data.path={config.data.path!r} does not exist: generate one with `python -m "
-            "stormshard.data.synthetic --out data/synthetic.zarr` or point to an anemoi-layout dataset"
-        )
-    dataset = AnemoiDataset.open(data_path)
-    try:
-        variables = VariableIndex.build(dataset.variables, config.data.forcing, config.data.diagnostic)
-    except ValueError as exc:
-        raise ConfigError(f"data.forcing / data.diagnostic: {exc}") from None
-    window = dict(multistep_input=config.model.multistep_input, timestep=config.data.timestep, ensemble="each")
-    ranges = {"train": (config.data.train.start, config.data.train.end),
-              "validation": (config.data.validation.start, config.data.validation.end)}
-    try:
-        train_samples = split_by_dates(dataset, {"train": ranges["train"]}, rollout=t.rollout, **window)["train"]
-        val_samples = split_by_dates(dataset, {"validation": ranges["validation"]}, rollout=1, **window)["validation"]
-    except ValueError as exc:
-        raise ConfigError(f"data.train / data.validation / data.timestep: {exc}") from None
-    if config.engine == "local" and layout.data_parallel_size > 1:
-        raise ConfigError(
-            f"engine='local' has no data parallelism but world {world} / gpus_per_model {layout.gpus_per_model} "
-            f"gives {layout.data_parallel_size} replicas: use engine 'deepspeed' or 'ddp', or launch "
-            f"{layout.gpus_per_model} processes"
-        )
-    if config.model.name == "ensemble":
-        replicas, members = layout.num_ensemble_groups, config.parallel.ensemble_size_per_device
-    else:
-        replicas, members = layout.data_parallel_size, 1
-    if len(train_samples) < replicas * config.micro_batch:
-        raise ConfigError(
-            f"data.train holds {len(train_samples)} samples, fewer than one global micro-batch "
-            f"({replicas} replicas x micro batch {config.micro_batch}): widen the date range"
-        )
-    accumulation = config.engine_settings(1).accumulation
-    per_epoch = len(train_samples) // (replicas * config.micro_batch * accumulation)
-    total_steps = t.max_steps if t.max_steps is not None else max(1, per_epoch * t.epochs)
-    settings = config.engine_settings(total_steps)
-    plan_batch = batch_arithmetic(config.micro_batch, world, settings.accumulation, layout.gpus_per_model)
-    return RunInputs(layout, dataset, variables, train_samples, val_samples, replicas, members, total_steps,
-                     settings, plan_batch)
-
-
 class Trainer:
     """Builds everything from an :class:`ExperimentConfig` (validated before any group or file is
     made) and runs the loop. ``torch.distributed`` must be initialised when the world is larger
@@ -145,11 +69,10 @@ class Trainer:
     def __init__(self, config: ExperimentConfig, resume: bool = False, inputs: RunInputs | None = None) -> None:
         self.config, self.resume = config, resume
         world, self.rank = _world()
-        inputs = inputs or preflight(config, world)
+        inputs = inputs or preflight(config, world, resume=resume)
         self.layout, self.dataset, self.variables = inputs.layout, inputs.dataset, inputs.variables
         self.train_samples, self.val_samples = inputs.train_samples, inputs.val_samples
         self.total_steps, self.settings, self.plan_batch = inputs.total_steps, inputs.settings, inputs.plan_batch
-        self.replicas, self.members_per_model = inputs.replicas, inputs.members_per_model
         self.output_dir = Path(config.training.output_dir)
         t = config.training
 
@@ -172,21 +95,15 @@ class Trainer:
                                                             methods=methods, default=config.data.normalisation
                                                             ).to(self.device)
         self.area = self.graph["data"].area_weight[self.plan.data_slice].to(self.device, torch.float32)
-        weights = torch.ones(len(self.variables.output_names), device=self.device)
-        if config.model.name == "ensemble":
-            self.loss_fn = AlmostFairCRPSLoss(weights, alpha=t.crps_alpha)
-        else:
-            self.loss_fn = WeightedMSELoss(weights)
-        self.sampler = ResumableSampler(len(self.train_samples), seed=t.seed, rank=self._replica_rank(),
+        self.task: ForecastTask = build_task(config, self.groups, self.variables, self.area, model, self.dtype)
+        self.replicas = self.task.replicas
+        self.reader = ModelSliceReader(
+            SliceReadPlan(tuple(self.plan.data_sizes), self.layout.read_group_size, self.plan.rank),
+            self.groups.model_group, self.device)
+        self.sampler = ResumableSampler(len(self.train_samples), seed=t.seed, rank=self.task.replica_rank,
                                         world_size=self.replicas)
         self.consumed = 0
         self.logger: MetricsLogger | None = None
-
-    # ------------------------------------------------------------------ layout helpers
-    def _replica_rank(self) -> int:
-        if self.config.model.name == "ensemble":
-            return self.groups.ensemble_data_parallel_rank
-        return self.groups.data_parallel_rank
 
     def _graph(self):  # noqa: ANN202
         cache = Path(self.config.data.graph_cache or self.output_dir / "graph.pt")
@@ -200,9 +117,11 @@ class Trainer:
         return graph
 
     # ------------------------------------------------------------------ data
-    def _read(self, samples: WindowedSampleDataset, indices: list[int]) -> Tensor:
-        """``(batch, time, grid_local, variables)``: this rank's grid slice, normalised."""
-        batch = torch.stack([samples.read(i, cells=self.plan.data_slice) for i in indices])
+    def read_batch(self, samples: WindowedSampleDataset, indices: list[int]) -> Tensor:
+        """``(batch, time, grid_local, variables)``: this rank's grid slice of samples ``indices``,
+        normalised. Every rank of the model group calls it with the same indices (the readers of
+        ``parallel.read_group_size`` hand the other ranks their slices)."""
+        batch = self.reader.read(samples, indices)
         return self.normaliser.normalise(batch.to(self.device, torch.float64)).to(self.dtype)
 
     def _next_indices(self) -> list[int]:
@@ -219,46 +138,23 @@ class Trainer:
             self.consumed += 1
         return out
 
-    # ------------------------------------------------------------------ the model step
-    def _noise(self, batch: int, step: int, micro: int, rollout: int) -> Tensor:
-        gen = torch.Generator(device=self.device)
-        member = self.groups.ensemble_member_rank if self.groups.ensemble_member_group is not None else 0
-        gen.manual_seed(hash((self.config.training.seed, step, micro, rollout, member, self._replica_rank()))
-                        % (2**63))
-        return self.engine.module.sample_noise(batch, generator=gen, dtype=self.dtype)
+    # ------------------------------------------------------------------ the training step
+    def train_step(self, step: int) -> float:
+        """One optimizer step; returns its loss, averaged over micro-batches and replicas."""
+        step_loss = 0.0
+        for micro in range(self.settings.accumulation):
+            batch = self.read_batch(self.train_samples, self._next_indices())   # read
+            loss = self.task.forecast_loss(self.engine, batch, step, micro)       # forward + loss (rollout)
+            self.engine.backward(loss * self.task.loss_scale)                     # backward
+            self.engine.step()                                                    # step (at the boundary)
+            step_loss += float(loss.detach()) / self.settings.accumulation
+        return self._replica_mean(step_loss)
 
-    def forecast_loss(self, batch: Tensor, step: int = 0, micro: int = 0) -> Tensor:
-        """Mean loss over the rollout for a normalised batch ``(batch, time, grid_local, variables)``."""
-        m, v = self.config.model.multistep_input, self.variables
-        x = batch[:, :m][..., v.input_idx]
-        members = self.members_per_model
-        ensemble = self.config.model.name == "ensemble"
-        if ensemble:
-            x = repeat(x, "b t g v -> (b e) t g v", e=members)
-        prog_in = torch.tensor(v.prognostic_in_input, device=x.device)
-        prog_out = torch.tensor(v.prognostic_in_output, device=x.device)
-        total = batch.new_zeros((), dtype=torch.float32)
-        rollout = self.config.training.rollout
-        for r in range(rollout):
-            target = batch[:, m + r][..., v.output_idx].float()
-            if ensemble:
-                pred = self.engine(x, self._noise(x.shape[0], step, micro, r))
-                ens = rearrange(pred.float(), "(b e) g v -> b e g v", e=members)
-                shapes = [list(ens.shape)] * dist.get_world_size(self.groups.ensemble_member_group) \
-                    if self.groups.ensemble_member_group is not None else [list(ens.shape)]
-                ens = gather_tensor(ens, 1, shapes, self.groups.ensemble_member_group)
-                loss = self.loss_fn(ens, target, self.area, self.groups.model_group)
-            else:
-                pred = self.engine(x)
-                loss = self.loss_fn(pred.float(), target, self.area, self.groups.model_group)
-            total = total + loss / rollout
-            if r + 1 < rollout:
-                forcing = batch[:, m + r][..., v.input_idx]
-                if ensemble:
-                    forcing = repeat(forcing, "b g v -> (b e) g v", e=members)
-                nxt = forcing.index_copy(-1, prog_in, pred[..., prog_out].to(forcing.dtype))
-                x = torch.cat([x[:, 1:], nxt.unsqueeze(1)], dim=1)
-        return total
+    def _replica_mean(self, value: float) -> float:
+        if self.replicas == 1 or not dist.is_initialized():
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        return float(all_reduce_sum(t, self.task.replica_group)[0]) / self.replicas
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
@@ -268,16 +164,12 @@ class Trainer:
         self.engine.eval()
         v, m = self.variables, self.config.model.multistep_input
         count = min(self.config.data.validation_samples, len(self.val_samples))
-        mine = list(range(self._replica_rank(), count, self.replicas))
+        mine = list(range(self.task.replica_rank, count, self.replicas))
         n_out = len(v.output_names)
         sums = torch.zeros(2 * n_out + 1, dtype=torch.float64, device=self.device)
         for i in mine:
-            batch = self._read(self.val_samples, [i])
-            x = batch[:, :m][..., v.input_idx]
-            if self.config.model.name == "ensemble":
-                pred = self.engine(x, self._noise(1, -1, i, 0))
-            else:
-                pred = self.engine(x)
+            batch = self.read_batch(self.val_samples, [i])
+            pred = self.task.predict(self.engine, batch, NoiseKey(step=-1, micro=i))
             truth = self.output_normaliser.denormalise(batch[:, m][..., v.output_idx].double())
             model = self.output_normaliser.denormalise(pred.double())
             persist = self.output_normaliser.denormalise(batch[:, m - 1][..., v.output_idx].double())
@@ -305,14 +197,17 @@ class Trainer:
         state = {"engine": self.engine.state_dict(), "data": self.sampler.state_dict(consumed=self.consumed),
                  "step": step}
         world, _ = _world()
-        return save_checkpoint(self.output_dir / "checkpoints", step, state, self._config_dict(), self._layout_dict(),
+        return save_checkpoint(checkpoint_dir(self.config), step, state, self._config_dict(), self._layout_dict(),
                                self.rank, world, model=self.engine.module,
                                keep_last=self.config.training.keep_checkpoints)
 
     def _maybe_resume(self) -> int:
-        directory = self.output_dir / "checkpoints"
-        if not self.resume or latest_checkpoint(directory) is None:
+        if not self.resume:
             return 0
+        directory = checkpoint_dir(self.config)
+        if latest_checkpoint(directory) is None:  # preflight checks this; a checkpoint may vanish since
+            raise ConfigError(f"--resume was given but {directory} holds no checkpoint: remove --resume to start a "
+                              "new run, or point training.output_dir at the run to continue")
         world, _ = _world()
         loaded = load_checkpoint(directory, self.rank, config=self._config_dict(), layout=self._layout_dict(),
                                  world=world, ignore=RESUME_MAY_CHANGE)
@@ -334,6 +229,7 @@ class Trainer:
                 f"{self.plan.num_hidden} nodes; engine {self.config.engine} on {self.device}")
 
     def fit(self) -> TrainResult:
+        """Resume if asked, run the steps with logging, validation and checkpoints, validate at the end."""
         t, lg = self.config.training, self.config.logging
         start = self._maybe_resume()
         result = TrainResult(output_dir=str(self.output_dir))
@@ -348,15 +244,7 @@ class Trainer:
         try:
             for step in range(start, self.total_steps):
                 tic = time.perf_counter()
-                step_loss = 0.0
-                for micro in range(self.settings.accumulation):
-                    batch = self._read(self.train_samples, self._next_indices())
-                    loss = self.forecast_loss(batch, step, micro)
-                    scale = self.config.ensemble_groups_factor if self.config.model.name == "ensemble" else 1
-                    self.engine.backward(loss * scale)
-                    self.engine.step()
-                    step_loss += float(loss.detach()) / self.settings.accumulation
-                mean_loss = self._replica_mean(step_loss)
+                mean_loss = self.train_step(step)
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"the loss became {mean_loss} at step {step}: lower training.lr")
                 result.losses.append(mean_loss)
@@ -381,14 +269,6 @@ class Trainer:
         finally:
             self.logger.close()
         return result
-
-    def _replica_mean(self, value: float) -> float:
-        if self.replicas == 1 or not dist.is_initialized():
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        group = (self.groups.ensemble_data_parallel_group if self.config.model.name == "ensemble"
-                 else self.groups.data_parallel_group)
-        return float(all_reduce_sum(t, group)[0]) / self.replicas
 
 
 def train(config: ExperimentConfig, resume: bool = False, inputs: RunInputs | None = None) -> TrainResult:

@@ -1,0 +1,47 @@
+"""Training engines: DeepSpeed, torch DDP or local, behind one interface.
+
+``build_engine(model, groups, settings)`` wraps ``model`` for the parallel layout of ``groups``:
+
+- gradients of replicated parameters are **summed over the model group** (see
+  :mod:`stormshard.parallel.grads`; ``model_parallel_grad_reduction`` = ``"hooks"`` during backward,
+  or ``"bucketed"``: one flat all-reduce before the optimizer step);
+- then **averaged over the data-parallel group** (size ``world / gpus_per_model``): by DeepSpeed
+  (``mpu=groups``, ZeRO 0-2), by torch DDP (``process_group=groups.data_parallel_group``), or by the
+  PowerSGD compressor (DeepSpeed ZeRO 0 with its backward all-reduce switched off, or a DDP
+  communication hook);
+- then clipped (the norm counts each tensor-parallel slice once), stepped with AdamW and the
+  warm-up + cosine schedule of :mod:`stormshard.training.schedule`.
+
+Every engine follows DeepSpeed's calling convention, once per micro-batch::
+
+    loss = loss_fn(engine(batch))
+    engine.backward(loss)   # scales by 1 / gradient_accumulation_steps
+    engine.step()           # optimizer + scheduler step only at the accumulation boundary
+
+``engine: "local"`` has no data parallelism (world == gpus_per_model): tests and one-process runs.
+
+Modules, one job each: :mod:`.settings` (the engine-neutral settings and their checks),
+:mod:`.base` (the interface), :mod:`.torch_engines` (local and DDP), :mod:`.deepspeed_engine`,
+:mod:`.deepspeed_config` (the generated DeepSpeed config) and :mod:`.build` (``build_engine``).
+"""
+
+from __future__ import annotations
+
+from stormshard.training.engine.base import TrainingEngine
+from stormshard.training.engine.build import build_engine
+from stormshard.training.engine.deepspeed_config import resolve_deepspeed_config
+from stormshard.training.engine.deepspeed_engine import DeepSpeedEngine
+from stormshard.training.engine.settings import AdamWSettings, EngineError, EngineSettings
+from stormshard.training.engine.torch_engines import DDPEngine, LocalEngine
+
+__all__ = [
+    "EngineError",
+    "AdamWSettings",
+    "EngineSettings",
+    "TrainingEngine",
+    "LocalEngine",
+    "DDPEngine",
+    "DeepSpeedEngine",
+    "build_engine",
+    "resolve_deepspeed_config",
+]

@@ -1,0 +1,52 @@
+"""The config handed to ``deepspeed.initialize``, generated from :class:`EngineSettings`.
+
+The ``deepspeed`` section carries only DeepSpeed's own keys; this module writes DeepSpeed's
+spellings of the engine-neutral knobs into a copy of it:
+
+=================================  ==========================================================
+DeepSpeed key                      from
+=================================  ==========================================================
+``train_micro_batch_size_per_gpu``  ``micro_batch_size``
+``gradient_accumulation_steps``     ``gradient_accumulation_steps``
+``gradient_clipping``               ``gradient_clipping``
+``train_batch_size``                micro batch x accumulation x data-parallel size (a value in
+                                    the section must equal it)
+``optimizer``                       ``{"type": "AdamW", "params": {lr, betas, eps, weight_decay}}``
+                                    (``torch_adam: true`` on the CPU accelerator: no JIT build)
+``zero_optimization``               ``{"stage": 0}`` unless the section sets it
+=================================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stormshard.training.engine.settings import EngineError, EngineSettings
+
+__all__ = ["resolve_deepspeed_config"]
+
+
+def resolve_deepspeed_config(settings: EngineSettings, data_parallel_size: int, on_cpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config for ``settings`` at ``data_parallel_size`` replicas (a new dict)."""
+    cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in settings.deepspeed.items()}
+    micro, accumulation = settings.micro_batch_size, settings.accumulation
+    expected = micro * accumulation * data_parallel_size
+    if "train_batch_size" in cfg and cfg["train_batch_size"] != expected:
+        raise EngineError(
+            f"deepspeed.train_batch_size={cfg['train_batch_size']} but micro batch {micro} x accumulation "
+            f"{accumulation} x data-parallel size {data_parallel_size} = {expected}: remove it or set {expected}"
+        )
+    kwargs = settings.adamw_kwargs()
+    params: dict[str, Any] = {"lr": kwargs["lr"], "betas": list(kwargs["betas"]), "eps": kwargs["eps"],
+                              "weight_decay": kwargs["weight_decay"]}
+    if on_cpu:
+        params["torch_adam"] = True
+    cfg.update(
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accumulation,
+        gradient_clipping=settings.clipping,
+        train_batch_size=expected,
+        optimizer={"type": "AdamW", "params": params},
+    )
+    cfg.setdefault("zero_optimization", {"stage": 0})
+    return cfg

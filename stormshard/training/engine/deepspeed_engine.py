@@ -1,0 +1,151 @@
+"""The DeepSpeed engine: ``deepspeed.initialize`` with ``mpu=groups`` (data parallelism = world /
+gpus_per_model, ZeRO 0-2), the config :func:`~stormshard.training.engine.deepspeed_config.resolve_deepspeed_config`
+generates, and stormshard's schedule as its ``lr_scheduler``.
+
+With PowerSGD (ZeRO 0, fp32) DeepSpeed's backward all-reduce is switched off and
+:class:`~stormshard.parallel.compression.PowerSGDCompressor` reduces the gradients over the
+data-parallel group at the accumulation boundary, before DeepSpeed clips and steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from stormshard.parallel.compression import PowerSGDCompressor
+from stormshard.parallel.grads import reduce_model_parallel_gradients
+from stormshard.parallel.shapes import group_size
+from stormshard.parallel.topology import ProcessGroups
+from stormshard.training.engine.base import TrainingEngine, arg_names, check_state_keys
+from stormshard.training.engine.settings import EngineSettings
+from stormshard.training.schedule import build_scheduler
+
+__all__ = ["DeepSpeedEngine", "on_cpu_accelerator", "disable_cpu_shm_build"]
+
+
+class DeepSpeedEngine(TrainingEngine):
+    """``deepspeed.initialize`` with ``mpu=groups``; PowerSGD (ZeRO 0) replaces its gradient all-reduce."""
+
+    def __init__(self, module: nn.Module, groups: ProcessGroups, settings: EngineSettings, config: dict[str, Any],
+                 hooks: list | None = None) -> None:
+        import deepspeed
+
+        self.groups, self.settings, self.config = groups, settings, config
+        self._hooks = hooks or []
+        params = [p for p in module.parameters() if p.requires_grad]
+        schedule = settings.schedule
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module, model_parameters=params, config=config, mpu=groups,
+            lr_scheduler=lambda opt: build_scheduler(opt, schedule),
+        )
+        self.module = self.ds.module
+        self.compressor = None
+        if settings.compression is not None:
+            self.ds.enable_backward_allreduce = False
+            trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            self.compressor = PowerSGDCompressor(trainable, groups.data_parallel_group, settings.compression)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ds(*args, **kwargs)
+
+    def backward(self, loss: Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> bool:
+        boundary = self.ds.is_gradient_accumulation_boundary()
+        if boundary:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            if self.settings.model_parallel_grad_reduction == "bucketed":
+                reduce_model_parallel_gradients(params, self.groups.model_group, self.settings.bucket_cap_mb)
+            if self.compressor is not None:
+                self.compressor.reduce_gradients()
+        self.ds.step()
+        return boundary
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    @property
+    def global_step(self) -> int:
+        return int(self.ds.global_steps)
+
+    @property
+    def micro_steps(self) -> int:
+        return int(self.ds.micro_steps)
+
+    @property
+    def micro_batch_size(self) -> int:
+        """DeepSpeed's ``train_micro_batch_size_per_gpu`` (generated from ``micro_batch_size``)."""
+        return int(self.ds.train_micro_batch_size_per_gpu())
+
+    @property
+    def accumulation(self) -> int:
+        """DeepSpeed's ``gradient_accumulation_steps`` (generated from the engine-neutral field)."""
+        return int(self.ds.gradient_accumulation_steps())
+
+    def is_accumulation_boundary(self) -> bool:
+        return bool(self.ds.is_gradient_accumulation_boundary())
+
+    def _partitioned_optimizer(self) -> bool:
+        """Whether DeepSpeed wrapped the optimizer (ZeRO 1/2, bf16): its state is per rank."""
+        return "state_dict_list" in arg_names(self.ds.optimizer.load_state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "engine": "deepspeed",
+            "zero_stage": self.settings.zero_stage,
+            "module": self.module.state_dict(),
+            "optimizer": self.ds.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "compressor": None if self.compressor is None else self.compressor.state_dict(),
+            "global_steps": int(self.ds.global_steps),
+            "global_samples": int(self.ds.global_samples),
+            "micro_steps": int(self.ds.micro_steps),
+            "skipped_steps": int(self.ds.skipped_steps),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(state, ("module", "optimizer", "scheduler", "global_steps", "micro_steps"))
+        if state.get("engine") != "deepspeed" or state.get("zero_stage") != self.settings.zero_stage:
+            raise ValueError(
+                f"engine state was written by engine {state.get('engine')!r} at ZeRO stage "
+                f"{state.get('zero_stage')!r}; this is deepspeed at ZeRO stage {self.settings.zero_stage}: "
+                "resume with the settings the checkpoint was written with"
+            )
+        self.module.load_state_dict(state["module"])
+        if self._partitioned_optimizer():
+            # each rank saved its own partition; the list is indexed by data-parallel rank
+            dp = group_size(self.groups.data_parallel_group)
+            self.ds.optimizer.load_state_dict([state["optimizer"]] * dp, load_optimizer_states=True,
+                                              load_from_fp32_weights=True)
+        else:
+            self.ds.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.compressor is not None:
+            if state.get("compressor") is None:
+                raise ValueError("this engine compresses gradients but the state holds no compressor state")
+            self.compressor.load_state_dict(state["compressor"])
+        self.ds.global_steps = int(state["global_steps"])
+        self.ds.global_samples = int(state.get("global_samples", 0))
+        self.ds.micro_steps = int(state["micro_steps"])
+        self.ds.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def on_cpu_accelerator() -> bool:
+    """Whether DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def disable_cpu_shm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory op used only by inference all-reduce;
+    mark it unavailable so training starts without a C++ build (gloo does the collectives)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -1,0 +1,222 @@
+"""Engine settings: the engine-neutral knobs every engine reads, and the DeepSpeed section's own.
+
+One place per knob. Every engine (``deepspeed``, ``ddp``, ``local``) takes these from the same fields:
+
+- ``micro_batch_size``: samples per model replica per micro-step;
+- ``gradient_accumulation_steps``: micro-steps per optimizer step;
+- ``gradient_clipping``: max global gradient norm (0: off);
+- ``optimizer``: :class:`AdamWSettings` (``betas``, ``eps``, ``weight_decay``; the learning rate
+  comes from ``schedule``);
+- ``compression``: a :class:`~stormshard.parallel.compression.PowerSGDConfig` (the one PowerSGD schema),
+  written ``{"type": "powersgd", ...its fields}`` in a config.
+
+The ``deepspeed`` dict holds only what is DeepSpeed's own (``zero_optimization``, ``bf16``,
+``communication_data_type``, ``train_batch_size`` as a cross-check, ...). DeepSpeed's spellings of the
+engine-neutral knobs (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+``gradient_clipping``, ``optimizer``) and ``scheduler`` are errors there that name the field to use;
+:func:`~stormshard.training.engine.deepspeed_config.resolve_deepspeed_config` writes them into the
+config handed to DeepSpeed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    field_validator,
+    model_validator,
+)
+
+from stormshard.parallel.compression import PowerSGDConfig
+from stormshard.training.schedule import LRScheduleSettings
+
+__all__ = [
+    "EngineError",
+    "AdamWSettings",
+    "EngineSettings",
+    "CompressionSection",
+    "MOVED_DEEPSPEED_KEYS",
+    "check_engine_sections",
+    "zero_stage",
+    "section_enabled",
+]
+
+
+class EngineError(ValueError):
+    """Engine settings that cannot work with this model or layout; the message names the fix."""
+
+
+# DeepSpeed key -> (EngineSettings field, experiment-config field) that replaces it
+MOVED_DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
+    "train_micro_batch_size_per_gpu": ("micro_batch_size", "training.micro_batch_size"),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", "training.gradient_accumulation_steps"),
+    "gradient_clipping": ("gradient_clipping", "training.gradient_clipping"),
+    "optimizer": ("optimizer", "optimizer"),
+}
+
+
+class AdamWSettings(BaseModel):
+    """The optimizer every engine builds: AdamW (torch's semantics; DeepSpeed's AdamW in DeepSpeed).
+
+    The learning rate is not here: the schedule (``training.lr``, ``lr_min``, ``warmup_steps``) sets it.
+    Defaults are torch's.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["adamw"] = Field("adamw", description="AdamW only: every engine takes the same step")
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> AdamWSettings:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer.betas must lie in [0, 1), got {self.betas}: use e.g. [0.9, 0.95]")
+        return self
+
+
+def _parse_compression(value: Any) -> PowerSGDConfig | None:
+    """``{"type": "powersgd", <PowerSGDConfig fields>}`` (``type`` optional) -> :class:`PowerSGDConfig`."""
+    if value is None or isinstance(value, PowerSGDConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"compression must be an object like {{'type': 'powersgd', 'rank': 4}} or null, got {value!r}")
+    body = dict(value)
+    kind = body.pop("type", "powersgd")
+    if kind != "powersgd":
+        raise ValueError(f"compression.type={kind!r} is not known: the one compressor is 'powersgd'")
+    known = [f.name for f in fields(PowerSGDConfig)]
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise ValueError(f"compression: unknown key(s) {unknown}: the keys are type, {', '.join(known)}")
+    try:
+        return PowerSGDConfig(**body)
+    except TypeError as err:
+        raise ValueError(f"compression: {err}") from None
+
+
+# the config's ``compression`` section: parsed into the PowerSGDConfig dataclass, dumped with its type tag
+CompressionSection = Annotated[
+    PowerSGDConfig | None,
+    PlainValidator(_parse_compression),
+    PlainSerializer(lambda c: None if c is None else {"type": "powersgd", **c.as_dict()}),
+]
+
+
+def section_enabled(section: Any) -> bool:
+    """Whether a DeepSpeed sub-section like ``{"enabled": true}`` is on."""
+    return isinstance(section, dict) and bool(section.get("enabled", False))
+
+
+def zero_stage(deepspeed: dict[str, Any]) -> Any:
+    """``deepspeed.zero_optimization.stage`` (0 when absent)."""
+    zero = deepspeed.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"deepspeed.zero_optimization must be a dict like {{'stage': 0}}, got {zero!r}")
+    return zero.get("stage", 0)
+
+
+def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: PowerSGDConfig | None) -> None:
+    """Layout-independent checks of the engine choice, the DeepSpeed section and compression.
+
+    Raises ``ValueError`` naming the field and the fix (pydantic validators turn it into their error).
+    """
+    for key, (field, config_field) in MOVED_DEEPSPEED_KEYS.items():
+        if key in deepspeed:
+            raise ValueError(
+                f"deepspeed.{key} is not read from the deepspeed section: it is an engine-neutral setting; set "
+                f"{config_field} in the experiment config (EngineSettings.{field}) and remove deepspeed.{key} "
+                "(a DeepSpeed JSON file given with --deepspeed_config may keep it: see the README)"
+            )
+    if "scheduler" in deepspeed:
+        raise ValueError(
+            "deepspeed.scheduler is set, but stormshard owns the learning-rate schedule: remove it and "
+            "set training.{lr, lr_min, warmup_steps} (EngineSettings.schedule)"
+        )
+    stage = zero_stage(deepspeed)
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"deepspeed.zero_optimization.stage={stage!r} is not supported: use 0, 1 or 2 (ZeRO 3 "
+            "partitions parameters, which clashes with model sharding)"
+        )
+    if section_enabled(deepspeed.get("fp16")):
+        raise ValueError("deepspeed.fp16 is not supported (no loss scaling here): use bf16.enabled=true instead")
+    if compression is None:
+        return
+    if engine == "local":
+        raise ValueError(
+            "compression is set but engine='local' has no data parallelism to compress: use engine "
+            "'deepspeed' or 'ddp', or set compression to null"
+        )
+    if engine != "deepspeed":
+        return
+    if stage != 0:
+        raise ValueError(
+            f"compression (PowerSGD) needs deepspeed.zero_optimization.stage=0, got {stage}: DeepSpeed "
+            "fails in engine.step() at ZeRO 1/2 once its own gradient all-reduce is off; set stage 0 "
+            "or compression null"
+        )
+    if section_enabled(deepspeed.get("bf16")):
+        raise ValueError(
+            "compression with deepspeed.bf16: DeepSpeed's bf16 optimizer copies gradients into its fp32 "
+            "buffers inside backward, before the compressor could reduce them; drop bf16 (fp32 + PowerSGD), "
+            "or use deepspeed.communication_data_type='bf16' instead of compression"
+        )
+    if "communication_data_type" in deepspeed:
+        raise ValueError(
+            "deepspeed.communication_data_type and compression are both set: with compression DeepSpeed's "
+            "all-reduce is off, so choose one"
+        )
+
+
+class EngineSettings(BaseModel):
+    """How the model is trained in parallel. Validated on construction; layout-dependent checks run
+    in :func:`~stormshard.training.engine.build_engine` before anything is created."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: Literal["deepspeed", "ddp", "local"] = "deepspeed"
+    micro_batch_size: int = Field(1, ge=1, strict=True, description="samples per model replica per micro-step")
+    gradient_accumulation_steps: int = Field(1, ge=1, strict=True, description="micro-steps per optimizer step")
+    gradient_clipping: float = Field(0.0, ge=0, description="max global gradient norm, 0 = off")
+    optimizer: AdamWSettings = Field(default_factory=AdamWSettings)
+    schedule: LRScheduleSettings = Field(default_factory=LRScheduleSettings)
+    deepspeed: dict[str, Any] = Field(default_factory=dict, description="DeepSpeed's own settings (ZeRO, bf16, ...)")
+    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP bucket size; also the bucketed model-group sum")
+    broadcast_buffers: bool = Field(True, description="DDP: broadcast rank 0's buffers every forward")
+    compression: CompressionSection = None
+    model_parallel_grad_reduction: Literal["hooks", "bucketed"] = "hooks"
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineSettings:
+        check_engine_sections(self.engine, self.deepspeed, self.compression)
+        return self
+
+    @property
+    def accumulation(self) -> int:
+        return self.gradient_accumulation_steps
+
+    @property
+    def clipping(self) -> float:
+        return self.gradient_clipping
+
+    @property
+    def zero_stage(self) -> int:
+        return zero_stage(self.deepspeed)
+
+    def adamw_kwargs(self) -> dict[str, Any]:
+        """``lr``, ``betas``, ``eps``, ``weight_decay`` of the AdamW every engine builds."""
+        opt = self.optimizer
+        return {"lr": self.schedule.lr, "betas": tuple(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay}
