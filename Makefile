@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup test lint train bench clean
+.PHONY: setup test test-gpu lint train bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,12 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest tests
+
+# the GPU suite (tests/gpu/, marker `gpu`): CUDA vs the CPU float64 reference, flash-attn, Transformer
+# Engine, bf16 training on one GPU; every test skips without CUDA. Needs a CUDA build of torch (not the
+# CPU wheel `make setup` installs); prints timings.
+test-gpu:
+	$(PY) -m pytest -m gpu tests -s -rs
 
 lint: setup
 	$(PY) -m ruff check stormshard launch tests benchmarks examples

@@ -8,7 +8,7 @@
 
 A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
 or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
-difference found. After ``reshard``, resume with ``OUT/resume_config.json``:
+difference found (one message, exit status 2; ``--debug`` adds the traceback). After ``reshard``, resume with ``OUT/resume_config.json``:
 
     deepspeed --num_accelerators 4 launch/train.py --config runs/k4/checkpoints/resume_config.json --resume
 """
@@ -23,10 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stormshard.checkpoint.consolidate import consolidate_checkpoint, save_consolidated  # noqa: E402
-from stormshard.checkpoint.errors import ConversionError  # noqa: E402
 from stormshard.checkpoint.export import export_bundle  # noqa: E402
 from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint  # noqa: E402
 from stormshard.checkpoint.reshard import STRATEGIES, reshard_checkpoint  # noqa: E402
+from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,33 +55,35 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None)
     p.add_argument("--graph", default=None)
     p.add_argument("--overwrite", action="store_true")
+    for sp in sub.choices.values():
+        add_debug_flag(sp)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "inspect":
-            info = inspect_checkpoint(args.checkpoint)
-            print(json.dumps(info, indent=1) if args.json else format_inspection(info, parameters=not args.brief))
-        elif args.command == "consolidate":
-            ckpt = consolidate_checkpoint(args.checkpoint)
-            out = save_consolidated(ckpt, args.out, overwrite=args.overwrite)
-            print(f"consolidated step {ckpt.step} ({len(ckpt.model)} tensors) into {out}"
-                  + (f"\nnote: {ckpt.optimizer_note}" if ckpt.optimizer_note else ""))
-        elif args.command == "reshard":
-            out = reshard_checkpoint(args.checkpoint, args.out, args.gpus_per_model, args.shard_strategy,
-                                     world_size=args.world_size, dataset=args.dataset, graph=args.graph,
-                                     overwrite=args.overwrite)
-            print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
-        else:
-            out = export_bundle(args.checkpoint, args.out, dataset=args.dataset, graph=args.graph,
-                                overwrite=args.overwrite)
-            print(f"exported {out}: load it with stormshard.checkpoint.export.load_model({str(out)!r})")
-    except (ConversionError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(lambda: _run(args), debug=args.debug)
+
+
+def _run(args: argparse.Namespace) -> None:
+    """The subcommand; failures are reported by ``stormshard.cli.run_cli``."""
+    if args.command == "inspect":
+        info = inspect_checkpoint(args.checkpoint)
+        print(json.dumps(info, indent=1) if args.json else format_inspection(info, parameters=not args.brief))
+    elif args.command == "consolidate":
+        ckpt = consolidate_checkpoint(args.checkpoint)
+        out = save_consolidated(ckpt, args.out, overwrite=args.overwrite)
+        print(f"consolidated step {ckpt.step} ({len(ckpt.model)} tensors) into {out}"
+              + (f"\nnote: {ckpt.optimizer_note}" if ckpt.optimizer_note else ""))
+    elif args.command == "reshard":
+        out = reshard_checkpoint(args.checkpoint, args.out, args.gpus_per_model, args.shard_strategy,
+                                 world_size=args.world_size, dataset=args.dataset, graph=args.graph,
+                                 overwrite=args.overwrite)
+        print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
+    else:
+        out = export_bundle(args.checkpoint, args.out, dataset=args.dataset, graph=args.graph,
+                            overwrite=args.overwrite)
+        print(f"exported {out}: load it with stormshard.checkpoint.export.load_model({str(out)!r})")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Train a model from a JSON experiment config.
 
     DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 launch/train.py --config configs/quickstart.json
-    deepspeed launch/train.py --config configs/aifs_o96.json              # GPUs (NCCL)
+    deepspeed launch/train.py --config configs/aifs_n320_o96.json         # GPUs (NCCL)
     torchrun --nproc_per_node 2 launch/train.py --config configs/quickstart.json
-    python launch/train.py --config configs/quickstart.json               # one process
+    srun python launch/train.py --config configs/aifs_n320_o96.json       # SLURM, one task per GPU
+    mpirun -n 2 python launch/train.py --config configs/quickstart.json   # OpenMPI / MPICH
 
 Options: ``--resume`` continues from the newest checkpoint in ``training.output_dir`` (an error,
 raised before anything starts, when that directory holds none);
@@ -12,8 +13,13 @@ its ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``gradi
 ``optimizer`` (AdamW) move to ``training.micro_batch_size``, ``training.gradient_accumulation_steps``,
 ``training.gradient_clipping`` and the ``optimizer`` section, and a value the config sets differently
 is an error (``stormshard.training.config.merge_deepspeed_file``); ``--local_rank`` is accepted
-from DeepSpeed's launcher. Multi-node: DeepSpeed's own launcher (``--hostfile``) or SLURM
-(``srun`` with torchrun); see the README.
+from DeepSpeed's launcher; ``--debug`` prints the traceback of a failure. Multi-node: DeepSpeed's own
+launcher (``--hostfile``, ``--launcher slurm|openmpi|mpich``), torchrun, or ``srun`` / ``mpirun``
+with one process per GPU (``stormshard.training.launch.detect_launch`` maps their variables); see
+the README.
+
+A failure prints one message (``error: ...``) from rank 0 and exits with status 2 for bad input
+(config, flags, data, checkpoints), 1 otherwise (``stormshard.cli``).
 """
 
 from __future__ import annotations
@@ -25,8 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stormshard.training.config import ConfigError, load_experiment_config  # noqa: E402
-from stormshard.training.launch import run_training  # noqa: E402
+from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,16 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON config replacing the deepspeed section (its batch, clipping and "
                         "optimizer keys move to the engine-neutral fields)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the DeepSpeed launcher")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    try:
+
+    def body() -> None:
+        from stormshard.training.config import load_experiment_config
+        from stormshard.training.launch import run_training
+
         config = load_experiment_config(args.config, deepspeed_config=args.deepspeed_config)
         run_training(config, resume=args.resume)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(body, debug=args.debug)
 
 
 if __name__ == "__main__":

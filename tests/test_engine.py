@@ -362,20 +362,18 @@ def test_generated_deepspeed_config():
     keeps DeepSpeed's own keys."""
     own = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "communication_data_type": "bf16"}
     settings = EngineSettings(deepspeed=own, **KNOBS)
-    params = {"lr": 0.02, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2}
+    params = {"lr": 0.02, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2, "torch_adam": True}
     expected = {**own, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
                 "gradient_clipping": 0.5, "train_batch_size": 3 * 2 * 4,
                 "optimizer": {"type": "AdamW", "params": params}}
-    assert resolve_deepspeed_config(settings, 4, on_cpu=False) == expected
-    # on the CPU accelerator torch's AdamW (no JIT build of DeepSpeed's fused Adam)
-    on_cpu = resolve_deepspeed_config(settings, 4, on_cpu=True)
-    assert on_cpu["optimizer"] == {"type": "AdamW", "params": {**params, "torch_adam": True}}
+    # torch's AdamW on every accelerator (no JIT build of DeepSpeed's fused Adam)
+    assert resolve_deepspeed_config(settings, 4) == expected
     assert settings.deepspeed == own  # the settings are not modified
     # an explicit train_batch_size is a cross-check; zero_optimization defaults to stage 0
     plain = EngineSettings(deepspeed={"train_batch_size": 6}, **KNOBS)
-    assert resolve_deepspeed_config(plain, 1, on_cpu=True)["zero_optimization"] == {"stage": 0}
+    assert resolve_deepspeed_config(plain, 1)["zero_optimization"] == {"stage": 0}
     with pytest.raises(EngineError, match="train_batch_size=6 but micro batch 3 x accumulation 2 x data-parallel size 2"):
-        resolve_deepspeed_config(plain, 2, on_cpu=True)
+        resolve_deepspeed_config(plain, 2)
 
 
 def _check_knobs_reach_engines(rank: int, world: int) -> list[str]:

@@ -59,10 +59,10 @@ LAYOUTS = [(2, 1), (4, 2)]  # (world, gpus_per_model), gpus_per_ensemble = world
 
 @pytest.mark.parametrize("world, gpus_per_model", LAYOUTS, ids=[f"world{w}-gpm{g}" for w, g in LAYOUTS])
 def test_members_over_ranks_match_single_process_gradients(dataset, tmp_path, world, gpus_per_model):
-    reference_cfg = _ensemble_config(dataset, tmp_path / "single", 1, 1, engine="ddp")
+    reference_cfg = _ensemble_config(dataset, tmp_path / "single", 1, 1, engine="ddp", deepspeed={})
     ref_loss, ref_grads = run_distributed(_loss_and_gradients, 1, reference_cfg)[0]
     out = run_distributed(_loss_and_gradients, world, _ensemble_config(
-        dataset, tmp_path / "spread", world, gpus_per_model, engine="ddp"))
+        dataset, tmp_path / "spread", world, gpus_per_model, engine="ddp", deepspeed={}))
     assert len(ref_grads) > 10
     scale = max(float(g.abs().max()) for g in ref_grads.values())  # fp32 noise is relative to the largest gradient
     for rank, (loss, grads) in enumerate(out):
@@ -92,11 +92,11 @@ def _noise(rank, world, cfg):
 
 def test_noise_depends_on_the_member_not_the_layout(dataset, tmp_path):
     """Every member of an initial state gets its own noise; member g the same at every layout."""
-    first, reference = run_distributed(_noise, 1, _ensemble_config(dataset, tmp_path / "a", 1, 1, engine="ddp"))[0]
+    first, reference = run_distributed(_noise, 1, _ensemble_config(dataset, tmp_path / "a", 1, 1, engine="ddp", deepspeed={}))[0]
     assert first == 0 and reference.shape[0] == MEMBERS
     for i in range(MEMBERS):
         for j in range(i):
             assert not torch.equal(reference[i], reference[j]), (i, j)
-    spread = run_distributed(_noise, 2, _ensemble_config(dataset, tmp_path / "b", 2, 1, engine="ddp"))
+    spread = run_distributed(_noise, 2, _ensemble_config(dataset, tmp_path / "b", 2, 1, engine="ddp", deepspeed={}))
     for first, noise in spread:
         assert torch.equal(noise, reference[first:first + noise.shape[0]])

@@ -1,6 +1,7 @@
 """Forecasts from an exported bundle: the rollout follows the training convention, the output is a
-readable anemoi-layout store, RMSE per lead time (model and persistence) is right, maps are PNGs,
-and bad requests fail before anything is written."""
+readable anemoi-layout store (and CF netCDF with the netcdf extra), the scores per lead time
+(model, persistence, climatology) are right, maps and score plots are PNGs, and bad requests
+(dates, missing dates, coordinates, formats) fail before anything is written."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 from stormshard.checkpoint.export import export_bundle, load_model
-from stormshard.data.anemoi_layout import AnemoiDataset
+from stormshard.data.anemoi_layout import AnemoiDataset, write_anemoi_dataset
 from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.inference.forecast import run_forecast
+from stormshard.inference.outputs import netcdf_engine
 from stormshard.training.launch import run_training
 from tests.tiny_run import BASE
 
@@ -28,7 +30,7 @@ def setup(tmp_path_factory):
     cfg = copy.deepcopy(BASE)
     cfg["data"]["path"] = str(dataset)
     cfg["training"].update(output_dir=str(root / "run"), max_steps=20, lr=3e-3)
-    cfg["engine"] = "local"
+    cfg["engine"], cfg["deepspeed"] = "local", {}  # the deepspeed section is read by engine deepspeed only
     run_training(cfg)
     bundle = export_bundle(root / "run" / "checkpoints", root / "bundle")
     return {"root": root, "dataset": str(dataset), "bundle": bundle}
@@ -52,6 +54,11 @@ def _reference_rollout(bundle, ds: AnemoiDataset, t0: int, steps: int) -> np.nda
     return np.stack(out)
 
 
+def _png(path: Path) -> bool:
+    data = path.read_bytes()
+    return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
 def test_forecast_outputs_scores_and_maps(setup, tmp_path):
     bundle = load_model(setup["bundle"])
     ds = AnemoiDataset.open(setup["dataset"])
@@ -60,35 +67,71 @@ def test_forecast_outputs_scores_and_maps(setup, tmp_path):
     result = run_forecast(bundle, setup["dataset"], date, steps, out, plot_variables=["tracer_1", "tracer_product"],
                           plot_steps=[1, 3], verbose=False)
     t0 = ds.date_index(date)
-    np.testing.assert_allclose(result.forecast, _reference_rollout(bundle, ds, t0, steps), rtol=1e-6, atol=1e-6)
+    forecast = result.read(0)[0]
+    np.testing.assert_allclose(forecast, _reference_rollout(bundle, ds, t0, steps), rtol=1e-5, atol=1e-5)
 
     store = AnemoiDataset.open(out / "forecast.zarr")
     names = list(bundle.variables.output_names)
     assert store.variables == names and store.num_dates == steps and store.num_cells == ds.num_cells
     assert [str(d) for d in store.dates] == ["2020-01-12T06:00:00", "2020-01-12T12:00:00", "2020-01-12T18:00:00"]
-    np.testing.assert_allclose(store.read(slice(None))[:, :, 0], result.forecast.transpose(0, 2, 1), rtol=1e-6)
     np.testing.assert_array_equal(store.latitudes, ds.latitudes)
+    np.testing.assert_allclose(store.statistics.mean, forecast.mean(axis=(0, 1)), rtol=1e-5)
 
-    report = json.loads((out / "rmse.json").read_text())
-    assert report["lead_hours"] == [6.0, 12.0, 18.0] and report["init_date"] == "2020-01-12T00:00:00"
+    report = json.loads((out / "scores.json").read_text())
+    assert report["lead_hours"] == [6.0, 12.0, 18.0] and report["init_dates"] == ["2020-01-12T00:00:00"]
     w = bundle.graph["data"].area_weight.double().numpy()
     w = w / w.sum()
+    train = [i for i, d in enumerate(ds.dates) if d <= np.datetime64("2020-01-10T18")]
     for j, name in enumerate(names):
         col = ds.variables.index(name)
         init = ds.read([t0])[0, col, 0]
         for k in range(steps):
             truth = ds.read([t0 + k + 1])[0, col, 0]
-            model = np.sqrt((w * (result.forecast[k, :, j] - truth) ** 2).sum())
-            persistence = np.sqrt((w * (init - truth) ** 2).sum())
-            assert report["rmse"][name]["model"][k] == pytest.approx(model, rel=1e-6)
-            assert report["rmse"][name]["persistence"][k] == pytest.approx(persistence, rel=1e-6)
-        assert report["rmse"][name]["persistence"][0] > 0
+            hour = (k + 1) * 6 % 24
+            clim = np.mean([ds.read([i])[0, col, 0] for i in train if ds.dates[i].astype(object).hour == hour], axis=0)
+            s = report["scores"][name]
+            assert s["rmse"][k] == pytest.approx(np.sqrt((w * (forecast[k, :, j] - truth) ** 2).sum()), rel=1e-5)
+            assert s["rmse_persistence"][k] == pytest.approx(np.sqrt((w * (init - truth) ** 2).sum()), rel=1e-6)
+            assert s["rmse_climatology"][k] == pytest.approx(np.sqrt((w * (clim - truth) ** 2).sum()), rel=1e-6)
+            a, o = init - clim, truth - clim
+            a, o = a - (w * a).sum(), o - (w * o).sum()
+            assert s["acc_persistence"][k] == pytest.approx((w * a * o).sum() / np.sqrt((w * a * a).sum() * (w * o * o).sum()), abs=1e-6)
     maps = sorted(p.name for p in (out / "maps").iterdir())
     assert maps == ["tracer_1_step001.png", "tracer_1_step003.png", "tracer_product_step001.png",
                     "tracer_product_step003.png"]
-    for name in maps:
-        data = (out / "maps" / name).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert all(_png(out / "maps" / name) for name in maps)
+    assert sorted(p.name for p in (out / "plots").iterdir()) == [f"scores_{n}.png" for n in sorted(names)]
+    assert all(_png(p) for p in (out / "plots").iterdir())
+
+
+def test_several_dates_and_netcdf(setup, tmp_path):
+    pytest.importorskip("xarray")
+    if netcdf_engine() is None:
+        pytest.skip("no netCDF backend (install the netcdf extra)")
+    import xarray as xr
+
+    out = tmp_path / "fc"
+    result = run_forecast(setup["bundle"], setup["dataset"], ["2020-01-12T00", "2020-01-13T06"], 2, out,
+                          formats=["netcdf"], verbose=False)
+    assert [p.parent.name for p in result.stores] == ["20200112T0000", "20200113T0600"]
+    summary = json.loads((out / "scores.json").read_text())
+    assert summary["init_dates"] == ["2020-01-12T00:00:00", "2020-01-13T06:00:00"]
+    per_date = [json.loads((p.parent / "scores.json").read_text())["scores"] for p in result.stores]
+    for name, s in summary["scores"].items():
+        both = np.array([d[name]["rmse"] for d in per_date])
+        np.testing.assert_allclose(s["rmse"], np.sqrt((both**2).mean(axis=0)))
+        np.testing.assert_allclose(s["acc"], np.mean([d[name]["acc"] for d in per_date], axis=0))
+    nc = xr.open_dataset(result.stores[1].parent / "forecast.nc")
+    assert nc.attrs["Conventions"] == "CF-1.8"
+    assert nc["latitude"].attrs["units"] == "degrees_north" and nc["longitude"].attrs["units"] == "degrees_east"
+    assert [float(h) for h in nc["lead_time"].values / np.timedelta64(1, "h")] == [6.0, 12.0]
+    assert [str(t)[:19] for t in nc["valid_time"].values] == ["2020-01-13T12:00:00", "2020-01-13T18:00:00"]
+    assert str(nc["forecast_reference_time"].values)[:19] == "2020-01-13T06:00:00"
+    members = result.read(1)  # (members, steps, grid, variables)
+    for j, name in enumerate(AnemoiDataset.open(result.stores[1]).variables):
+        assert nc[name].dims == ("lead_time", "member", "cell")
+        np.testing.assert_array_equal(nc[name].values, members[..., j].transpose(1, 0, 2))
+    nc.close()
 
 
 def test_cli_and_bad_requests(setup, tmp_path, capsys):
@@ -100,7 +143,7 @@ def test_cli_and_bad_requests(setup, tmp_path, capsys):
     args = ["--bundle", str(setup["bundle"]), "--dataset", setup["dataset"], "--steps", "2"]
     assert cli.main([*args, "--date", "2020-01-05T00", "--out", str(tmp_path / "ok"), "--plot", "tracer_2"]) == 0
     printed = capsys.readouterr().out
-    assert "+6h" in printed and "+12h" in printed and "tracer_2" in printed
+    assert "+6h" in printed and "+12h" in printed and "tracer_2" in printed and "rmse_climatology" in printed
     assert (tmp_path / "ok" / "maps" / "tracer_2_step002.png").is_file()
     bad = [
         (["--date", "2020-01-16T12"], "choose a date between"),  # no truth after the last steps
@@ -109,6 +152,10 @@ def test_cli_and_bad_requests(setup, tmp_path, capsys):
         (["--date", "2020-01-05T00", "--plot", "insolation"], "not model outputs"),
         (["--date", "2020-01-05T00", "--plot-steps", "3"], "outside 1..2"),
         (["--date", "2020-01-05T00", "--steps", "0"], "positive integer"),
+        (["--date", "2020-01-05T00", "--formats", "grib"], "unknown: use ['zarr', 'netcdf']"),
+        (["--date", "2020-01-05T00", "--members", "2"], "the model is deterministic"),
+        (["--date", "2020-01-05T00", "2020-01-05T00"], "more than once"),
+        (["--date", "2020-01-05T00", "--precision", "fp64", "--gpus-per-model", "3"], "does not divide"),
     ]
     for extra, message in bad:
         out = tmp_path / "bad"
@@ -119,6 +166,28 @@ def test_cli_and_bad_requests(setup, tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
 
 
+def _copy_dataset(src: str, path: Path, **change) -> str:
+    ds = AnemoiDataset.open(src)
+    kw = {"latitudes": ds.latitudes, "longitudes": ds.longitudes, "missing_dates": ()}
+    kw.update(change)
+    write_anemoi_dataset(path, ds.read(slice(None)), ds.dates, kw["latitudes"], kw["longitudes"], ds.variables,
+                         frequency="6h", missing_dates=kw["missing_dates"])
+    return str(path)
+
+
+def test_dataset_coordinates_and_missing_dates_are_checked(setup, tmp_path):
+    ds = AnemoiDataset.open(setup["dataset"])
+    lon = ds.longitudes.copy()
+    lon[[10, 20]] += 1.0
+    moved = _copy_dataset(setup["dataset"], tmp_path / "moved.zarr", longitudes=lon)
+    with pytest.raises(ValueError, match="other coordinates than the model's grid at 2 of 544 cells .first: cell 10"):
+        run_forecast(setup["bundle"], moved, "2020-01-05T00", 2, tmp_path / "a")
+    gappy = _copy_dataset(setup["dataset"], tmp_path / "gap.zarr", missing_dates=["2020-01-05T12"])
+    with pytest.raises(ValueError, match=r"needs the dataset dates \['2020-01-05T12:00:00'\], which the dataset marks"):
+        run_forecast(setup["bundle"], gappy, "2020-01-05T00", 2, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
 def test_ensemble_members(setup, tmp_path):
     cfg = copy.deepcopy(BASE)
     cfg["data"]["path"] = setup["dataset"]
@@ -126,23 +195,26 @@ def test_ensemble_members(setup, tmp_path):
     cfg["model"].update(name="ensemble", ensemble={"noise_channels": 2})
     cfg["parallel"]["ensemble_size_per_device"] = 2
     cfg["engine"] = "local"
+    cfg.pop("deepspeed", None)
     run_training(cfg)
-    bundle = load_model(export_bundle(tmp_path / "ens" / "checkpoints", tmp_path / "bundle"))
+    bundle = export_bundle(tmp_path / "ens" / "checkpoints", tmp_path / "bundle")
     first = run_forecast(bundle, setup["dataset"], "2020-01-05T00", 2, tmp_path / "a", members=3, seed=5,
                          verbose=False)
     again = run_forecast(bundle, setup["dataset"], "2020-01-05T00", 2, tmp_path / "b", members=3, seed=5,
-                         verbose=False)
-    assert first.members.shape == (3, 2, 544, 4)
-    np.testing.assert_array_equal(first.members, again.members)  # the seed fixes the noise
-    assert not np.allclose(first.members[0], first.members[1])  # members differ
-    np.testing.assert_allclose(first.forecast, first.members.mean(axis=0))
-    store = AnemoiDataset.open(tmp_path / "a" / "forecast.zarr")
-    assert store.ensemble_size == 3
-    np.testing.assert_allclose(store.read(slice(None))[:, :, 2], first.members[2].transpose(0, 2, 1), rtol=1e-6)
+                         verify=False, verbose=False)
+    members = first.read(0)
+    assert members.shape == (3, 2, 544, 4)
+    np.testing.assert_array_equal(members, again.read(0))  # the seed fixes the noise
+    assert not np.allclose(members[0], members[1])  # members differ
+    assert AnemoiDataset.open(tmp_path / "a" / "forecast.zarr").ensemble_size == 3
+    default = run_forecast(bundle, setup["dataset"], "2020-01-05T00", 1, tmp_path / "c", verify=False, verbose=False)
+    assert default.request.members == 2  # the ensemble size the model trained with
+    scores = json.loads((tmp_path / "a" / "scores.json").read_text())["scores"]["tracer_1"]
+    assert len(scores["crps"]) == 2 and all(x > 0 for x in scores["spread_skill"])
     deterministic = load_model(setup["bundle"])
     with pytest.raises(ValueError, match="members=2 but the model is deterministic"):
-        run_forecast(deterministic, setup["dataset"], "2020-01-05T00", 2, tmp_path / "c", members=2)
-    assert not (tmp_path / "c").exists()
+        run_forecast(deterministic, setup["dataset"], "2020-01-05T00", 2, tmp_path / "d", members=2)
+    assert not (tmp_path / "d").exists()
 
 
 def test_advance_window_moves_the_window_and_feeds_back_prognostics():
@@ -162,3 +234,12 @@ def test_advance_window_moves_the_window_and_feeds_back_prognostics():
         advance_window(window, forcing[:, :4], pred, [0, 2], [1, 0])
     with pytest.raises(ValueError, match="2 prognostic input positions but 1 output"):
         advance_window(window, forcing, pred, [0, 2], [1])
+
+
+def test_netcdf_without_the_extra_is_a_clear_error(setup, tmp_path, monkeypatch):
+    import stormshard.inference.request as request
+
+    monkeypatch.setattr(request, "netcdf_engine", lambda: None)
+    with pytest.raises(ValueError, match=r"pip install 'stormshard\[netcdf\]'"):
+        run_forecast(setup["bundle"], setup["dataset"], "2020-01-05T00", 2, tmp_path / "a", formats=["netcdf"])
+    assert not (tmp_path / "a").exists()

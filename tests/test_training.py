@@ -150,7 +150,7 @@ def test_read_group_size_readers_hand_out_slices(dataset, tmp_path):
 
 def test_tiny_model_beats_persistence(dataset, tmp_path):
     cfg = _config(dataset, tmp_path / "skill", **{
-        "training.max_steps": 400, "training.lr": 3e-3, "training.warmup_steps": 10, "engine": "local",
+        "training.max_steps": 400, "training.lr": 3e-3, "training.warmup_steps": 10, "engine": "local", "deepspeed": {},
         "training.micro_batch_size": 2, "model.num_channels": 32,
         "data.validation_samples": 8})
     losses, validation = _train(0, 1, cfg)
@@ -180,7 +180,7 @@ BAD = [
     ({"training.max_steps": None}, "exactly one of max_steps and epochs"),
     ({"training.lr": -1}, "training.lr"),
     ({"deepspeed.zero_optimization": {"stage": 3}}, "stage=3 is not supported"),
-    ({"compression": {"rank": 2}, "engine": "local"}, "engine='local' has no data parallelism"),
+    ({"compression": {"rank": 2}, "engine": "local", "deepspeed": {}}, "engine='local' has no data parallelism"),
     ({"data.path": "/nonexistent/data.zarr"}, "data.path='/nonexistent/data.zarr' does not exist"),
     ({"data.forcing": ["sst"]}, "forcing variables ['sst'] are not in"),
     ({"graph.hidden": "cube7"}, "hidden='cube7'"),

@@ -13,9 +13,16 @@ rank, each parameter's local shape, full shape and :class:`~stormshard.parallel.
 Optimizer state (AdamW ``exp_avg`` / ``exp_avg_sq``, any per-parameter tensor of the parameter's
 shape) follows its parameter's partition; scalars (``step``) are taken from the first rank.
 Supported formats: a torch ``state_dict`` keyed by parameter position (engines ``local``, ``ddp``
-and ``deepspeed`` at ZeRO 0, fp32), and DeepSpeed ZeRO 1/2 flat partitions over the data-parallel
-group (unflattened per model rank first, see :mod:`stormshard.checkpoint.zero`). Any other format
-(DeepSpeed's bf16 optimizer) keeps the weights and leaves the optimizer state out
+and ``deepspeed`` at ZeRO 0, fp32; ``local`` / ``ddp`` in bf16, whose parameters are fp32), and
+DeepSpeed's flat fp32 partitions over the data-parallel group, ZeRO 1/2 in fp32 or bf16, and the
+unpartitioned flat fp32 master of bf16 at ZeRO 0 (unflattened per model rank first, see
+:mod:`stormshard.checkpoint.zero`).
+
+Weights of DeepSpeed runs come from the optimizer's **fp32 master** partitions, not from the
+module: in a bf16 run the module holds bf16 copies, and the consolidated fp32 weights equal the
+engine's fp32 master exactly (and the AdamW moments are its fp32 moments). Each module tensor must
+equal its master rounded to the module's dtype, else the checkpoint is refused as inconsistent.
+Any other optimizer format keeps the module weights and leaves the optimizer state out
 (``optimizer_note`` says why); :func:`~stormshard.checkpoint.reshard.reshard_checkpoint` then
 refuses it with an error naming the stage and the fix.
 
@@ -41,10 +48,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stormshard.checkpoint.errors import ConversionError
-from stormshard.checkpoint.zero import is_zero_state, unflatten_zero, zero_extras
+from stormshard.checkpoint.errors import ConversionError, check_metadata
+from stormshard.checkpoint.zero import (
+    flat_master_extras,
+    is_flat_master_state,
+    is_zero_state,
+    unflatten_flat_master,
+    unflatten_zero,
+    zero_extras,
+)
 from stormshard.parallel.partition import Partition
 from stormshard.parallel.topology import ParallelLayout
+from stormshard.training.checkpoint import FORMAT_VERSION as TRAINING_FORMAT
 from stormshard.training.checkpoint import METADATA, latest_checkpoint
 
 __all__ = [
@@ -100,9 +115,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def read_metadata(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((path / METADATA).read_text())
+        meta = json.loads((path / METADATA).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConversionError(f"{path / METADATA} cannot be read: {exc}", fix="the checkpoint is damaged") from None
+    # foreign, missing or mistyped keys are named here, not met later as KeyError / TypeError
+    return check_metadata(meta, str(path / METADATA), CONSOLIDATED_FORMAT, TRAINING_FORMAT)
 
 
 def _rank_file(path: Path, rank: int) -> Path:
@@ -263,25 +280,51 @@ def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
         raise ConversionError(f"cannot consolidate {src}:", problems,
                               fix="convert an intact checkpoint written by one training run")
 
-    # ---- optimizer
-    optimizer, note = _consolidate_optimizer(layout, tables, engines, names, problems)
+    # ---- optimizer (and, for DeepSpeed's flat partitions, the fp32 master weights)
+    optimizer, note, master = _consolidate_optimizer(layout, tables, engines, names, problems)
     if problems:
         raise ConversionError(f"cannot consolidate the optimizer state of {src}:", problems)
+    if master is not None:
+        replicas_full[0] = _master_weights(replicas_full[0], master, problems)
+        if problems:
+            raise ConversionError(f"the module weights of {src} disagree with its fp32 master weights:", problems,
+                                  fix="the checkpoint is damaged: convert an intact one")
 
     first = engines[0]
     engine = {k: v for k, v in first.items() if k not in ("module", "optimizer")}
     if is_zero_state(first["optimizer"]):
         engine["zero_extras"] = zero_extras(first["optimizer"])
+    elif is_flat_master_state(first["optimizer"]):
+        engine["flat_master_extras"] = flat_master_extras(first["optimizer"])
     replicas = [{"data": payloads[g[0]]["state"].get("data"), "rng": payloads[g[0]].get("rng")}
                 for g in layout.model_groups()]
     return ConsolidatedCheckpoint(int(metadata["step"]), metadata["config"], metadata["layout"], replicas_full[0],
                                   optimizer, note, engine, replicas)
 
 
+def _master_weights(module: dict[str, Tensor], master: dict[str, Tensor], problems: list[str]) -> dict[str, Tensor]:
+    """The fp32 ``master`` weights in place of the ``module`` ones (bf16 copies in a bf16 run), after
+    checking that every module tensor is its master rounded to the module's dtype."""
+    out = {}
+    for name, weight in module.items():
+        fp32 = master[name]
+        if fp32.shape != weight.shape or not torch.equal(fp32.to(weight.dtype), weight):
+            diff = "shape" if fp32.shape != weight.shape else \
+                f"{(fp32.double() - weight.double()).abs().max().item():.3g}"
+            problems.append(f"{name}: the module's {weight.dtype} weights are not its fp32 master rounded (max diff {diff})")
+            continue
+        out[name] = fp32
+    return out
+
+
 def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]], engines: list[dict[str, Any]],
-                           names: list[str], problems: list[str]) -> tuple[dict[str, Any] | None, str]:
+                           names: list[str], problems: list[str]
+                           ) -> tuple[dict[str, Any] | None, str, dict[str, Tensor] | None]:
+    """``(optimizer, note, master)``: the full per-parameter optimizer state (None with a ``note``
+    when the format is unknown) and, for DeepSpeed's flat partitions, the full fp32 master weights."""
     first = engines[0]
     per_rank: dict[int, dict[str, dict[str, Any]]] = {}
+    masters: dict[int, dict[str, Tensor]] = {}
     hyper: list[dict[str, Any]] = []
     group0 = layout.model_groups()[0]
     if is_zero_state(first["optimizer"]):
@@ -291,12 +334,36 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
             states = [engines[r]["optimizer"] for r in dp_ranks]
             if not all(is_zero_state(s) for s in states):
                 problems.append(f"ranks {dp_ranks}: mixed optimizer state formats")
-                return None, ""
+                return None, "", None
             try:
-                per_rank[group0[m]], _, hyper = unflatten_zero(states, rows, f"model rank {m} (ranks {dp_ranks})")
+                per_rank[group0[m]], masters[group0[m]], hyper = unflatten_zero(
+                    states, rows, f"model rank {m} (ranks {dp_ranks})")
             except ConversionError as exc:
                 problems.extend(exc.problems or [str(exc)])
-                return None, ""
+                return None, "", None
+        hyper = [{**h, "param_names": list(names)} for h in hyper] or [{"param_names": list(names)}]
+    elif is_flat_master_state(first["optimizer"]):
+        # bf16 at ZeRO 0: every data-parallel replica holds the same unpartitioned fp32 master
+        for m, dp_ranks in enumerate(layout.data_parallel_groups()):
+            states = [engines[r]["optimizer"] for r in dp_ranks]
+            if not all(is_flat_master_state(s) for s in states):
+                problems.append(f"ranks {dp_ranks}: mixed optimizer state formats")
+                return None, "", None
+            rows = [tables[dp_ranks[0]][n] for n in names]
+            try:
+                unflat = [unflatten_flat_master(st, rows, f"model rank {m} (rank {r})")
+                          for r, st in zip(dp_ranks, states, strict=True)]
+            except ConversionError as exc:
+                problems.extend(exc.problems or [str(exc)])
+                return None, "", None
+            per_rank[group0[m]], masters[group0[m]], hyper = unflat[0]
+            for r, (_, other, _) in zip(dp_ranks[1:], unflat[1:], strict=True):
+                differ = [n for n in names if not torch.equal(other[n], masters[group0[m]][n])]
+                if differ:
+                    problems.append(f"rank {r}: its fp32 master of {differ[:3]} differs from data-parallel replica 0 "
+                                    f"(rank {dp_ranks[0]})")
+        if problems:
+            return None, "", None
         hyper = [{**h, "param_names": list(names)} for h in hyper] or [{"param_names": list(names)}]
     elif _optimizer_kind(first["optimizer"]) == "torch":
         for r in group0:
@@ -313,9 +380,9 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
                           "param_names": [names[i] for i in g["params"]]})
     else:
         return None, (f"engine {first.get('engine')!r} (ZeRO stage {first.get('zero_stage')}) writes an optimizer "
-                      "state this converter does not know (bf16?); only the weights were consolidated")
+                      "state this converter does not know; only the weights were consolidated"), None
     if problems:
-        return None, ""
+        return None, "", None
     state: dict[str, dict[str, Any]] = {}
     for name in names:
         entry: dict[str, Any] = {}
@@ -331,7 +398,15 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
             else:
                 entry[key] = v0
         state[name] = entry
-    return {"param_groups": hyper, "state": state}, ""
+    master = None
+    if masters:
+        master = {}
+        for name in names:
+            full = _gather_group(name, [tables[r] for r in group0], [masters[r][name] for r in group0], problems,
+                                 what=" (fp32 master)")
+            if full is not None:
+                master[name] = full
+    return {"param_groups": hyper, "state": state}, "", master
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
-__all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model"]
+__all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model", "build_normalisers"]
 
 BUNDLE_FORMAT = "stormshard-bundle"
 _STATS = ("mean", "stdev", "minimum", "maximum")
@@ -131,11 +131,17 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> I
     model.load_state_dict(weights)
     model.to(dtype).eval()
     statistics = Statistics(*(np.array([stats_json[n][s] for n in variables.variables]) for s in _STATS))
-    norm = meta["normalisation"]
-    kw = {"methods": norm["methods"], "default": norm["default"]}
+    normaliser, output_normaliser = build_normalisers(statistics, variables, meta["normalisation"])
     return InferenceModel(
-        model=model,
-        normaliser=Normaliser.from_statistics(statistics, variables.variables, variables.input_names, **kw),
-        output_normaliser=Normaliser.from_statistics(statistics, variables.variables, variables.output_names, **kw),
+        model=model, normaliser=normaliser, output_normaliser=output_normaliser,
         variables=variables, graph=graph, config=config, timestep=meta.get("timestep"), metadata=meta,
     )
+
+
+def build_normalisers(statistics: Statistics, variables: VariableIndex,
+                      normalisation: dict[str, Any]) -> tuple[Normaliser, Normaliser]:
+    """The input and output normalisers of a model from the dataset ``statistics`` (dataset
+    variable order) and the bundle's ``normalisation`` (``{"default": ..., "methods": {...}}``)."""
+    kw = {"methods": normalisation["methods"], "default": normalisation["default"]}
+    return (Normaliser.from_statistics(statistics, variables.variables, variables.input_names, **kw),
+            Normaliser.from_statistics(statistics, variables.variables, variables.output_names, **kw))

@@ -11,9 +11,13 @@ and RNG; ``rank_NNNNN.safetensors``; ``metadata.json``; ``latest``) into a tempo
 is renamed at the end: nothing is written on failure.
 
 The number of data-parallel replicas stays the same (the data position is per replica); the
-engine stays the same. Supported engine states: ``local``, ``ddp`` and ``deepspeed`` ZeRO 0 (fp32),
-without PowerSGD state. ZeRO 1/2 (flat, per-rank optimizer partitions) raise an error naming the
-stage and the fix.
+engine and its precision stay the same. Supported engine states: ``local`` and ``ddp`` (fp32 or
+bf16 autocast: fp32 parameters), ``deepspeed`` ZeRO 0 fp32 (a torch optimizer state) and
+DeepSpeed's flat fp32 master (ZeRO 1/2 partitions in fp32 or bf16; bf16 at ZeRO 0), without PowerSGD
+state. The target ranks get the consolidated fp32 master weights and moments, re-partitioned
+(:func:`~stormshard.checkpoint.zero.flatten_zero`); DeepSpeed loads them with
+``load_from_fp32_weights=True`` (and a bf16 module rounds the same fp32 weights), so nothing is
+lost in a bf16 run.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from stormshard.checkpoint.consolidate import (
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.groups import model_on_meta
 from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
-from stormshard.checkpoint.zero import flatten_zero
+from stormshard.checkpoint.zero import flatten_flat_master, flatten_zero
 from stormshard.parallel.partition import Partition, get_partition
 from stormshard.parallel.tensor import slice_partition
 from stormshard.parallel.topology import LayoutError
@@ -103,8 +107,9 @@ def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: ExperimentConfig) -> None:
         stage = ckpt.engine.get("zero_stage")
         raise ConversionError(
             f"cannot reshard a checkpoint of engine {engine!r} at ZeRO stage {stage}: {ckpt.optimizer_note}",
-            fix="resume the source run in fp32 (deepspeed.bf16 off) for a step and reshard that checkpoint; "
-                "`consolidate` and `export` work on this one (weights only)")
+            fix="resume the source run for a step with a supported engine state (local, ddp, or DeepSpeed ZeRO "
+                "0-2, fp32 or bf16) and reshard that checkpoint; `consolidate` and `export` work on this one "
+                "(weights only)")
     if engine == "deepspeed" and ckpt.engine.get("zero_stage", 0) > 0 and "zero_extras" not in ckpt.engine:
         raise ConversionError(f"the ZeRO stage {ckpt.engine.get('zero_stage')} checkpoint lacks its DeepSpeed "
                               "optimizer fields", fix="consolidate the training checkpoint again")
@@ -175,6 +180,14 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
                 engine.pop("zero_extras")
                 engine["optimizer"] = flatten_zero(ckpt.engine["zero_extras"], hyper, names, module, local,
                                                    replicas, replica)
+            elif "flat_master_extras" in ckpt.engine:  # bf16 at ZeRO 0: the unpartitioned fp32 master
+                local = {n: {k: (_slice(t, parts[n]) if isinstance(t, Tensor) and t.dim() > 0 and
+                                 tuple(t.shape) == shapes[n] else t) for k, t in ckpt.optimizer["state"][n].items()}
+                         for n in names}
+                hyper = [{k: v for k, v in g.items() if k != "param_names"} for g in ckpt.optimizer["param_groups"]]
+                engine.pop("flat_master_extras")
+                engine["optimizer"] = flatten_flat_master(ckpt.engine["flat_master_extras"], hyper, names, module,
+                                                          local)
             else:
                 engine["optimizer"] = _optimizer_for_rank(ckpt.optimizer, names, parts, shapes)
             rep = ckpt.replicas[replica]

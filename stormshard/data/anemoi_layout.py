@@ -235,8 +235,12 @@ def write_anemoi_dataset(
     dtype: str | np.dtype = np.float32,
     zarr_format: int = 2,
     overwrite: bool = False,
+    compressor: str | None = None,
 ) -> None:
     """Write ``data`` ``(dates, variables, ensemble, cells)`` and its metadata in the anemoi layout.
+
+    ``compressor`` of the ``data`` chunks: None for zarr's default (Blosc lz4 with byte shuffle,
+    what anemoi-datasets stores get), ``"blosc-zstd"`` (smaller, slower to decode) or ``"none"``.
 
     ``statistics`` default to :func:`compute_statistics` over the dates up to ``statistics_end``
     (inclusive; default all), recorded in ``statistics_start_date`` / ``statistics_end_date``.
@@ -314,9 +318,19 @@ def write_anemoi_dataset(
     if resolution is not None:
         attrs["resolution"] = str(resolution)
     root.attrs.update(attrs)
+    codec: dict[str, Any] = {}
+    if compressor == "none":
+        codec = {"compressors": None}
+    elif compressor == "blosc-zstd":
+        from zarr.codecs import BloscCodec
+
+        codec = {"compressors": BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")} if zarr_format == 3 else \
+            {"compressors": __import__("numcodecs").Blosc(cname="zstd", clevel=3, shuffle=1)}
+    elif compressor is not None:
+        raise ValueError(f"compressor={compressor!r} must be None (zarr's default), 'blosc-zstd' or 'none'")
     data_array = root.create_array(
         "data", shape=data.shape, dtype=np.dtype(dtype), chunks=(1, n_vars, 1, min(cells_per_chunk or n_cells, n_cells)),
-        fill_value=np.nan,
+        fill_value=np.nan, **codec,
         **({"dimension_names": ("time", "variable", "ensemble", "cell")} if zarr_format == 3 else {}),
     )
     data_array[...] = data.astype(dtype, copy=False)
@@ -514,6 +528,20 @@ class AnemoiDataset:
     @property
     def start_date(self) -> np.datetime64:
         return self.dates[0]
+
+    @property
+    def variables_with_nans(self) -> list[str]:
+        """Variables whose stored data holds NaNs (e.g. sea-surface fields over land), in dataset order.
+
+        From the ``has_nans`` statistics array when the store has it, else anemoi-datasets'
+        ``variables_with_nans`` attribute; a store with neither reports none here (training masks
+        NaN targets and imputes NaN inputs of every variable regardless).
+        """
+        if self.statistics.has_nans is not None:
+            flags = np.asarray(self.statistics.has_nans, dtype=bool)
+            return [v for v, f in zip(self.variables, flags, strict=True) if f]
+        listed = set(self.attributes.get("variables_with_nans") or [])
+        return [v for v in self.variables if v in listed]
 
     @property
     def end_date(self) -> np.datetime64:

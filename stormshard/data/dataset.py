@@ -31,7 +31,8 @@ from torch.utils.data import Dataset, Sampler
 
 from stormshard.data.anemoi_layout import AnemoiDataset, as_datetime64, frequency_to_string, parse_frequency
 
-__all__ = ["WindowedSampleDataset", "split_sample", "split_by_dates", "ResumableSampler"]
+__all__ = ["WindowedSampleDataset", "split_sample", "split_by_dates", "date_range_bounds", "overlapping_ranges",
+           "ResumableSampler"]
 
 
 def split_sample(sample: Tensor, multistep_input: int, input_indices: Sequence[int],
@@ -53,6 +54,22 @@ def split_sample(sample: Tensor, multistep_input: int, input_indices: Sequence[i
     inputs = sample.narrow(time_dim, 0, multistep_input)[..., list(input_indices)]
     targets = sample.narrow(time_dim, multistep_input, times - multistep_input)[..., list(output_indices)]
     return inputs, targets
+
+
+def date_range_bounds(dataset: AnemoiDataset, start: Any, end: Any) -> tuple[np.datetime64, np.datetime64]:
+    """The inclusive ``(first, last)`` instants of a date range: None = the dataset's ends, an end
+    written to a coarser precision covers its whole period (``"2020-12"`` ends 2020-12-31T23:59:59)."""
+    lo = dataset.start_date if start is None else as_datetime64(start, "start")
+    hi = dataset.end_date if end is None else _end_of(end)
+    return lo, hi
+
+
+def overlapping_ranges(dataset: AnemoiDataset, ranges: Mapping[str, tuple[Any, Any]]) -> list[tuple[str, str]]:
+    """Pairs of named ``(start, end)`` ranges that share at least one instant."""
+    bounds = {name: date_range_bounds(dataset, *r) for name, r in ranges.items()}
+    names = list(bounds)
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+            if bounds[a][0] <= bounds[b][1] and bounds[b][0] <= bounds[a][1]]
 
 
 def split_by_dates(dataset: AnemoiDataset, ranges: Mapping[str, tuple[Any, Any]],
@@ -160,11 +177,15 @@ class WindowedSampleDataset(Dataset):
         """The window's dates; the last input date is ``dates[multistep_input - 1]``."""
         return self.dataset.dates[self.date_indices(index)]
 
-    def read(self, index: int, cells: slice | None = None) -> Tensor:
-        """Sample ``index`` (optionally only ``cells``): ``(time, ensemble, cells, variables)`` or,
-        with ``ensemble="each"``, ``(time, cells, variables)``."""
+    def read(self, index: int, cells: slice | None = None, times: int | None = None) -> Tensor:
+        """Sample ``index`` (optionally only ``cells``, and only its first ``times`` dates, e.g.
+        ``multistep_input + rollout`` of a shorter rollout): ``(time, ensemble, cells, variables)``
+        or, with ``ensemble="each"``, ``(time, cells, variables)``."""
         start, member = self._locate(index)
-        raw = self.dataset.read(start + self.offsets, cells=cells)  # (time, variables, ensemble, cells)
+        if times is not None and not 1 <= times <= len(self.offsets):
+            raise ValueError(f"times={times} must lie in [1, {len(self.offsets)}] (the window's dates)")
+        offsets = self.offsets if times is None else self.offsets[:times]
+        raw = self.dataset.read(start + offsets, cells=cells)  # (time, variables, ensemble, cells)
         if member is not None:
             raw = raw[:, :, member]
             return torch.from_numpy(rearrange(raw, "t v c -> t c v").copy()).to(self.dtype)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from stormshard.data.anemoi_layout import Statistics
 
-__all__ = ["METHODS", "Normaliser"]
+__all__ = ["METHODS", "FILL_METHODS", "Normaliser", "nan_fill_values"]
 
 METHODS = ("mean-std", "std", "min-max", "max", "none")
 
@@ -111,3 +111,38 @@ class Normaliser(nn.Module):
 
     def extra_repr(self) -> str:
         return f"variables={self.variables}"
+
+
+FILL_METHODS = ("mean", "minimum", "maximum")
+
+
+def nan_fill_values(statistics: Statistics, dataset_variables: Sequence[str], normaliser: Normaliser,
+                    fills: Mapping[str, str | float] | None = None, default: str | float = "mean") -> Tensor:
+    """``(variables,)`` float64: the normalised value that replaces a NaN input of each of the
+    normaliser's variables (missing data, e.g. sea-surface temperature over land).
+
+    ``fills`` maps a variable name to ``"mean"``, ``"minimum"``, ``"maximum"`` (the dataset
+    statistic) or a number in physical units; the others use ``default`` ("mean": 0 after
+    mean-std normalisation, the anemoi imputer's default). The value is normalised with the
+    normaliser's own offset and scale.
+    """
+    fills = dict(fills or {})
+    index = {v: i for i, v in enumerate(dataset_variables)}
+    unknown = sorted(set(fills) - set(normaliser.variables))
+    if unknown:
+        raise ValueError(f"data.imputation names {unknown}, which are not model input variables "
+                         f"({normaliser.variables}): fix the names or remove them")
+    values = torch.empty(len(normaliser.variables), dtype=torch.float64)
+    for j, name in enumerate(normaliser.variables):
+        how = fills.get(name, default)
+        if isinstance(how, str):
+            if how not in FILL_METHODS:
+                raise ValueError(f"data.imputation for {name} is {how!r}: use one of {FILL_METHODS} or a number "
+                                 "(physical units)")
+            value = float(getattr(statistics, how)[index[name]])
+        else:
+            value = float(how)
+            if not np.isfinite(value):
+                raise ValueError(f"data.imputation for {name} is {how!r}: give a finite number")
+        values[j] = (value - float(normaliser.offset[j])) / float(normaliser.scale[j])
+    return values

@@ -43,7 +43,7 @@ from stormshard.parallel.comm import all_gather_along
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
 
 __all__ = ["CellShard", "cell_shard", "CellShardDataset", "gather_cells", "read_sample_sharded", "SliceReadPlan",
-           "ModelSliceReader"]
+           "ModelSliceReader", "read_slice_block"]
 
 ProcessGroup = dist.ProcessGroup
 
@@ -196,6 +196,14 @@ class SliceReadPlan:
         return slice(first.start, last.stop)
 
 
+def read_slice_block(samples: WindowedSampleDataset, indices: Sequence[int], cells: slice,
+                     times: int | None = None) -> Tensor:
+    """The store read of a reader: ``(batch, *sample dims with cells = cells)`` of samples ``indices``
+    (their first ``times`` dates; None = the whole window). Communicates nothing, touches no
+    process group: safe in DataLoader worker processes and threads."""
+    return torch.stack([samples.read(i, cells=cells, times=times) for i in indices])
+
+
 class ModelSliceReader:
     """Reads batches of samples for one rank of a model group: its own grid slice, read by ``plan.readers``
     readers per model group (see the module docstring).
@@ -205,6 +213,11 @@ class ModelSliceReader:
     group must call it with the same indices. ``store_reads`` counts this rank's reads from the store.
     Communicates (``served > 1``): the reader sends each client its slice, one point-to-point
     message per client over ``group`` (the model group).
+
+    Split in two for prefetching (:mod:`stormshard.data.loader`): the readers' store reads
+    (:func:`read_slice_block` of ``plan.read_cells``, plus any elementwise transform such as
+    normalisation) run in worker processes or threads; :meth:`distribute` then runs in the
+    training process and does the communication.
     """
 
     def __init__(self, plan: SliceReadPlan, group: ProcessGroup | None, device: torch.device | str = "cpu") -> None:
@@ -217,11 +230,27 @@ class ModelSliceReader:
     def _global(self, model_rank: int) -> int:
         return dist.get_global_rank(self.group, model_rank)
 
-    def read(self, samples: WindowedSampleDataset, indices: Sequence[int]) -> Tensor:
+    def read(self, samples: WindowedSampleDataset, indices: Sequence[int], times: int | None = None) -> Tensor:
+        """Read (readers) and hand out (all): this rank's slice of samples ``indices``."""
+        block = None
+        if self.plan.is_reader:
+            self.store_reads += len(indices)
+            block = read_slice_block(samples, indices, self.plan.read_cells, times)
+        shape = (len(indices), len(samples.offsets) if times is None else times, *samples.sample_shape[1:])
+        return self.distribute(block, shape, samples.dtype)
+
+    def distribute(self, block: Tensor | None, shape: Sequence[int], dtype: torch.dtype,
+                   non_blocking: bool = False) -> Tensor:
+        """This rank's slice from the reader's ``block`` (the ``plan.read_cells`` of a batch, on the
+        readers; None elsewhere). ``shape``: the full-grid batch shape ``(batch, *sample dims)`` with
+        the cells at dim -2; ``dtype``: the block's dtype (what non-readers receive). The block is
+        moved to ``device`` first (``non_blocking`` for pinned CPU memory). Every rank of the model
+        group calls it together, in the same order."""
         plan = self.plan
         if plan.is_reader:
-            self.store_reads += len(indices)
-            block = torch.stack([samples.read(i, cells=plan.read_cells) for i in indices]).to(self.device)
+            if block is None:
+                raise ValueError("this rank is a reader: pass the block it read (read_slice_block of plan.read_cells)")
+            block = block.to(self.device, non_blocking=non_blocking)
             if plan.served == 1:
                 return block
             offset = plan.read_cells.start
@@ -231,7 +260,6 @@ class ModelSliceReader:
             for work in sends:
                 work.wait()
             return parts[plan.rank]
-        shape = (len(indices), *samples.sample_shape[:-2], plan.sizes[plan.rank], samples.sample_shape[-1])
-        out = torch.empty(shape, dtype=samples.dtype, device=self.device)
+        out = torch.empty((*shape[:-2], plan.sizes[plan.rank], shape[-1]), dtype=dtype, device=self.device)
         dist.recv(out, self._global(plan.reader), group=self.group)
         return out

@@ -18,6 +18,11 @@ Variables (in this order):
 - ``tracer_product`` (diagnostic, output-only): the product of the normalised patterns of
   ``tracer_1`` and ``tracer_2``: ``((tracer_1 - offset_1) / scale_1) * ((tracer_2 - offset_2) / scale_2)``.
 
+With ``sea_field=True`` (``--sea-field``) a sixth variable ``sst`` (prognostic) is written: a
+sea-surface field ``290 + 3 * pattern_1`` (it moves with ``tracer_1``) that is NaN over a fixed
+"land" (:data:`LAND_BOXES`, two boxes, a fifth of the cells), as sea-surface fields of real
+datasets are; its statistics skip the NaNs and ``has_nans`` flags it.
+
 Members (``--members M``) share the dynamics; member ``m > 0`` perturbs the wave phases.
 Everything needed to recompute the fields is stored in the group attribute ``synthetic``
 (:meth:`SyntheticDynamics.from_attributes`).
@@ -25,7 +30,7 @@ Everything needed to recompute the fields is stored in the group attribute ``syn
 CLI::
 
     python -m stormshard.data.synthetic --grid o16 --steps 400 --out data/synthetic.zarr \\
-        [--frequency 6h] [--seed 0] [--members 1] [--start-date 2020-01-01] [--if-missing]
+        [--frequency 6h] [--seed 0] [--members 1] [--start-date 2020-01-01] [--sea-field] [--if-missing]
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ __all__ = [
     "unit_vectors",
     "rotation_matrix",
     "insolation",
+    "SEA_FIELD",
+    "LAND_BOXES",
+    "land_mask",
     "generate_synthetic_dataset",
     "main",
 ]
@@ -69,6 +77,8 @@ PROGNOSTIC = ("tracer_1", "tracer_2", "tracer_3")
 FORCING = ("insolation",)
 DIAGNOSTIC = ("tracer_product",)
 VARIABLES = PROGNOSTIC + FORCING + DIAGNOSTIC
+SEA_FIELD = "sst"
+LAND_BOXES = ((-35.0, 70.0, -20.0, 50.0), (15.0, 70.0, 235.0, 300.0))  # (lat_min, lat_max, lon_min, lon_max), degrees
 
 DEFAULT_OMEGAS = (3.0, -2.0, 4.0)  # degrees per hour, one per prognostic field
 DEFAULT_OFFSETS = (280.0, 0.0, 1000.0)
@@ -103,6 +113,18 @@ def insolation(date: Any, latitudes: np.ndarray, longitudes: np.ndarray) -> np.n
     lat = np.radians(np.asarray(latitudes, float))
     cos_zenith = np.sin(lat) * np.sin(declination) + np.cos(lat) * np.cos(declination) * np.cos(hour_angle)
     return np.maximum(cos_zenith, 0.0)
+
+
+def land_mask(latitudes: np.ndarray, longitudes: np.ndarray) -> np.ndarray:
+    """``(cells,)`` bool: the synthetic "land" (:data:`LAND_BOXES`), where ``sst`` is missing."""
+    lat = np.asarray(latitudes, float)
+    lon = np.mod(np.asarray(longitudes, float), 360.0)
+    land = np.zeros(lat.shape, dtype=bool)
+    for lat0, lat1, lon0, lon1 in LAND_BOXES:
+        in_lon = (lon >= lon0 % 360.0) & (lon <= lon1 % 360.0) if lon0 % 360.0 <= lon1 % 360.0 else \
+            (lon >= lon0 % 360.0) | (lon <= lon1 % 360.0)
+        land |= (lat >= lat0) & (lat <= lat1) & in_lon
+    return land
 
 
 @dataclass(frozen=True, eq=False)
@@ -237,10 +259,13 @@ def generate_synthetic_dataset(
     statistics_end: Any = None,
     cells_per_chunk: int | None = None,
     overwrite: bool = False,
+    sea_field: bool = False,
+    compressor: str | None = None,
 ) -> SyntheticDynamics:
     """Write ``steps`` dates of the synthetic fields on ``grid`` to ``path``; return the dynamics.
 
-    ``statistics_end`` and ``cells_per_chunk`` are passed to :func:`write_anemoi_dataset`.
+    ``sea_field``: add ``sst``, NaN over :func:`land_mask`. ``statistics_end``, ``cells_per_chunk``
+    and ``compressor`` are passed to :func:`write_anemoi_dataset`.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer of at least 2 (the number of dates), got {steps!r}")
@@ -249,11 +274,18 @@ def generate_synthetic_dataset(
     dynamics = SyntheticDynamics.from_seed(seed=seed, members=members, start_date=start_date)
     step = np.timedelta64(int(freq.total_seconds()), "s")
     dates = dynamics.start_date + step * np.arange(steps)
-    data = np.empty((steps, len(VARIABLES), members, len(lat)), dtype=np.float32)
+    names = VARIABLES + ((SEA_FIELD,) if sea_field else ())
+    data = np.empty((steps, len(names), members, len(lat)), dtype=np.float32)
+    land = land_mask(lat, lon)
     for i, date in enumerate(dates):
-        data[i] = np.moveaxis(dynamics.state(date, lat, lon), 0, 1)
+        state = np.moveaxis(dynamics.state(date, lat, lon), 0, 1)  # (variables, members, cells)
+        data[i, :len(VARIABLES)] = state
+        if sea_field:
+            pattern_1 = (state[0] - dynamics.offsets[0]) / dynamics.scales[0]
+            data[i, -1] = np.where(land, np.nan, 290.0 + 3.0 * pattern_1)
+    extra = {"compressor": compressor} if compressor is not None else {}
     write_anemoi_dataset(
-        path, data, dates, lat, lon, VARIABLES,
+        path, data, dates, lat, lon, names,
         frequency=freq,
         resolution=grid.lower(),
         attributes={
@@ -265,11 +297,14 @@ def generate_synthetic_dataset(
                 **{v: {"role": "prognostic"} for v in PROGNOSTIC},
                 **{v: {"role": "forcing"} for v in FORCING},
                 **{v: {"role": "diagnostic"} for v in DIAGNOSTIC},
+                **({SEA_FIELD: {"role": "prognostic", "missing": "NaN over land"}} if sea_field else {}),
             },
+            **({"variables_with_nans": [SEA_FIELD]} if sea_field else {}),
         },
         statistics_end=statistics_end,
         cells_per_chunk=cells_per_chunk,
         overwrite=overwrite,
+        **extra,
     )
     return dynamics
 
@@ -283,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--members", type=int, default=1, help="ensemble members")
     parser.add_argument("--start-date", default="2020-01-01T00:00:00")
+    parser.add_argument("--sea-field", action="store_true",
+                        help="add 'sst', a sea-surface field that is NaN over a fixed land region")
     parser.add_argument("--if-missing", action="store_true",
                         help="do nothing when --out already holds a valid anemoi-layout dataset")
     args = parser.parse_args(argv)
@@ -307,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(parent, exist_ok=True)
     t0 = time.perf_counter()
     generate_synthetic_dataset(args.out, grid=args.grid, steps=args.steps, frequency=args.frequency,
-                               seed=args.seed, members=args.members, start_date=args.start_date)
+                               seed=args.seed, members=args.members, start_date=args.start_date,
+                               sea_field=args.sea_field)
     ds = AnemoiDataset.open(args.out)
     print(f"wrote {args.out}: {ds.num_dates} dates every {frequency_to_string(ds.frequency)}, "
           f"{ds.num_variables} variables {ds.variables}, {ds.ensemble_size} member(s), {ds.num_cells} cells "

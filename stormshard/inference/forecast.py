@@ -1,228 +1,290 @@
-"""Forecasts from an inference bundle: rollout, anemoi-layout output, maps, RMSE against persistence.
+"""Forecasts: sharded rollout, anemoi zarr / netCDF output, scores and plots.
 
-``run_forecast(bundle, dataset, date, steps, out)``:
+``run_forecast(source, dataset, dates, steps, out, gpus_per_model=K, ...)`` in one process or on
+every rank of an initialised process group (``torchrun`` / ``deepspeed`` / ``srun``):
 
-1. reads the ``multistep_input`` states ending at ``date`` (spaced by the model's timestep) from an
-   anemoi-layout dataset, on the whole grid;
-2. rolls the model out ``steps`` times, as in training
-   (:func:`~stormshard.models.rollout.advance_window`): each prediction replaces the prognostic
-   variables of the next input, forcings come from the dataset at the predicted time;
-3. writes the forecast (output variables, dates ``date + k * timestep``, k = 1..steps) as an
-   anemoi-layout zarr store ``out/forecast.zarr``;
-4. computes the area-weighted RMSE per lead time and variable of the forecast and of persistence
-   (the state at ``date``) against the dataset, prints a table and writes ``out/rmse.json``;
-5. draws PNG maps (forecast, truth, error; scatter on lat/lon) of the chosen variables at the
-   chosen lead times into ``out/maps/``.
+1. checks the whole request (:func:`~stormshard.inference.request.check_request`) on every rank
+   before any group, model or file exists;
+2. builds the model groups (K consecutive ranks hold one model; ``world / K`` replicas) and this
+   rank's shard of the model with its slice of the weights (:mod:`stormshard.inference.loader`:
+   an exported bundle, or a training checkpoint of any layout), in the precision the model
+   trained in or ``precision``;
+3. rank 0 creates one anemoi-layout store per initial date (``<dir>/forecast.zarr``, ``dir`` =
+   ``out`` for one date, ``out/<YYYYmmddTHHMM>`` for each of several), then each replica rolls out
+   its (date, member) tasks (:mod:`stormshard.inference.runner`) on its ranks' grid slices,
+   reading only those slices, and every rank writes whole chunks of each lead time
+   (:class:`~stormshard.inference.outputs.ChunkExchange`: no rank gathers the state);
+4. per initial date (dates dealt over the ranks): netCDF (``forecast.nc``), scores against the
+   dataset (:mod:`stormshard.inference.verification`: RMSE and ACC of model, persistence and a
+   training-period climatology; CRPS and spread/skill for ensembles) into ``scores.json``, maps;
+5. rank 0 combines the dates' scores into ``out/scores.json``, plots them
+   (``out/plots/scores_<variable>.png``) and prints a table.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from einops import rearrange
-from torch import Tensor
 
-from stormshard.checkpoint.export import InferenceModel, load_model
-from stormshard.data.anemoi_layout import AnemoiDataset, as_datetime64, parse_frequency, write_anemoi_dataset
-from stormshard.models.rollout import advance_window
+from stormshard.checkpoint.export import InferenceModel
+from stormshard.data.anemoi_layout import AnemoiDataset, parse_frequency
+from stormshard.inference.loader import PRECISIONS, ModelSource, build_forecaster, open_model_source
+from stormshard.inference.outputs import (
+    ChunkExchange,
+    ForecastStore,
+    StoreStatistics,
+    reduce_statistics,
+    variable_units,
+    write_netcdf,
+)
+from stormshard.inference.plots import plot_maps, plot_scores
+from stormshard.inference.request import ForecastRequest, check_request, default_members
+from stormshard.inference.runner import member_generator, member_noise, replica_tasks, rollout_steps
+from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
+from stormshard.parallel.topology import ParallelLayout, build_process_groups
 
-__all__ = ["ForecastResult", "rollout", "rmse_per_lead", "plot_maps", "run_forecast"]
+__all__ = ["ForecastResult", "run_forecast", "format_scores"]
 
 
 @dataclass
 class ForecastResult:
-    """Physical fields ``(steps, grid, output_variables)`` and scores per lead time."""
+    """What a forecast wrote. ``scores``: combined over the initial dates (rank 0; ``{}`` elsewhere
+    or without verification); ``per_date``: each date's scores (the dates this rank verified)."""
 
-    init_date: np.datetime64
-    dates: np.ndarray  # (steps,) valid dates
-    forecast: np.ndarray  # (steps, grid, output_variables); the ensemble mean for ensemble models
-    truth: np.ndarray
-    persistence: np.ndarray  # (grid, output_variables): the state at init_date
-    members: np.ndarray | None = None  # (members, steps, grid, output_variables) for ensemble models
-    rmse: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # {var: {"model": [...], "persistence": [...]}}
+    request: ForecastRequest
+    stores: list[Path]
+    lead_hours: list[float]
+    scores: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    per_date: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     files: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # rollout_s (all ranks), steps_per_s (all replicas)
+
+    def read(self, date: int = 0) -> np.ndarray:
+        """The forecast of initial date ``date`` from its store: ``(members, steps, grid, variables)``."""
+        store = AnemoiDataset.open(self.stores[date])
+        return rearrange(np.asarray(store.data[:]), "t v e c -> e t c v")
 
 
-@torch.no_grad()
-def rollout(bundle: InferenceModel, states: Tensor, forcings: Tensor, generator: torch.Generator | None = None
-            ) -> Tensor:
-    """Autoregressive forecast in physical units.
+@dataclass(frozen=True)
+class _Model:
+    """What the run needs to know of the model before it is built."""
 
-    ``states``: ``(batch, multistep_input, grid, input_variables)``; ``forcings``: ``(batch, steps - 1,
-    grid, input_variables)`` (only the forcing columns are read: the inputs at the predicted times).
-    Ensemble models draw fresh noise per batch entry and step from ``generator``. Returns ``(batch, steps, grid, output_variables)``.
+    source: ModelSource | None
+    prebuilt: InferenceModel | None
+    variables: Any
+    graph: Any
+    timestep: str | None
+    metadata: dict[str, Any]
+    name: str
+    multistep: int
+    precision: str
+    train_range: tuple[Any, Any]
+
+
+def _describe(source: str | os.PathLike | InferenceModel, dataset: Any, graph: Any) -> _Model:
+    if isinstance(source, InferenceModel):
+        dtype = next(source.model.parameters()).dtype
+        precision = next(k for k, v in PRECISIONS.items() if v == dtype)
+        train = ((source.metadata.get("experiment") or {}).get("data") or {}).get("train") or {}
+        return _Model(None, source, source.variables, source.graph, source.timestep, source.metadata,
+                      source.config.name, source.multistep_input, precision, (train.get("start"), train.get("end")))
+    src = open_model_source(source, dataset=dataset, graph=graph)
+    return _Model(src, None, src.variables, src.graph, src.timestep, src.metadata, src.config.name,
+                  src.config.multistep_input, src.precision, src.train_range)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.PathLike,
+                 dates: Any | Sequence[Any], steps: int, out: str | os.PathLike, *, gpus_per_model: int = 1,
+                 members: int | None = None, seed: int = 0, precision: str | None = None,
+                 formats: Sequence[str] = ("zarr",), plot_variables: Sequence[str] | None = None,
+                 plot_steps: Sequence[int] | None = None, verify: bool = True, cells_per_chunk: int | None = None,
+                 graph: str | os.PathLike | None = None, overwrite: bool = False, verbose: bool = True
+                 ) -> ForecastResult:
+    """Forecast ``steps`` lead times from each of ``dates`` (the last input state) and write the
+    outputs under ``out`` (see the module docstring). Call it on every rank of the process group.
+
+    ``source``: a bundle or checkpoint path (or, in one process, a loaded :class:`InferenceModel`);
+    ``members``: ensemble members per date (None: the ensemble size the model trained with; 1 for
+    deterministic models); ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp64`` (None: the
+    training precision); ``formats``: ``zarr`` (always written) and ``netcdf``; ``cells_per_chunk``:
+    cells per zarr chunk (None: the largest grid slice); ``verify``: scores and plots.
     """
-    v = bundle.variables
-    dtype = next(bundle.model.parameters()).dtype
-    x = bundle.normaliser.normalise(states.double()).to(dtype)
-    f = bundle.normaliser.normalise(forcings.double()).to(dtype)
-    prog_in = torch.tensor(v.prognostic_in_input, device=x.device)
-    prog_out = torch.tensor(v.prognostic_in_output, device=x.device)
-    out = []
-    for k in range(f.shape[1] + 1):
-        if hasattr(bundle.model, "sample_noise"):
-            pred = bundle.model(x, bundle.model.sample_noise(x.shape[0], generator=generator, dtype=x.dtype))
-        else:
-            pred = bundle.model(x)
-        out.append(bundle.output_normaliser.denormalise(pred.double()))
-        if k < f.shape[1]:
-            x = advance_window(x, f[:, k], pred, prog_in, prog_out)
-    return torch.stack(out, dim=1)
-
-
-def rmse_per_lead(pred: np.ndarray, truth: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Area-weighted RMSE ``(steps, variables)`` of ``pred`` vs ``truth`` ``(steps, grid, variables)``."""
-    w = (weights / weights.sum())[None, :, None]
-    return np.sqrt(((pred - truth) ** 2 * w).sum(axis=1))
-
-
-def plot_maps(result: ForecastResult, variables: list[str], names: list[str], steps: list[int], lat: np.ndarray,
-              lon: np.ndarray, out: Path) -> list[Path]:
-    """One PNG per variable and lead step: forecast, truth and error side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    lon = ((lon + 180.0) % 360.0) - 180.0
-    size = float(np.clip(40000.0 / max(lat.size, 1), 1.0, 40.0))  # dots that tile the globe
-    for name in variables:
-        j = names.index(name)
-        for k in steps:
-            fc, tr = result.forecast[k - 1, :, j], result.truth[k - 1, :, j]
-            fig, axes = plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
-            lo, hi = float(min(fc.min(), tr.min())), float(max(fc.max(), tr.max()))
-            err = fc - tr
-            e = float(np.abs(err).max()) or 1.0
-            panels = ((fc, "forecast", "viridis", lo, hi), (tr, "truth", "viridis", lo, hi),
-                      (err, "error (forecast - truth)", "RdBu_r", -e, e))
-            for ax, (field_, title, cmap, vmin, vmax) in zip(axes, panels, strict=True):
-                sc = ax.scatter(lon, lat, c=field_, s=size, cmap=cmap, vmin=vmin, vmax=vmax, linewidths=0)
-                ax.set_title(f"{name} {title}")
-                ax.set_xlim(-180, 180)
-                ax.set_ylim(-90, 90)
-                ax.set_xlabel("longitude")
-                ax.set_ylabel("latitude")
-                fig.colorbar(sc, ax=ax, shrink=0.8)
-            fig.suptitle(f"init {result.init_date}, lead step {k} (valid {result.dates[k - 1]})")
-            path = out / f"{name}_step{k:03d}.png"
-            fig.savefig(path, dpi=80)
-            plt.close(fig)
-            paths.append(path)
-    return paths
-
-
-def _stride(bundle: InferenceModel, dataset: AnemoiDataset) -> tuple[int, str]:
-    step = parse_frequency(bundle.timestep) if bundle.timestep else dataset.frequency
-    ratio = step / dataset.frequency
-    if ratio != int(ratio) or ratio < 1:
-        raise ValueError(f"the model's timestep {bundle.timestep} is not a multiple of the dataset's frequency "
-                         f"{dataset.frequency}: forecast from a dataset whose frequency divides it")
-    hours = step.total_seconds() / 3600
-    return int(ratio), f"{hours:g}h"
-
-
-def run_forecast(bundle: str | os.PathLike | InferenceModel, dataset: str | os.PathLike, date: Any, steps: int,
-                 out: str | os.PathLike, *, plot_variables: list[str] | None = None,
-                 plot_steps: list[int] | None = None, members: int = 1, seed: int = 0, overwrite: bool = False,
-                 verbose: bool = True) -> ForecastResult:
-    """Forecast ``steps`` lead times from ``date`` (the last input state) and write the outputs
-    under ``out`` (see the module docstring). All inputs are checked before anything is written.
-
-    Ensemble models (``model.name == "ensemble"``) run ``members`` members (noise drawn from
-    ``seed``); the store gets an ensemble dimension of that size, scores and maps use the mean.
-    """
-    model = bundle if isinstance(bundle, InferenceModel) else load_model(bundle)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    info = _describe(source, dataset, graph)
     ds = AnemoiDataset.open(dataset)
-    v = model.variables
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    missing = [n for n in v.variables if n not in ds.variables]
-    if missing:
-        raise ValueError(f"the dataset {dataset} lacks the model's variables {missing}: use the dataset the model was "
-                         "trained on (or one with the same variables)")
-    if ds.num_cells != model.graph["data"].num_nodes:
-        raise ValueError(f"the dataset has {ds.num_cells} grid cells, the model's graph {model.graph['data'].num_nodes}: "
-                         "forecast on the training grid")
-    stride, step_text = _stride(model, ds)
-    m = model.multistep_input
-    t0 = ds.date_index(date)
-    first, last = t0 - (m - 1) * stride, t0 + steps * stride
-    if first < 0 or last >= ds.num_dates:
-        lo = ds.dates[min((m - 1) * stride, ds.num_dates - 1)]
-        hi = ds.dates[max(ds.num_dates - 1 - steps * stride, 0)]
-        raise ValueError(f"date {as_datetime64(date)} with {m} input states and {steps} steps of {step_text} needs "
-                         f"dataset dates from index {first} to {last}; choose a date between {lo} and {hi}")
-    ensemble = model.config.name == "ensemble"
-    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
-        raise ValueError(f"members must be a positive integer, got {members!r}")
-    if members > 1 and not ensemble:
-        raise ValueError(f"members={members} but the model is deterministic ({model.config.name}): use members=1")
-    plot_variables = list(plot_variables or [])
-    unknown = [n for n in plot_variables if n not in v.output_names]
-    if unknown:
-        raise ValueError(f"plot variables {unknown} are not model outputs {list(v.output_names)}")
-    plot_steps = list(plot_steps or [steps])
-    bad = [k for k in plot_steps if not 1 <= k <= steps]
-    if bad:
-        raise ValueError(f"plot steps {bad} are outside 1..{steps}")
-    out = Path(out)
-    store = out / "forecast.zarr"
-    if store.exists() and not overwrite:
-        raise FileExistsError(f"{store} exists: choose another --out or pass --overwrite")
+    date_list = [dates] if isinstance(dates, (str, np.datetime64)) or not isinstance(dates, Sequence) else list(dates)
+    if info.prebuilt is not None and (world > 1 or gpus_per_model != 1 or precision not in (None, info.precision)):
+        raise ValueError("a loaded InferenceModel runs in one process as loaded: pass the bundle or checkpoint path "
+                         "for gpus_per_model > 1, several processes or another precision")
+    ensemble = info.name == "ensemble"
+    req = check_request(
+        dataset=dataset, ds=ds, graph=info.graph, variables=info.variables, timestep=info.timestep,
+        multistep=info.multistep, ensemble=ensemble, default_member_count=default_members(info.metadata, ensemble),
+        dates=date_list, steps=steps, out=out, members=members, world_size=world, gpus_per_model=gpus_per_model,
+        precision=precision or info.precision, formats=formats, plot_variables=plot_variables or [],
+        plot_steps=plot_steps, cells_per_chunk=cells_per_chunk, verify=verify, seed=seed, overwrite=overwrite,
+        model_name=info.name)
+    _barrier()  # every rank has checked before rank 0 creates anything
 
-    idx = np.arange(first, last + 1, stride)  # inputs, then the predicted times
-    raw = torch.from_numpy(rearrange(ds.read(idx)[:, :, 0], "t v c -> t c v").astype(np.float64))
-    ds_index = [ds.variables.index(n) for n in v.variables]
-    data = raw[..., ds_index]  # (time, grid, model's dataset variables)
-    states = data[:m][..., v.input_idx].unsqueeze(0).expand(members, -1, -1, -1)
-    forcings = data[m:m + steps - 1][..., v.input_idx].unsqueeze(0).expand(members, -1, -1, -1)
-    ens = rollout(model, states, forcings, torch.Generator().manual_seed(seed)).numpy()  # (members, steps, grid, variables)
-    pred = ens.mean(axis=0)
-    truth = data[m:][..., v.output_idx].numpy()
-    persistence = data[m - 1][..., v.output_idx].numpy()
-    weights = model.graph["data"].area_weight.double().numpy()
-    model_rmse = rmse_per_lead(pred, truth, weights)
-    pers_rmse = rmse_per_lead(np.broadcast_to(persistence, truth.shape), truth, weights)
-    dates = ds.dates[idx[m:]]
-    result = ForecastResult(ds.dates[t0], dates, pred, truth, persistence, ens if ensemble else None)
+    layout = ParallelLayout(world_size=world, gpus_per_model=req.gpus_per_model)
+    groups = build_process_groups(layout)
+    forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision])
+    plan = forecaster.model.plan
+    exchange = ChunkExchange(plan.data_sizes, req.cells_per_chunk or max(plan.data_sizes), groups.model_group)
+    v = forecaster.variables
     names = list(v.output_names)
-    result.rmse = {n: {"model": model_rmse[:, j].tolist(), "persistence": pers_rmse[:, j].tolist()}
-                   for j, n in enumerate(names)}
+    frequency = parse_frequency(req.step_text)
+    stores = [d / "forecast.zarr" for d in req.date_dirs]
+    valid = [ds.dates[req.indices(i)[req.multistep:]] for i in range(len(stores))]
+    if rank == 0:
+        for i, path in enumerate(stores):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ForecastStore.create(
+                path, valid_dates=valid[i], latitudes=ds.latitudes, longitudes=ds.longitudes, variables=names,
+                members=req.members, frequency=frequency, cells_per_chunk=exchange.chunk,
+                attributes={"initial_date": str(req.init_dates[i]), "source": "stormshard forecast",
+                            "ensemble_members": req.members, "model_step": info.metadata.get("step"),
+                            "precision": req.precision, "description": "forecast: data[k] is valid at dates[k]"})
+    _barrier()
 
-    out.mkdir(parents=True, exist_ok=True)
-    write_anemoi_dataset(store, rearrange(ens, "e t c v -> t v e c"), dates, ds.latitudes, ds.longitudes, names,
-                         frequency=step_text, overwrite=overwrite,
-                         attributes={"initial_date": str(ds.dates[t0]), "source": "stormshard forecast",
-                                     "ensemble_members": members,
-                                     "model_step": model.metadata.get("step")})
-    lead_hours = [float((d - ds.dates[t0]) / np.timedelta64(1, "h")) for d in dates]
-    report = {"init_date": str(ds.dates[t0]), "members": members, "lead_hours": lead_hours,
-              "valid_dates": [str(d) for d in dates],
-              "rmse": result.rmse}
-    (out / "rmse.json").write_text(json.dumps(report, indent=1))
-    maps = plot_maps(result, plot_variables, names, plot_steps, ds.latitudes, ds.longitudes, out / "maps")
-    result.files = {"forecast": store, "rmse": out / "rmse.json", "maps": maps}
-    if verbose:
-        print(format_rmse(report))
+    # ---- the sharded rollout, written chunk by chunk
+    stats = [StoreStatistics(len(names)) for _ in stores]
+    handles = [ForecastStore(p) for p in stores]
+    cells = plan.data_slice
+    ds_cols = [ds.variables.index(n) for n in v.variables]
+    _barrier()
+    start = time.perf_counter()
+    for d, member_ids in replica_tasks(len(stores), req.members, layout.data_parallel_size, groups.data_parallel_rank):
+        raw = ds.read(req.indices(d), cells=cells)[:, ds_cols, 0]  # (time, model's dataset variables, cells_local)
+        data = torch.from_numpy(rearrange(raw.astype(np.float64), "t v c -> t c v"))
+        b = len(member_ids)
+        states = data[: req.multistep][..., v.input_idx].unsqueeze(0).expand(b, -1, -1, -1)
+        forcings = data[req.multistep: req.multistep + req.steps - 1][..., v.input_idx].unsqueeze(0)
+        forcings = forcings.expand(b, -1, -1, -1)
+        noise = None
+        if ensemble:
+            device = next(forecaster.model.parameters()).device
+            gens = [member_generator(req.seed, req.init_dates[d], m, device) for m in member_ids]
+            noise = member_noise(forecaster.model, gens)
+        for k, pred in enumerate(rollout_steps(forecaster, states.to(device=_device(forecaster)),
+                                               forcings.to(device=_device(forecaster)), noise)):
+            owned = exchange.exchange(rearrange(pred.float(), "b c v -> c b v")).cpu().numpy()  # (owned, b, v)
+            for j, m in enumerate(member_ids):
+                values = owned[:, j].T  # (variables, owned cells)
+                handles[d].write(k, m, exchange.owned, values)
+                stats[d].add(values)
+    _barrier()
+    rollout_s = time.perf_counter() - start
+    reduce_statistics(stats)
+    for i, h in enumerate(handles):
+        if i % world == rank:
+            h.finalise(stats[i])
+    _barrier()
+
+    lead_hours = [float((t - req.init_dates[0]) / np.timedelta64(1, "h")) for t in valid[0]]
+    result = ForecastResult(req, stores, lead_hours)
+    total = len(stores) * req.members * req.steps
+    result.timings = {"rollout_s": rollout_s, "forecast_steps": total, "steps_per_s": total / rollout_s}
+    _postprocess(req, info, ds, forecaster, result, valid, names, rank, world, verbose)
     return result
 
 
-def format_rmse(report: dict[str, Any]) -> str:
-    """Table of RMSE per variable and lead time, model / persistence."""
+def _device(forecaster: InferenceModel) -> torch.device:
+    return next(forecaster.model.parameters()).device
+
+
+def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecaster: InferenceModel,
+                 result: ForecastResult, valid: list[np.ndarray], names: list[str], rank: int, world: int,
+                 verbose: bool) -> None:
+    """netCDF, scores and maps per date (dates dealt over the ranks); combined scores on rank 0."""
+    clim_path = req.out / "climatology.npz"
+    if req.verify:
+        if rank == 0:
+            compute_climatology(ds, names, *info.train_range).save(clim_path)
+        _barrier()
+        clim = Climatology.load(clim_path)
+    units = variable_units(ds)
+    weights = forecaster.graph["data"].area_weight.double().numpy()
+    out_cols = [ds.variables.index(n) for n in names]
+    files: dict[str, Any] = {"forecast": result.stores, "netcdf": [], "maps": [], "scores": []}
+    for i, path in enumerate(result.stores):
+        if i % world != rank:
+            continue
+        directory = req.date_dirs[i]
+        if "netcdf" in req.formats:
+            files["netcdf"].append(write_netcdf(path, directory / "forecast.nc", init_date=req.init_dates[i],
+                                                units=units, attributes={"members": req.members}))
+        if not (req.verify or req.plot_variables):
+            continue
+        members = result.read(i)
+        idx = req.indices(i)
+        obs = rearrange(ds.read(idx[req.multistep - 1:])[:, out_cols, 0].astype(np.float64), "t v c -> t c v")
+        truth, persistence = obs[1:], obs[0]
+        if req.verify:
+            scores = score_forecast(members.astype(np.float64), truth, persistence, clim.at(valid[i]), weights, names)
+            result.per_date[str(req.init_dates[i])] = scores
+            (directory / "scores.json").write_text(json.dumps(
+                _report(req, [req.init_dates[i]], valid[i], result.lead_hours, scores, clim), indent=1))
+            files["scores"].append(directory / "scores.json")
+        if req.plot_variables:
+            files["maps"] += plot_maps(members.mean(axis=0), truth, names, list(req.plot_variables),
+                                       list(req.plot_steps), ds.latitudes, ds.longitudes, req.init_dates[i],
+                                       valid[i], directory / "maps")
+    _barrier()
+    if req.verify and rank == 0:
+        per_date = [json.loads((d / "scores.json").read_text())["scores"] for d in req.date_dirs]
+        result.per_date = {str(d): s for d, s in zip(req.init_dates, per_date, strict=True)}
+        result.scores = combine_scores(per_date, req.members)
+        report = _report(req, list(req.init_dates), valid[0] if len(valid) == 1 else None, result.lead_hours,
+                         result.scores, clim)
+        if len(req.date_dirs) > 1:
+            (req.out / "scores.json").write_text(json.dumps(report, indent=1))
+        title = f"{len(req.init_dates)} initial date(s), {req.members} member(s)"
+        files["plots"] = plot_scores(result.scores, result.lead_hours, req.out / "plots", title)
+        files["summary"] = req.out / "scores.json"
+        if verbose:
+            print(format_scores(report))
+    result.files = files
+
+
+def _report(req: ForecastRequest, inits: list[np.datetime64], valid: np.ndarray | None, lead_hours: list[float],
+            scores: dict[str, dict[str, list[float]]], clim: Climatology) -> dict[str, Any]:
+    out = {"init_dates": [str(d) for d in inits], "members": req.members, "lead_hours": lead_hours,
+           "precision": req.precision, "gpus_per_model": req.gpus_per_model,
+           "climatology": {"period": list(clim.period), "dates": clim.samples, "hours": clim.hours},
+           "scores": scores}
+    if valid is not None:
+        out["valid_dates"] = [str(d) for d in valid]
+    return out
+
+
+def format_scores(report: dict[str, Any]) -> str:
+    """Table per variable and lead time: RMSE model / persistence / climatology and ACC (and CRPS,
+    spread/skill for ensembles)."""
     leads = report["lead_hours"]
-    lines = [f"RMSE against the dataset, init {report['init_date']} (model / persistence)"]
-    head = f"{'variable':<16}" + "".join(f"{f'+{h:g}h':>22}" for h in leads)
+    inits = report["init_dates"]
+    head_init = inits[0] if len(inits) == 1 else f"{len(inits)} initial dates"
+    lines = [f"scores against the dataset, {head_init}, {report['members']} member(s)"]
+    head = f"{'variable':<16}{'score':<18}" + "".join(f"{f'+{h:g}h':>11}" for h in leads)
     lines += [head, "-" * len(head)]
-    for name, r in report["rmse"].items():
-        cells = "".join(f"{f'{a:.4g} / {b:.4g}':>22}" for a, b in zip(r["model"], r["persistence"], strict=True))
-        lines.append(f"{name:<16}{cells}")
+    for name, s in report["scores"].items():
+        for key in ("rmse", "rmse_persistence", "rmse_climatology", "acc", "acc_persistence", "crps", "spread_skill"):
+            if key in s:
+                lines.append(f"{name:<16}{key:<18}" + "".join(f"{x:>11.4g}" for x in s[key]))
     return "\n".join(lines)

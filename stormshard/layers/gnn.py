@@ -75,6 +75,8 @@ class _GNNBase(nn.Module):
         when sharded); the edge update only when ``update_edges``."""
         num_dst = x_dst.shape[0]
         edge_index = edge_index.to(x_dst.device)
+        # edge attributes are often a module buffer, which bf16 engines leave in fp32: compute in the nodes' dtype
+        edge_attr = edge_attr.to(x_dst.dtype)
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor, ...]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
@@ -83,7 +85,8 @@ class _GNNBase(nn.Module):
             attr_b = attr.reshape(attr.shape[:1] + (1,) * (h_dst.dim() - attr.dim()) + attr.shape[1:])
             attr_b = attr_b.expand(h_dst.shape[:-1] + attr.shape[-1:])  # edges shared by every batch entry
             msg = self.edge_mlp(torch.cat([h_src, h_dst, attr_b], dim=-1))
-            agg = scatter(msg, dst - first, dim=0, dim_size=end - first, reduce="sum")
+            acc = torch.promote_types(msg.dtype, torch.float32)  # the sum over edges accumulates in fp32
+            agg = scatter(msg.to(acc), dst - first, dim=0, dim_size=end - first, reduce="sum").to(msg.dtype)
             x = x_dst[first:end]
             x = x + self.node_mlp(torch.cat([x, agg], dim=-1))
             return (x, attr_b + msg) if update_edges else (x,)

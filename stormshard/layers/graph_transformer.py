@@ -61,15 +61,19 @@ def graph_attention(
 
     ``query`` ``(num_dst, *batch, heads, d)``, ``key``/``value`` ``(num_src, *batch, heads, d)``,
     ``edge_emb`` ``(E, *batch or 1s, heads, d)`` (added to keys and values), ``edge_index``
-    ``(2, E)``. Returns ``(num_dst, *batch, heads, d)``; a destination without incoming edges gets zeros.
+    ``(2, E)``. Returns ``(num_dst, *batch, heads, d)`` in ``value``'s dtype; a destination without
+    incoming edges gets zeros. The logits, the softmax statistics (max and sum per destination) and
+    the weighted sum over edges are computed in fp32 whatever the input dtype (bf16 included).
     """
     src, dst = edge_index[0], edge_index[1]
+    acc = torch.promote_types(value.dtype, torch.float32)
     k_j = key.index_select(0, src) + edge_emb
     v_j = value.index_select(0, src) + edge_emb
     q_i = query.index_select(0, dst)
-    logits = (q_i * k_j).sum(dim=-1) / math.sqrt(query.shape[-1])  # (E, heads)
+    logits = (q_i.to(acc) * k_j.to(acc)).sum(dim=-1) / math.sqrt(query.shape[-1])  # (E, heads)
     weights = softmax(logits, dst, num_nodes=num_dst)
-    return scatter(weights.unsqueeze(-1) * v_j, dst, dim=0, dim_size=num_dst, reduce="sum")
+    out = scatter(weights.unsqueeze(-1) * v_j.to(acc), dst, dim=0, dim_size=num_dst, reduce="sum")
+    return out.to(v_j.dtype)
 
 
 def check_node_and_edge_shapes(
@@ -181,6 +185,8 @@ class _GraphTransformerBase(nn.Module):
         k = rearrange(self.to_k(h_src), split, h=heads)
         v = rearrange(self.to_v(h_src), split, h=heads)
         edge_index = edge_index.to(x_dst.device)
+        # edge attributes are often a module buffer, which bf16 engines leave in fp32: compute in the nodes' dtype
+        edge_attr = edge_attr.to(x_dst.dtype)
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])

@@ -10,15 +10,23 @@ sees the ``B + 2 * window_size`` keys that can reach it, so time and memory grow
 the sequence instead of quadratically as with a dense masked SDPA. It is a custom autograd
 Function in the style of flash attention: the forward keeps only the output and the per-query
 log-sum-exp, and the backward recomputes each block's scores, so no ``(Lq, Lk)`` matrix is
-ever held. On CUDA, with ``flash_attn`` importable and half-precision inputs, flash-attn's
-windowed kernel runs instead (same definition, via an asymmetric window that absorbs the offsets).
+ever held. On CUDA, with ``flash_attn`` (>= 2.3, the first with ``window_size``) importable and
+half-precision inputs, flash-attn's windowed kernel runs instead (same definition, via an asymmetric
+window that absorbs the offsets); the import and the version check run once per process.
+
+Precision: the banded path computes scores, the softmax statistics (running max and log-sum-exp)
+and the output in fp32 for fp16/bf16 inputs (in float64 for float64), with ``torch.autocast``
+switched off inside, and returns the input dtype; flash-attn keeps its softmax statistics in fp32.
 
 Nothing is communicated here.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+import warnings
 
 import einops
 import torch
@@ -70,6 +78,12 @@ class _BandedWindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,  # noqa: ANN001
                 scale: float) -> Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # scores and statistics in q's dtype (fp32/fp64)
+            return _BandedWindowAttention._forward(ctx, q, k, v, window_size, shift, block, scale)
+
+    @staticmethod
+    def _forward(ctx, q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,  # noqa: ANN001
+                 scale: float) -> Tensor:
         num_q, num_k = q.shape[1], k.shape[1]
         out = q.new_zeros(q.shape[:2] + (v.shape[-1],))
         lse = q.new_full(q.shape[:2] + (1,), float("-inf"))
@@ -87,7 +101,13 @@ class _BandedWindowAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # noqa: ANN001
-        q, k, v, out, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors  # read once (activation checkpointing unpacks each saved tensor once)
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _BandedWindowAttention._backward(ctx, saved, grad_out.to(saved[0].dtype))
+
+    @staticmethod
+    def _backward(ctx, saved: tuple[Tensor, ...], grad_out: Tensor):  # noqa: ANN001
+        q, k, v, out, lse = saved
         window_size, shift, block, scale = ctx.window_size, ctx.shift, ctx.block, ctx.scale
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -104,10 +124,30 @@ class _BandedWindowAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _flash_attn_func():  # pragma: no cover - needs a GPU with flash-attn
+FLASH_ATTN_MIN_VERSION = (2, 3)  # flash_attn_func gained window_size in 2.3
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"2.6.3+cu12"`` -> ``(2, 6, 3)``: the leading dotted integers of a version string."""
+    match = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(x) for x in match.group(0).split(".")) if match else ()
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_attn_func():
+    """flash-attn's ``flash_attn_func`` if importable and new enough (>= 2.3), else None; decided once
+    per process (a failed import is not retried on every call). An installed flash-attn older than
+    2.3 gets one warning naming the version and the fix; the banded kernel runs instead."""
     try:
+        import flash_attn
         from flash_attn import flash_attn_func
     except ImportError:
+        return None
+    version = getattr(flash_attn, "__version__", "0")
+    if _version_tuple(version) < FLASH_ATTN_MIN_VERSION:
+        warnings.warn(
+            f"flash-attn {version} is installed but has no window_size (added in 2.3): sliding-window attention "
+            "uses the banded kernel instead; upgrade with `pip install 'flash-attn>=2.3'`", stacklevel=2)
         return None
     return flash_attn_func
 

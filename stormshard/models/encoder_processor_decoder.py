@@ -83,9 +83,11 @@ class EncoderProcessorDecoder(nn.Module):
         self.decoder = self._mapper(config.decoder, dec_attr.shape[1], self.plan.decoder)
         self.head = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, n_out))
 
-        residual = torch.zeros(n_in, n_out)
-        residual[variables.prognostic_in_input, variables.prognostic_in_output] = 1.0
-        self.register_buffer("residual_map", residual, persistent=False)
+        # residual prediction: output column prognostic_in_output[i] adds input column prognostic_in_input[i]
+        self.register_buffer("prognostic_in_input", torch.tensor(variables.prognostic_in_input, dtype=torch.long),
+                             persistent=False)
+        self.register_buffer("prognostic_in_output", torch.tensor(variables.prognostic_in_output, dtype=torch.long),
+                             persistent=False)
 
     @property
     def model_group(self) -> dist.ProcessGroup | None:
@@ -120,8 +122,8 @@ class EncoderProcessorDecoder(nn.Module):
         self.check_input(x)
         batch = x.shape[0]
         data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
-        dtype = x.dtype
-        states = rearrange(x, "b t g v -> g b (t v)")
+        dtype = self.embed_data.weight.dtype  # compute dtype: bf16 under DeepSpeed's bf16 mode, else the parameters'
+        states = rearrange(x, "b t g v -> g b (t v)").to(dtype)
         data_static = torch.cat([self.data_coords.to(dtype), self.data_embedding[data_slice]], dim=-1)
         x_data = self.embed_data(torch.cat([states, data_static.unsqueeze(1).expand(-1, batch, -1)], dim=-1))
         hidden_static = torch.cat([self.hidden_coords.to(dtype), self.hidden_embedding[hidden_slice]], dim=-1)
@@ -133,7 +135,11 @@ class EncoderProcessorDecoder(nn.Module):
         """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
         x_data = self.decoder(x_hidden, x_data, self.decoder_edge_attr)
         out = rearrange(self.head(x_data), "g b v -> b g v")
-        return out + x[:, -1] @ self.residual_map.to(x.dtype)
+        # the carried state is added in the input's dtype (fp32 in training), never rounded to bf16
+        last = x[:, -1]
+        residual = last.new_zeros(out.shape).index_copy(-1, self.prognostic_in_output,
+                                                        last.index_select(-1, self.prognostic_in_input))
+        return out.to(last.dtype) + residual
 
     def forward(self, x: Tensor) -> Tensor:
         x_data, x_hidden = self.encode(x)

@@ -28,13 +28,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from stormshard.graphs.builder import GraphConfig, KNNEdges
 from stormshard.models.config import ModelConfig
 from stormshard.parallel.topology import ParallelLayout
+from stormshard.training.engine.deepspeed_keys import check_deepspeed_section
 from stormshard.training.engine.settings import (
     MOVED_DEEPSPEED_KEYS,
     AdamWSettings,
     CompressionSection,
     EngineSettings,
     check_engine_sections,
+    check_precision,
+    section_enabled,
 )
+from stormshard.training.rollout_schedule import RolloutSchedule
+from stormshard.training.scaling import LossScalingSettings
 from stormshard.training.schedule import LRScheduleSettings
 
 __all__ = [
@@ -76,6 +81,15 @@ class DataSection(_Strict):
     normalisation_methods: dict[str, Literal["mean-std", "std", "min-max", "max", "none"]] = Field(default_factory=dict)
     graph_cache: str | None = Field(None, description="graph file; default <output_dir>/graph.pt")
     validation_samples: int = Field(16, ge=1, description="validation windows per evaluation")
+    test: DateRange | None = Field(None, description="optional test dates; evaluated at the end of the run")
+    num_workers: int = Field(2, ge=0, strict=True, description="reader workers per reading rank (0: read inline)")
+    prefetch: int = Field(2, ge=1, strict=True, description="micro-batches in flight per reader worker")
+    worker_type: Literal["auto", "processes", "threads"] = Field(
+        "threads", description="threads (default: zarr decoding releases the GIL; 0.4% data wait in "
+        "benchmarks/bench_input_pipeline.py against 11% for processes on 2 cores), processes (a fork "
+        "server), or auto (processes unless this process may not start children)")
+    imputation: dict[str, float | Literal["mean", "minimum", "maximum"]] = Field(
+        default_factory=dict, description="NaN input fill per variable (default: the mean, normalised 0)")
 
 
 class ParallelSection(_Strict):
@@ -128,7 +142,10 @@ class TrainingSection(_Strict):
 
     max_steps: int | None = Field(None, ge=1, description="optimizer steps; or give epochs")
     epochs: int | None = Field(None, ge=1)
-    rollout: int = Field(1, ge=1, description="autoregressive steps in the loss")
+    rollout: int | RolloutSchedule = Field(1, description="autoregressive steps in the loss: an int or "
+                                           "{start, increase_every, unit, maximum}")
+    validation_rollout: int = Field(1, ge=1, strict=True, description="lead times in validation")
+    loss_scaling: LossScalingSettings = LossScalingSettings()
     lr: float = Field(1e-3, gt=0, description="peak learning rate (end of warm-up)")
     lr_min: float = Field(1e-5, ge=0, description="floor of the cosine decay; at most lr")
     warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear warm-up; at most the run's steps")
@@ -141,9 +158,15 @@ class TrainingSection(_Strict):
     seed: int = 0
     output_dir: str = "runs/quickstart"
     crps_alpha: float = Field(0.95, ge=0, le=1)
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="model compute precision for every engine; bf16 keeps fp32 master weights, "
+                            "optimizer moments, data, targets and loss (deepspeed.bf16 is generated from it)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
+        if isinstance(self.rollout, int) and (isinstance(self.rollout, bool) or self.rollout < 1):
+            raise ValueError(f"training.rollout={self.rollout!r} must be a positive integer or a schedule "
+                             "{start, increase_every, unit, maximum}")
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("training: give exactly one of max_steps and epochs")
         if not math.isfinite(self.lr):
@@ -196,6 +219,8 @@ class ExperimentConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
         check_engine_sections(self.engine, self.deepspeed, self.compression)
+        check_precision(self.training.precision, self.deepspeed)
+        check_deepspeed_section(self.engine, self.deepspeed)  # DeepSpeed 0.19's keys; engine conflicts
         strategy = self.parallel.shard_strategy
         if (self.parallel.tensor_model_parallel_size or 1) > 1:
             strategy = "tensor"
@@ -258,6 +283,7 @@ class ExperimentConfig(_Strict):
                 broadcast_buffers=self.ddp.broadcast_buffers,
                 compression=self.compression,
                 model_parallel_grad_reduction=self.model_parallel_grad_reduction,
+                precision=t.precision,
             )
         except ValidationError as err:
             raise ConfigError(_format_errors(err, "engine settings")) from None
@@ -269,7 +295,8 @@ class ExperimentConfig(_Strict):
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: {len(err.errors())} invalid setting(s):"]
+    """One line per problem; a section-level check (its message names the field) is shown as it is."""
+    problems = []
     for e in err.errors():
         where = ".".join(str(x) for x in e["loc"]) or "(top level)"
         value = e.get("input")
@@ -279,8 +306,15 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (a typo? remove it or check the README's config reference)"
-        lines.append(f"  - {where} = {shown}: {msg}")
-    return "\n".join(lines)
+        if e["type"] == "value_error":
+            msg = str(e.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
+            if isinstance(value, dict):  # a model validator: its message names the fields
+                problems.append(msg)
+                continue
+        problems.append(f"{where} = {shown}: {msg}")
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    return "\n".join([f"{source}: {len(problems)} invalid setting(s):"] + [f"  - {p}" for p in problems])
 
 
 def _read_json_object(source: str | os.PathLike, what: str, fix: str, holds: str) -> dict[str, Any]:
@@ -352,6 +386,8 @@ def merge_deepspeed_file(raw: dict[str, Any], deepspeed: dict[str, Any],
              if key in section]
     if "optimizer" in section:
         moves += _deepspeed_optimizer_moves(section.pop("optimizer"), source)
+    if isinstance(section.get("bf16"), dict):  # the section keeps it; training.precision must agree
+        moves.append(("bf16.enabled", "training.precision", "bf16" if section_enabled(section["bf16"]) else "fp32"))
     out = dict(raw)
     for key, dotted, value in moves:
         name, field = dotted.split(".")

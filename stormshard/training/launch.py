@@ -1,25 +1,72 @@
 """Process start-up for the entry points: one process or many, CPU (gloo) or GPU (NCCL).
 
-``run_training(config_path)`` validates the config *before* any process group or file is
-created, initialises ``torch.distributed`` from the launcher's environment (DeepSpeed's
-launcher, torchrun or SLURM+torchrun set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; a plain
-``python`` start gets a one-process group on a free local port), trains, and tears down.
+``run_training(config)`` validates the config *before* any process group or file is created,
+initialises ``torch.distributed`` from the launcher's environment, trains, and tears down.
+
+Launchers (:func:`detect_launch` reads the environment; the first that matches wins):
+
+==========================  =======================================================================
+``torch``                   ``RANK`` / ``WORLD_SIZE`` set: torchrun, DeepSpeed's launcher (hostfile,
+                            ``--no_ssh``, ``--launcher mpich`` through its helper)
+``openmpi``                 ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK``: ``mpirun``, DeepSpeed
+                            ``--launcher openmpi``
+``mpich``                   ``PMI_RANK`` / ``PMI_SIZE`` (``MPI_LOCALRANKID``): MPICH / Intel MPI hydra
+``slurm``                   ``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID`` in an ``srun``
+                            step: ``srun python launch/train.py`` (one task per GPU), DeepSpeed
+                            ``--launcher slurm``
+``single``                  none of these: one process on a free local port
+==========================  =======================================================================
+
+The master address is ``MASTER_ADDR`` when set, else the first host of the SLURM step / job node
+list (``SLURM_STEP_NODELIST``, ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``, expanded like
+``scontrol show hostnames``), else ``SLURM_LAUNCH_NODE_IPADDR``, else ``127.0.0.1`` when all ranks
+share one node; the port is ``MASTER_PORT``, else ``15000 + SLURM_JOB_ID % 20000``, else 29500.
+A start that finds several tasks in its environment but would run as a world of one is an error
+(:class:`LaunchError`): N independent one-process runs would write to the same ``output_dir``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stormshard.training.config import ExperimentConfig, load_experiment_config
+from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
+from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import TrainResult, train
 from stormshard.training.preflight import preflight
+from stormshard.training.rank_zero import RankZeroFailed
+from stormshard.training.watchdog import RankFailure, RankMonitor, monitor_settings
 
-__all__ = ["init_distributed", "run_training"]
+__all__ = ["LaunchError", "LaunchEnvironment", "detect_launch", "init_distributed", "run_training",
+           "process_group_timeout"]
+
+
+class LaunchError(ConfigError):
+    """The launcher's environment cannot start this run; the message names the variable and the fix."""
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    """Where this process sits in the job, read from the launcher's environment."""
+
+    launcher: str  # "torch" | "openmpi" | "mpich" | "slurm" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    def torch_variables(self) -> dict[str, str]:
+        """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` for ``env://``."""
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
 
 
 def _free_port() -> int:
@@ -28,39 +75,219 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> tuple[int, int]:
-    """Initialise the default process group from the environment; returns (rank, world size).
+def _int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
+    raw = env[name]
+    try:
+        value = int(raw)
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r} is not an integer: the launcher set it wrongly, or unset it") from None
+    if value < minimum:
+        raise LaunchError(f"{name}={raw!r} must be at least {minimum}")
+    return value
 
+
+def _first_of(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if env.get(n)), None)
+
+
+def _slurm_tasks(env: Mapping[str, str]) -> int | None:
+    name = _first_of(env, ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
+    return None if name is None else _int(env, name, 1)
+
+
+def _master_addr(env: Mapping[str, str], launcher: str, world: int, local_world: int | None) -> str:
+    if env.get("MASTER_ADDR"):
+        return env["MASTER_ADDR"]
+    nodelist = _first_of(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+    if nodelist is not None:
+        try:
+            return first_host(env[nodelist])
+        except HostlistError as exc:
+            raise LaunchError(f"{nodelist}: {exc}; set MASTER_ADDR to the first host instead") from None
+    if env.get("SLURM_LAUNCH_NODE_IPADDR"):
+        return env["SLURM_LAUNCH_NODE_IPADDR"]
+    if world == 1 or (local_world is not None and local_world == world):
+        return "127.0.0.1"
+    raise LaunchError(
+        f"{launcher}: {world} ranks on several nodes but MASTER_ADDR is not set and no SLURM node list is "
+        "available: export MASTER_ADDR=<first host> to every rank (mpirun -x MASTER_ADDR, or DeepSpeed "
+        "--launcher_args '-x MASTER_ADDR=<host>')"
+    )
+
+
+def _master_port(env: Mapping[str, str]) -> int:
+    if env.get("MASTER_PORT"):
+        return _int(env, "MASTER_PORT", 1)
+    if env.get("SLURM_JOB_ID", "").isdigit():
+        return 15000 + int(env["SLURM_JOB_ID"]) % 20000
+    return 29500
+
+
+def _check_world(launcher: str, world: int, env: Mapping[str, str]) -> None:
+    """A world of one while the environment announces several tasks is an error."""
+    if world != 1:
+        return
+    others = []
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        if env.get(name, "").isdigit() and int(env[name]) > 1:
+            others.append(f"{name}={env[name]}")
+    if not others:
+        return
+    if launcher == "torch" and not env.get("SLURM_STEP_ID") and not env.get("SLURM_STEPID") and not any(
+            o.startswith(("OMPI", "PMI")) for o in others):
+        # torchrun / deepspeed inside a SLURM batch script that asked for several tasks: the batch step
+        # runs one process, and torch's variables say world 1; that is what the user started
+        return
+    raise LaunchError(
+        f"this process would run as a world of 1 ({launcher} variables) but the environment announces "
+        f"several tasks ({', '.join(others)}): each task would train alone and write the same output_dir. "
+        "Start one process per task without an inner launcher (`srun python launch/train.py ...` or "
+        "`mpirun -n N python launch/train.py ...`), or give torchrun --nnodes/--nproc_per_node for the whole job"
+    )
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
+    """This process's rank, world size, local rank and master address from the launcher's environment
+    (see the module docstring for the order). Raises :class:`LaunchError` naming the variable."""
+    env = os.environ if env is None else env
+    if env.get("WORLD_SIZE") and env.get("RANK"):
+        launcher, rank, world = "torch", _int(env, "RANK"), _int(env, "WORLD_SIZE", 1)
+        local_name = _first_of(env, ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
+        local = _int(env, local_name) if local_name else 0
+        local_world = _int(env, "LOCAL_WORLD_SIZE", 1) if env.get("LOCAL_WORLD_SIZE") else None
+    elif env.get("OMPI_COMM_WORLD_SIZE"):
+        launcher = "openmpi"
+        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE", 1)
+        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if env.get("OMPI_COMM_WORLD_LOCAL_RANK") else 0
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", 1) if env.get("OMPI_COMM_WORLD_LOCAL_SIZE") else None
+    elif env.get("PMI_SIZE") and (env.get("PMI_RANK") or env.get("PMIX_RANK")):
+        launcher = "mpich"
+        rank = _int(env, "PMI_RANK" if env.get("PMI_RANK") else "PMIX_RANK")
+        world = _int(env, "PMI_SIZE", 1)
+        local_name = _first_of(env, ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID"))
+        local = _int(env, local_name) if local_name else 0
+        local_world = _int(env, "MPI_LOCALNRANKS", 1) if env.get("MPI_LOCALNRANKS") else None
+    elif env.get("SLURM_PROCID") and _slurm_tasks(env) is not None:
+        world = _slurm_tasks(env)
+        if world > 1 and not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+            raise LaunchError(
+                f"SLURM_NTASKS={world} but this process is the batch script, not an srun task (SLURM_STEP_ID is "
+                "unset): the job would run one process. Start it with `srun python launch/train.py ...` "
+                "(one task per GPU), or ask for --ntasks 1"
+            )
+        launcher, rank = "slurm", _int(env, "SLURM_PROCID")
+        local = _int(env, "SLURM_LOCALID") if env.get("SLURM_LOCALID") else 0
+        local_world = None
+        if env.get("SLURM_NNODES", "").isdigit() and int(env["SLURM_NNODES"]) == 1:
+            local_world = world
+    else:
+        return LaunchEnvironment("single", 0, 1, 0, env.get("MASTER_ADDR") or "127.0.0.1",
+                                 _int(env, "MASTER_PORT", 1) if env.get("MASTER_PORT") else _free_port())
+    if not 0 <= rank < world:
+        raise LaunchError(f"{launcher}: rank {rank} is outside the world of {world} ranks: check the launcher's "
+                          "variables (RANK / OMPI_COMM_WORLD_RANK / PMI_RANK / SLURM_PROCID)")
+    _check_world(launcher, world, env)
+    return LaunchEnvironment(launcher, rank, world, local, _master_addr(env, launcher, world, local_world),
+                             _master_port(env))
+
+
+def process_group_timeout(env: Mapping[str, str] | None = None) -> timedelta:
+    """How long a collective may wait before it fails: ``STORMSHARD_DIST_TIMEOUT`` seconds (default 600).
+
+    With NCCL the timeout is enforced by the watchdog when ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``
+    (torch's default): a rank waiting on a dead peer aborts after it instead of hanging.
+    """
+    env = os.environ if env is None else env
+    raw = env.get("STORMSHARD_DIST_TIMEOUT", "")
+    try:
+        seconds = float(raw) if raw else 600.0
+    except ValueError:
+        raise LaunchError(f"STORMSHARD_DIST_TIMEOUT={raw!r} is not a number of seconds: unset it or give e.g. 600") \
+            from None
+    if seconds <= 0:
+        raise LaunchError(f"STORMSHARD_DIST_TIMEOUT={raw!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+def init_distributed(launch: LaunchEnvironment | None = None) -> tuple[int, int]:
+    """Initialise the default process group from the launcher's environment; returns (rank, world size).
+
+    The torch variables of ``launch`` (default :func:`detect_launch`) are exported for ``env://``.
     The backend follows the hardware: NCCL when CUDA is available, gloo otherwise.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+    launch = launch or detect_launch()
+    os.environ.update(launch.torch_variables())
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
         backend = "nccl"
     else:
         backend = "gloo"
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=process_group_timeout())
     return dist.get_rank(), dist.get_world_size()
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective (a transport error or timeout of gloo / NCCL)."""
+    if isinstance(exc, (RankZeroFailed, RankFailure)):
+        return False
+    if isinstance(exc, getattr(dist, "DistError", ())) and not isinstance(exc, ConfigError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out"))
 
 
 def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, resume: bool = False,
                  overrides: dict[str, Any] | None = None) -> TrainResult:
     """Validate ``config`` (and, with ``resume``, that ``training.output_dir`` holds a checkpoint),
-    start the process group, train, and shut down."""
+    start the process group, train, and shut down.
+
+    When this call starts the process group of several ranks, every rank also runs a
+    :class:`~stormshard.training.watchdog.RankMonitor`: a failed collective caused by a rank that died
+    is re-raised as :class:`~stormshard.training.watchdog.RankFailure` naming that rank.
+    """
     cfg = config if isinstance(config, ExperimentConfig) else load_experiment_config(config, overrides)
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    inputs = preflight(cfg, world, resume=resume)  # bad input fails here, before any process group exists
     owns_group = not dist.is_initialized()
-    init_distributed()
+    launch = detect_launch() if owns_group else None
+    world = dist.get_world_size() if not owns_group else launch.world_size
+    interval, dead_after = monitor_settings()
+    process_group_timeout()  # a bad STORMSHARD_DIST_TIMEOUT fails here too
+    inputs = preflight(cfg, world, resume=resume)  # bad input fails here, before any process group exists
+    # the torch variables init_distributed writes (DeepSpeed reads them) are put back afterwards, so an
+    # in-process run leaves no RANK / MASTER_PORT behind for a later run or subprocess to collide with
+    saved_env = {k: os.environ.get(k) for k in launch.torch_variables()} if owns_group else {}
+    if owns_group:
+        init_distributed(launch)
+    monitor = None
+    if owns_group and world > 1 and interval > 0:
+        monitor = RankMonitor(launch.rank, world, launch.master_addr, launch.master_port, interval, dead_after)
     try:
-        return train(cfg, resume=resume, inputs=inputs)
+        result = train(cfg, resume=resume, inputs=inputs)
+        if monitor is not None:
+            dist.barrier()  # every rank is done before any heartbeat stops
+            monitor.stop()
+        return result
+    except Exception as exc:
+        if monitor is not None:
+            if _collective_failure(exc):  # a peer went away: find out which
+                failure = monitor.explain()
+                if failure is not None:
+                    raise failure from exc
+            else:  # this rank's own error: it reports it; the others must not name it as dead
+                monitor.report_failed()
+        raise
     finally:
+        if monitor is not None:
+            monitor.stop()
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+

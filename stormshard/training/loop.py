@@ -3,7 +3,10 @@
 One optimizer step (:meth:`Trainer.train_step`) runs, for each micro-batch: read (every rank of
 a model group gets the same samples, but only its own slice of the grid: no all-gather of the
 input; ``parallel.read_group_size`` readers per model group touch the store, see
-:mod:`stormshard.data.sharded_read`), forward + loss over ``rollout`` autoregressive steps (the
+:mod:`stormshard.data.sharded_read`; the store reads and normalisation of the next micro-batches
+run ahead in ``data.num_workers`` workers, see :mod:`stormshard.data.loader`, and only the
+hand-out of slices runs here), forward + loss over ``rollout`` autoregressive steps (the rollout
+of the step, :mod:`stormshard.training.rollout_schedule`; the
 task, :mod:`stormshard.training.tasks`: deterministic MSE or ensemble CRPS, reduced over the model
 group so it is the same number at every layout), backward, engine step. Replicas (data-parallel
 ranks, or ensemble groups) read different samples.
@@ -22,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from stormshard.data.anemoi_layout import frequency_to_string
 from stormshard.data.dataset import ResumableSampler, WindowedSampleDataset
-from stormshard.data.normalisation import Normaliser
+from stormshard.data.loader import BatchKey, PrefetchLoader, SliceBatchReader, finite_keys, micro_batch_keys
+from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.data.sharded_read import ModelSliceReader, SliceReadPlan
 from stormshard.graphs.builder import load_or_build_graph
 from stormshard.models.registry import build_model
@@ -31,9 +36,12 @@ from stormshard.parallel.comm import all_reduce_sum
 from stormshard.parallel.topology import ProcessGroups, build_process_groups
 from stormshard.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from stormshard.training.config import ConfigError, ExperimentConfig
+from stormshard.training.diskspace import check_checkpoint_space
 from stormshard.training.engine import build_engine
-from stormshard.training.metrics_log import MetricsLogger, format_table, rmse_rows
+from stormshard.training.metrics_log import MetricsLogger, format_table, lead_time_rows, rmse_rows
 from stormshard.training.preflight import RESUME_MAY_CHANGE, RunInputs, checkpoint_dir, preflight
+from stormshard.training.rank_zero import rank_zero_first
+from stormshard.training.rollout_schedule import rollout_at
 from stormshard.training.tasks import ForecastTask, NoiseKey, build_task
 
 __all__ = ["Trainer", "TrainResult", "train"]
@@ -44,7 +52,12 @@ class TrainResult:
     """What a run returns on every rank."""
 
     losses: list[float] = field(default_factory=list)  # per optimizer step, mean over replicas
-    validation: dict[str, dict[str, float]] = field(default_factory=dict)  # {"rmse": ..., "persistence": ...}
+    # {"rmse": {var: x}, "persistence": {var: x}} at the first lead time, plus "rmse_by_lead" /
+    # "persistence_by_lead": {lead: {var: x}} for every lead time of training.validation_rollout
+    validation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    test: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same for data.test, when given
+    rollouts: list[int] = field(default_factory=list)  # the rollout of each optimizer step
+    data_wait: float = 0.0  # seconds the training loop waited for input data in total
     checkpoint: str | None = None
     output_dir: str = ""
 
@@ -84,8 +97,7 @@ class Trainer:
         model = build_model(config.model, self.graph, self.variables, self.groups.model_group).to(self.device)
         self.plan = model.plan
         self.engine = build_engine(model, self.groups, self.settings)
-        self.dtype = torch.bfloat16 if (config.engine == "deepspeed" and
-                                        (config.deepspeed.get("bf16") or {}).get("enabled")) else torch.float32
+        self.dtype = torch.float32  # data, targets, loss and ensemble noise at every training.precision
 
         stats, names = self.dataset.statistics, self.dataset.variables
         methods = dict(config.data.normalisation_methods)
@@ -95,55 +107,114 @@ class Trainer:
                                                             methods=methods, default=config.data.normalisation
                                                             ).to(self.device)
         self.area = self.graph["data"].area_weight[self.plan.data_slice].to(self.device, torch.float32)
-        self.task: ForecastTask = build_task(config, self.groups, self.variables, self.area, model, self.dtype)
+        input_normaliser = Normaliser.from_statistics(stats, names, variables=self.variables.input_names,
+                                                      methods=methods, default=config.data.normalisation)
+        self.input_fill = nan_fill_values(stats, names, input_normaliser, config.data.imputation)
+        self.loss_weights = inputs.loss_weights or None
+        self.test_samples, self.steps_per_epoch, self.notes = inputs.test_samples, inputs.steps_per_epoch, inputs.notes
+        self.task: ForecastTask = build_task(config, self.groups, self.variables, self.area, model, self.dtype,
+                                             loss_weights=self.loss_weights, input_fill=self.input_fill)
         self.replicas = self.task.replicas
         self.reader = ModelSliceReader(
             SliceReadPlan(tuple(self.plan.data_sizes), self.layout.read_group_size, self.plan.rank),
             self.groups.model_group, self.device)
         self.sampler = ResumableSampler(len(self.train_samples), seed=t.seed, rank=self.task.replica_rank,
                                         world_size=self.replicas)
-        self.consumed = 0
         self.logger: MetricsLogger | None = None
+        self._keys = None  # the micro-batch key stream (data/loader.py), from the sampler's state
+        self._loader: PrefetchLoader | None = None
+        self._last_key: BatchKey | None = None  # the last micro-batch used: the checkpointed data position
+        self._start_step = 0
 
     def _graph(self):  # noqa: ANN202
         cache = Path(self.config.data.graph_cache or self.output_dir / "graph.pt")
         latlon = (self.dataset.latitudes, self.dataset.longitudes) if self.config.graph.data_grid is None else None
-        if self.rank == 0:
-            graph = load_or_build_graph(self.config.graph, cache, data_latlon=latlon)
-        if dist.is_initialized():
-            dist.barrier()
-        if self.rank != 0:
-            graph = load_or_build_graph(self.config.graph, cache, data_latlon=latlon)
-        return graph
+        # rank 0 builds and caches it, then the others load it; a failure on rank 0 ends every rank
+        return rank_zero_first(lambda: load_or_build_graph(self.config.graph, cache, data_latlon=latlon),
+                               f"building the graph {cache}")
 
     # ------------------------------------------------------------------ data
-    def read_batch(self, samples: WindowedSampleDataset, indices: list[int]) -> Tensor:
-        """``(batch, time, grid_local, variables)``: this rank's grid slice of samples ``indices``,
-        normalised. Every rank of the model group calls it with the same indices (the readers of
-        ``parallel.read_group_size`` hand the other ranks their slices)."""
-        batch = self.reader.read(samples, indices)
-        return self.normaliser.normalise(batch.to(self.device, torch.float64)).to(self.dtype)
+    def read_batch(self, samples: WindowedSampleDataset, indices: list[int], times: int | None = None) -> Tensor:
+        """``(batch, time, grid_local, variables)``: this rank's grid slice of samples ``indices``
+        (their first ``times`` dates; None = whole windows), normalised, read here (no prefetch).
+        Every rank of the model group calls it with the same indices (the readers of
+        ``parallel.read_group_size`` hand the other ranks their slices). NaNs of the store stay."""
+        key = BatchKey(tuple(indices), times or len(samples.offsets), -1, 0, 0, 0)
+        block = self._slice_reader(samples)(key) if self.reader.plan.is_reader else None
+        return self._hand_out(samples, key, block)
+
+    def _slice_reader(self, samples: WindowedSampleDataset) -> SliceBatchReader:
+        """The worker-side read of this (reader) rank: its clients' cells, normalised in float64."""
+        out = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return SliceBatchReader(samples, self.reader.plan.read_cells, self.normaliser.offset, self.normaliser.scale,
+                                out_dtype=out)
+
+    def _hand_out(self, samples: WindowedSampleDataset, key: BatchKey, block: Tensor | None) -> Tensor:
+        """This rank's slice on the device from the reader's block (the model-group communication)."""
+        shape = (len(key.indices), key.times, *samples.sample_shape[1:])
+        dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        batch = self.reader.distribute(block, shape, dtype, non_blocking=self.device.type == "cuda")
+        return batch.float() if batch.dtype != torch.float64 else batch  # fp32 at any precision
+
+    def _times_at(self, step: int) -> int:
+        return self.config.model.multistep_input + self.rollout_at(step)
+
+    def rollout_at(self, step: int) -> int:
+        """The rollout of optimizer step ``step`` (``training.rollout``, an int or a schedule)."""
+        return rollout_at(step, self.config.training.rollout, self.steps_per_epoch)
+
+    def _key_stream(self):  # noqa: ANN202
+        if self._keys is None:
+            self._keys = micro_batch_keys(self.sampler, self.config.micro_batch, self.settings.accumulation,
+                                          self._start_step, self._times_at)
+        return self._keys
 
     def _next_indices(self) -> list[int]:
-        out: list[int] = []
-        while len(out) < self.config.micro_batch:
-            if not hasattr(self, "_order") or self._cursor >= len(self._order):
-                if hasattr(self, "_order"):
-                    self.sampler.set_epoch(self.sampler.epoch + 1)
-                    self.consumed = 0
-                self._order = list(self.sampler.remaining())
-                self._cursor = 0
-            out.append(self._order[self._cursor])
-            self._cursor += 1
-            self.consumed += 1
-        return out
+        """The sample indices of the next micro-batch (no read; for callers that read themselves)."""
+        key = next(self._key_stream())
+        self._last_key = key
+        return list(key.indices)
+
+    def _open_loader(self) -> PrefetchLoader:
+        d = self.config.data
+        read = self._slice_reader(self.train_samples) if self.reader.plan.is_reader else None
+        return PrefetchLoader(self._key_stream(), read, num_workers=d.num_workers, prefetch=d.prefetch,
+                              worker_type=d.worker_type, pin_memory=self.device.type == "cuda")
+
+    def next_batch(self) -> tuple[BatchKey, Tensor]:
+        """The next training micro-batch ``(batch, multistep_input + rollout, grid_local, variables)``
+        and its key; its store read ran ahead in the loader's workers."""
+        if self._loader is None:
+            self._loader = self._open_loader()
+        key, block = next(self._loader)
+        if self.reader.plan.is_reader:
+            self.reader.store_reads += len(key.indices)
+        tic = time.perf_counter()
+        batch = self._hand_out(self.train_samples, key, block)
+        self._loader.wait_time += time.perf_counter() - tic
+        self._last_key = key
+        return key, batch
+
+    @property
+    def data_wait(self) -> float:
+        """Seconds this rank has waited for input data (prefetch misses and the hand-out)."""
+        return 0.0 if self._loader is None else self._loader.wait_time
+
+    def close(self) -> None:
+        """Stop the loader's workers."""
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
 
     # ------------------------------------------------------------------ the training step
     def train_step(self, step: int) -> float:
         """One optimizer step; returns its loss, averaged over micro-batches and replicas."""
         step_loss = 0.0
         for micro in range(self.settings.accumulation):
-            batch = self.read_batch(self.train_samples, self._next_indices())   # read
+            key, batch = self.next_batch()                                        # read (prefetched)
+            if (key.step, key.micro) != (step, micro):
+                raise RuntimeError(f"the data stream is at step {key.step} micro {key.micro} but the loop at step "
+                                   f"{step} micro {micro}: call train_step once per step, in order")
             loss = self.task.forecast_loss(self.engine, batch, step, micro)       # forward + loss (rollout)
             self.engine.backward(loss * self.task.loss_scale)                     # backward
             self.engine.step()                                                    # step (at the boundary)
@@ -157,34 +228,73 @@ class Trainer:
         return float(all_reduce_sum(t, self.task.replica_group)[0]) / self.replicas
 
     # ------------------------------------------------------------------ validation
+    def lead_times(self, samples: WindowedSampleDataset) -> list[str]:
+        """Labels of the lead times of ``samples``' windows: ``["6h", "12h", ...]``."""
+        return [frequency_to_string(samples.timestep * (r + 1)) for r in range(samples.rollout)]
+
     @torch.no_grad()
-    def validate(self) -> dict[str, dict[str, float]]:
-        """Area-weighted RMSE per output variable (physical units) of the model and of persistence,
-        over ``data.validation_samples`` windows shared out over the replicas."""
+    def validate(self, samples: WindowedSampleDataset | None = None, count: int | None = None) -> dict[str, dict[str, Any]]:
+        """Area-weighted RMSE per output variable (physical units) and lead time of the model's
+        rollout (``training.validation_rollout`` steps) and of persistence (the initial state), over
+        ``count`` windows of ``samples`` (default: ``data.validation_samples`` validation windows)
+        shared out over the replicas. Missing truth (NaN) is skipped: each RMSE is over the valid cells.
+
+        Returns ``{"rmse": {var: x}, "persistence": {var: x}}`` at the first lead time and
+        ``"rmse_by_lead"`` / ``"persistence_by_lead"``: ``{lead: {var: x}}``.
+        Communicates: one all-reduce of ``(leads, 3, outputs)`` float64 sums over the world.
+        """
+        samples = self.val_samples if samples is None else samples
+        count = min(self.config.data.validation_samples if count is None else count, len(samples))
         self.engine.eval()
         v, m = self.variables, self.config.model.multistep_input
-        count = min(self.config.data.validation_samples, len(self.val_samples))
+        leads = self.lead_times(samples)
         mine = list(range(self.task.replica_rank, count, self.replicas))
         n_out = len(v.output_names)
-        sums = torch.zeros(2 * n_out + 1, dtype=torch.float64, device=self.device)
-        for i in mine:
-            batch = self.read_batch(self.val_samples, [i])
-            pred = self.task.predict(self.engine, batch, NoiseKey(step=-1, micro=i))
-            truth = self.output_normaliser.denormalise(batch[:, m][..., v.output_idx].double())
-            model = self.output_normaliser.denormalise(pred.double())
-            persist = self.output_normaliser.denormalise(batch[:, m - 1][..., v.output_idx].double())
-            a = self.area.double()[None, :, None]
-            sums[:n_out] += ((model - truth) ** 2 * a).sum(dim=(0, 1))
-            sums[n_out:2 * n_out] += ((persist - truth) ** 2 * a).sum(dim=(0, 1))
-            sums[-1] += self.area.double().sum()
+        sums = torch.zeros(len(leads), 3, n_out, dtype=torch.float64, device=self.device)
+        d = self.config.data
+        read = self._slice_reader(samples) if self.reader.plan.is_reader else None
+        keys = finite_keys(mine, 1, m + len(leads))
+        a = self.area.double()[None, :, None]
+        with PrefetchLoader(keys, read, num_workers=d.num_workers, prefetch=d.prefetch, worker_type="threads",
+                            pin_memory=self.device.type == "cuda") as loader:
+            for key, block in loader:
+                batch = self._hand_out(samples, key, block)
+                preds = self.task.predict_rollout(self.engine, batch, NoiseKey(step=-1, micro=key.indices[0]))
+                persist = self.output_normaliser.denormalise(batch[:, m - 1][..., v.output_idx].double())
+                for r, pred in enumerate(preds):
+                    truth = self.output_normaliser.denormalise(batch[:, m + r][..., v.output_idx].double())
+                    model = self.output_normaliser.denormalise(pred.double())
+                    valid = ~(torch.isnan(truth) | torch.isnan(persist))
+                    zero = torch.zeros((), dtype=torch.float64, device=self.device)
+                    sums[r, 0] += (torch.where(valid, (model - truth) ** 2, zero) * a).sum(dim=(0, 1))
+                    sums[r, 1] += (torch.where(valid, (persist - truth) ** 2, zero) * a).sum(dim=(0, 1))
+                    sums[r, 2] += (valid * a).sum(dim=(0, 1))
         if dist.is_initialized():
             dist.all_reduce(sums)
         self.engine.train()
-        denom = sums[-1].clamp_min(1e-300)
-        rmse = (sums[:n_out] / denom).sqrt().tolist()
-        pers = (sums[n_out:2 * n_out] / denom).sqrt().tolist()
-        return {"rmse": dict(zip(v.output_names, rmse, strict=True)),
-                "persistence": dict(zip(v.output_names, pers, strict=True))}
+        denom = sums[:, 2].clamp_min(1e-300)
+        rmse, pers = (sums[:, 0] / denom).sqrt().tolist(), (sums[:, 1] / denom).sqrt().tolist()
+        by_lead = {lead: dict(zip(v.output_names, rmse[r], strict=True)) for r, lead in enumerate(leads)}
+        pers_by_lead = {lead: dict(zip(v.output_names, pers[r], strict=True)) for r, lead in enumerate(leads)}
+        return {"rmse": by_lead[leads[0]], "persistence": pers_by_lead[leads[0]],
+                "rmse_by_lead": by_lead, "persistence_by_lead": pers_by_lead}
+
+    @staticmethod
+    def validation_metrics(metrics: dict[str, dict[str, Any]], prefix: str = "val") -> dict[str, float]:
+        """Flat metrics for the log: ``{prefix}_rmse/<var>`` (first lead, as before) and
+        ``{prefix}_rmse/<var>/<lead>``, ``{prefix}_persistence/<var>/<lead>`` for every lead."""
+        out = {f"{prefix}_rmse/{k}": x for k, x in metrics["rmse"].items()}
+        for lead, values in metrics["rmse_by_lead"].items():
+            out.update({f"{prefix}_rmse/{k}/{lead}": x for k, x in values.items()})
+        for lead, values in metrics["persistence_by_lead"].items():
+            out.update({f"{prefix}_persistence/{k}/{lead}": x for k, x in values.items()})
+        return out
+
+    def validation_table(self, metrics: dict[str, dict[str, Any]]) -> str:
+        """The end-of-run table: one row per variable, or per variable and lead time."""
+        if len(metrics["rmse_by_lead"]) == 1:
+            return format_table(rmse_rows(metrics["rmse"], metrics["persistence"]))
+        return format_table(lead_time_rows(metrics["rmse_by_lead"], metrics["persistence_by_lead"]))
 
     # ------------------------------------------------------------------ checkpoints
     def _config_dict(self) -> dict[str, Any]:
@@ -193,9 +303,25 @@ class Trainer:
     def _layout_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.layout)
 
+    def data_state(self) -> dict[str, int]:
+        """The sampler position after the last micro-batch *used* (not the ones read ahead)."""
+        state = self.sampler.state_dict()
+        if self._last_key is not None:
+            state.update(epoch=self._last_key.epoch, position=self._last_key.position)
+        return state
+
+    def check_checkpoint_space(self, step: int) -> None:
+        """Stop (every rank, :class:`~stormshard.training.diskspace.DiskSpaceError`) when the checkpoint
+        directory has no room for the checkpoint of ``step`` (:mod:`stormshard.training.diskspace`)."""
+        zero = self.settings.zero_stage if self.config.engine == "deepspeed" else 0
+        last = latest_checkpoint(checkpoint_dir(self.config))
+        check_checkpoint_space(checkpoint_dir(self.config), self.engine.module, step,
+                               zero_partitions=self.layout.data_parallel_size if zero > 0 else 1,
+                               device=self.device, last_checkpoint=None if last is None else str(last))
+
     def save(self, step: int) -> Path:
-        state = {"engine": self.engine.state_dict(), "data": self.sampler.state_dict(consumed=self.consumed),
-                 "step": step}
+        self.check_checkpoint_space(step)  # before anything of this checkpoint is written
+        state = {"engine": self.engine.state_dict(), "data": self.data_state(), "step": step}
         world, _ = _world()
         return save_checkpoint(checkpoint_dir(self.config), step, state, self._config_dict(), self._layout_dict(),
                                self.rank, world, model=self.engine.module,
@@ -213,11 +339,18 @@ class Trainer:
                                  world=world, ignore=RESUME_MAY_CHANGE)
         self.engine.load_state_dict(loaded.state["engine"])
         self.sampler.load_state_dict(loaded.state["data"])
-        self._order, self._cursor = list(self.sampler.remaining()), 0
-        self.consumed = int(loaded.state["data"]["position"])
+        self._keys, self._last_key = None, None  # the key stream restarts from the restored position
         return int(loaded.state["step"])
 
     # ------------------------------------------------------------------ the loop
+    def non_finite_message(self, loss: float, step: int) -> str:
+        """Why the loss is not finite. NaNs of the data are imputed and masked, so they cannot cause
+        it; a target with no valid point at all gives 0, not NaN. What is left is the model."""
+        return (f"the loss became {loss} at step {step} (rollout {self.rollout_at(step)}); missing values in the "
+                "data cannot cause it (NaN inputs are imputed and NaN targets masked), so the model diverged: lower "
+                f"training.lr (now {self.config.training.lr}), set training.gradient_clipping (now "
+                f"{self.config.training.gradient_clipping}) or lengthen training.warmup_steps")
+
     def describe(self) -> str:
         b = self.plan_batch
         return (f"layout: {self.layout.describe()}\n"
@@ -232,41 +365,56 @@ class Trainer:
         """Resume if asked, run the steps with logging, validation and checkpoints, validate at the end."""
         t, lg = self.config.training, self.config.logging
         start = self._maybe_resume()
+        self._start_step = start
         result = TrainResult(output_dir=str(self.output_dir))
         self.logger = MetricsLogger(self.output_dir, rank=self.rank, total_steps=self.total_steps,
                                     initial_step=start, progress=lg.progress, wandb=lg.wandb,
                                     wandb_mode=lg.wandb_mode, project=lg.project, run_name=self.config.name,
                                     config=self._config_dict())
         self.logger.write(self.describe())
+        for note in self.notes:
+            self.logger.write(note)
         self.engine.train()
         samples_per_step = self.plan_batch.effective_batch
+        # no step is trained that could not be saved: room for the first checkpoint, before the first step
+        self.check_checkpoint_space(min(self.total_steps, (start // t.checkpoint_interval + 1) * t.checkpoint_interval))
         last_saved = None
         try:
             for step in range(start, self.total_steps):
-                tic = time.perf_counter()
+                tic, waited = time.perf_counter(), self.data_wait
                 mean_loss = self.train_step(step)
                 if not math.isfinite(mean_loss):
-                    raise FloatingPointError(f"the loss became {mean_loss} at step {step}: lower training.lr")
+                    raise FloatingPointError(self.non_finite_message(mean_loss, step))
                 result.losses.append(mean_loss)
+                result.rollouts.append(self.rollout_at(step))
                 if (step + 1) % lg.log_interval == 0 or step + 1 == self.total_steps:
-                    self.logger.log(step + 1, {"loss": mean_loss, "lr": self.engine.lr,
-                                               "step_time": time.perf_counter() - tic},
+                    self.logger.log(step + 1, {"loss": mean_loss, "rollout": self.rollout_at(step),
+                                               "lr": self.engine.lr, "step_time": time.perf_counter() - tic,
+                                               "data_wait": self.data_wait - waited},
                                     samples=samples_per_step * lg.log_interval)
                 if (step + 1) % t.validation_interval == 0 and step + 1 < self.total_steps:
                     metrics = self.validate()
-                    self.logger.log(step + 1, {f"val_rmse/{k}": x for k, x in metrics["rmse"].items()})
+                    self.logger.log(step + 1, self.validation_metrics(metrics))
                 if (step + 1) % t.checkpoint_interval == 0:
                     last_saved = self.save(step + 1)
             if last_saved is None or int(last_saved.name.split("_")[-1]) != self.total_steps:
                 last_saved = self.save(self.total_steps)
             result.checkpoint = str(last_saved)
+            result.data_wait = self.data_wait
             result.validation = self.validate()
-            self.logger.log(self.total_steps, {f"val_rmse/{k}": x for k, x in result.validation["rmse"].items()})
-            table = format_table(rmse_rows(result.validation["rmse"], result.validation["persistence"]))
-            self.logger.write(f"\nvalidation RMSE against persistence ({self.config.data.validation_samples} "
-                              f"windows):\n{table}\ncheckpoint: {last_saved}\nmetrics:    "
-                              f"{self.output_dir / 'metrics.jsonl'}")
+            self.logger.log(self.total_steps, self.validation_metrics(result.validation))
+            table = self.validation_table(result.validation)
+            count = min(self.config.data.validation_samples, len(self.val_samples))
+            self.logger.write(f"\nvalidation RMSE against persistence ({count} windows):\n{table}")
+            if self.test_samples is not None:
+                count = min(self.config.data.validation_samples, len(self.test_samples))
+                result.test = self.validate(self.test_samples)
+                self.logger.log(self.total_steps, self.validation_metrics(result.test, prefix="test"))
+                self.logger.write(f"\ntest RMSE against persistence ({count} windows of data.test):\n"
+                                  f"{self.validation_table(result.test)}")
+            self.logger.write(f"checkpoint: {last_saved}\nmetrics:    {self.output_dir / 'metrics.jsonl'}")
         finally:
+            self.close()
             self.logger.close()
         return result
 

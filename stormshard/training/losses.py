@@ -5,15 +5,43 @@ the local slice, divides by the full-grid normaliser, and sums the partial losse
 group with :func:`stormshard.parallel.comm.reduce_tensor` (all-reduce forward, identity backward):
 every rank then holds the same full loss, and the gradient each rank sends back is that of its own
 slice. The loss is therefore the same number for every layout.
+
+Weights: ``W[g, v] = area[g] * variable_weights[v]`` (the variable weights are the product of the
+per-variable and pressure-level weights of :mod:`stormshard.training.scaling`). Missing targets:
+an optional boolean ``mask`` (True = the target is valid, e.g. ``~isnan(target)``) removes the
+masked points from both the sum and its normaliser, so the loss is the ``W``-weighted mean over
+valid points; NaN targets at masked points are ignored (they reach neither the loss nor the
+gradient). Without a mask the normaliser is ``batch * sum_g area * sum_v variable_weights``, the
+same number.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from stormshard.parallel.comm import all_reduce_sum, reduce_tensor
 
 __all__ = ["WeightedMSELoss", "AlmostFairCRPSLoss", "almost_fair_crps"]
+
+
+def _check_mask(mask: Tensor | None, target: Tensor) -> None:
+    if mask is None:
+        return
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor (True = valid target), got {mask.dtype}")
+    try:
+        torch.broadcast_shapes(mask.shape, target.shape)
+    except RuntimeError:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the target's "
+                         f"{tuple(target.shape)}") from None
+
+
+def _masked_normaliser(mask: Tensor, area: Tensor, vw: Tensor, shape: torch.Size, group) -> Tensor:  # noqa: ANN001
+    """``sum_{b,g,v} mask * area_g * w_v`` over the full grid (all-reduced over ``group``), detached."""
+    w = area[:, None] * vw[None, :]  # (grid_local, variables)
+    local = (mask.expand(shape) * w).sum().detach().reshape(1)
+    return all_reduce_sum(local, group)[0].clamp_min(torch.finfo(local.dtype).tiny)
 
 
 def _check_weights(name: str, weights: Tensor, size: int, what: str) -> None:
@@ -25,14 +53,16 @@ class WeightedMSELoss(nn.Module):
     """Mean squared error weighted by node area and per variable, over a sharded grid.
 
     ``loss = sum_{b,g,v} a_g w_v (pred - target)^2 / (B * sum_g a_g * sum_v w_v)`` where the grid
-    sums run over the full grid (all ranks of ``model_comm_group``).
+    sums run over the full grid (all ranks of ``model_comm_group``); with a ``mask``
+    ``loss = sum m a_g w_v (pred - target)^2 / sum m a_g w_v`` (masked points skipped).
 
     Args:
         variable_weights: ``(variables,)`` per-variable weights.
     Forward:
         pred, target: ``(batch, [ensemble,] grid_local, variables)``;
-        area_weights: ``(grid_local,)`` this rank's node weights (any positive scale).
-    Communicates: two scalar all-reduces over the model group (the area normaliser and the loss).
+        area_weights: ``(grid_local,)`` this rank's node weights (any positive scale);
+        mask: optional bool, broadcastable to ``target`` (True = valid).
+    Communicates: two scalar all-reduces over the model group (the normaliser and the loss).
     """
 
     def __init__(self, variable_weights: Tensor) -> None:
@@ -41,11 +71,21 @@ class WeightedMSELoss(nn.Module):
             raise ValueError("variable_weights must be a 1-d tensor of non-negative weights, one per output variable")
         self.register_buffer("variable_weights", variable_weights.clone(), persistent=False)
 
-    def forward(self, pred: Tensor, target: Tensor, area_weights: Tensor, model_comm_group=None) -> Tensor:  # noqa: ANN001
+    def forward(self, pred: Tensor, target: Tensor, area_weights: Tensor, model_comm_group=None,  # noqa: ANN001
+                mask: Tensor | None = None) -> Tensor:
         if pred.shape != target.shape:
             raise ValueError(f"pred has shape {tuple(pred.shape)} but target has {tuple(target.shape)}")
         _check_weights("variable_weights", self.variable_weights, pred.shape[-1], "last (variable) dimension")
         _check_weights("area_weights", area_weights, pred.shape[-2], "local grid")
+        _check_mask(mask, target)
+        if mask is not None:
+            vw = self.variable_weights.to(pred.dtype)
+            area = area_weights.to(pred.dtype)
+            target = torch.where(mask, target, torch.zeros((), dtype=target.dtype, device=target.device))
+            sq = torch.where(mask, (pred - target).square(), torch.zeros((), dtype=pred.dtype, device=pred.device))
+            local = (sq * vw * area[:, None]).sum()
+            local = local / _masked_normaliser(mask, area, vw, pred.shape, model_comm_group)
+            return reduce_tensor(local, model_comm_group)
         area_total = all_reduce_sum(area_weights.sum().detach().reshape(1), model_comm_group)[0]
         vw = self.variable_weights.to(pred.dtype)
         sq = (pred - target).square() * vw
@@ -79,7 +119,8 @@ class AlmostFairCRPSLoss(nn.Module):
 
     Forward: ensemble ``(batch, members, grid_local, variables)`` (all members of one initial state:
     gather members spread over ranks first), target ``(batch, grid_local, variables)``,
-    area_weights ``(grid_local,)``. Communicates like :class:`WeightedMSELoss`.
+    area_weights ``(grid_local,)``, optional mask (bool, broadcastable to target, True = valid):
+    masked points are skipped as in :class:`WeightedMSELoss`. Communicates like it.
     """
 
     def __init__(self, variable_weights: Tensor, alpha: float = 0.95) -> None:
@@ -89,7 +130,8 @@ class AlmostFairCRPSLoss(nn.Module):
         self.alpha = alpha
         self.register_buffer("variable_weights", variable_weights.clone(), persistent=False)
 
-    def forward(self, ensemble: Tensor, target: Tensor, area_weights: Tensor, model_comm_group=None) -> Tensor:  # noqa: ANN001
+    def forward(self, ensemble: Tensor, target: Tensor, area_weights: Tensor, model_comm_group=None,  # noqa: ANN001
+                mask: Tensor | None = None) -> Tensor:
         if ensemble.dim() != 4 or target.dim() != 3 or ensemble.shape[0] != target.shape[0] \
                 or ensemble.shape[2:] != target.shape[1:]:
             raise ValueError(
@@ -98,6 +140,15 @@ class AlmostFairCRPSLoss(nn.Module):
             )
         _check_weights("variable_weights", self.variable_weights, target.shape[-1], "last (variable) dimension")
         _check_weights("area_weights", area_weights, target.shape[-2], "local grid")
+        _check_mask(mask, target)
+        if mask is not None:
+            vw, area = self.variable_weights.to(ensemble.dtype), area_weights.to(ensemble.dtype)
+            target = torch.where(mask, target, torch.zeros((), dtype=target.dtype, device=target.device))
+            crps = almost_fair_crps(ensemble, target, self.alpha)
+            crps = torch.where(mask, crps, torch.zeros((), dtype=crps.dtype, device=crps.device))
+            local = (crps * vw * area[:, None]).sum()
+            local = local / _masked_normaliser(mask, area, vw, target.shape, model_comm_group)
+            return reduce_tensor(local, model_comm_group)
         area_total = all_reduce_sum(area_weights.sum().detach().reshape(1), model_comm_group)[0]
         vw = self.variable_weights.to(ensemble.dtype)
         crps = almost_fair_crps(ensemble, target, self.alpha) * vw  # (batch, grid, variables)

@@ -25,7 +25,7 @@ from typing import Any, Literal, TextIO
 
 from torch import Tensor
 
-__all__ = ["MetricsLogger", "format_table", "rmse_rows"]
+__all__ = ["MetricsLogger", "format_table", "rmse_rows", "lead_time_rows"]
 
 
 def _number(value: Any) -> Any:
@@ -181,4 +181,22 @@ def rmse_rows(rmse: Mapping[str, float], persistence: Mapping[str, float]) -> li
         model, base = float(_number(rmse[name])), float(_number(persistence[name]))
         rows.append({"variable": name, "rmse": model, "persistence": base,
                      "skill": 1.0 - model / base if base > 0 else float("nan")})
+    return rows
+
+
+def lead_time_rows(rmse: Mapping[str, Mapping[str, float]],
+                   persistence: Mapping[str, Mapping[str, float]]) -> list[dict[str, Any]]:
+    """Rows ``variable | lead | rmse | persistence | skill`` from ``{lead: {variable: value}}``
+    (lead times in order, variables grouped), for :func:`format_table`."""
+    if list(rmse) != list(persistence):
+        raise ValueError(f"rmse and persistence must have the same lead times; got {list(rmse)} and "
+                         f"{list(persistence)}")
+    per_lead = {lead: rmse_rows(rmse[lead], persistence[lead]) for lead in rmse}
+    variables = [row["variable"] for row in next(iter(per_lead.values()), [])]
+    rows = []
+    for i, name in enumerate(variables):
+        for lead, lead_rows in per_lead.items():
+            row = lead_rows[i]
+            rows.append({"variable": name, "lead": lead, "rmse": row["rmse"], "persistence": row["persistence"],
+                         "skill": row["skill"]})
     return rows

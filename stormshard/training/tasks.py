@@ -12,14 +12,21 @@ rest, chosen once from the config by :func:`task_type`:
   split over the ensemble groups (``world / gpus_per_ensemble``).
 
 Tensor layouts: a normalised batch is ``(batch, time, grid_local, variables)`` with every dataset
-variable (``time = multistep_input + rollout``); model inputs ``(batch, multistep_input,
-grid_local, input_variables)``; predictions ``(batch, grid_local, output_variables)``; with
-members, "batch" is ``(batch members)``, member fastest.
+variable (``time = multistep_input + rollout``: the batch carries the rollout of its step); model
+inputs ``(batch, multistep_input, grid_local, input_variables)``; predictions ``(batch, grid_local,
+output_variables)``; with members, "batch" is ``(batch members)``, member fastest.
+
+Missing values: the batch keeps the store's NaNs. Inputs are imputed here (a NaN input becomes
+its variable's fill value, ``data.imputation``, normalised; the mean by default, i.e. 0), also in
+the states fed back during the rollout (cells whose truth is missing get the fill value, as at
+the first step), and the loss skips NaN targets through a mask (``~isnan(target)``), elementwise,
+so it is the same at every layout. Loss weights: ``loss_weights`` per output variable
+(:mod:`stormshard.training.scaling`) times the area weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +40,7 @@ from stormshard.parallel.comm import gather_tensor
 from stormshard.parallel.topology import ParallelLayout, ProcessGroups
 from stormshard.training.config import ExperimentConfig
 from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
+from stormshard.training.rollout_schedule import max_rollout
 
 __all__ = ["NoiseKey", "ForecastTask", "EnsembleForecastTask", "task_type", "build_task"]
 
@@ -59,19 +67,28 @@ class ForecastTask:
     name = "forecast"
 
     def __init__(self, config: ExperimentConfig, groups: ProcessGroups, variables: VariableIndex, area: Tensor,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, *, loss_weights: Sequence[float] | None = None,
+                 input_fill: Tensor | None = None) -> None:
         self.config, self.groups, self.variables = config, groups, variables
         self.area, self.dtype = area, dtype
-        self.multistep, self.rollout = config.model.multistep_input, config.training.rollout
+        self.multistep, self.rollout = config.model.multistep_input, max_rollout(config.training.rollout)
         self.prognostic_in_input = torch.tensor(variables.prognostic_in_input, device=area.device)
         self.prognostic_in_output = torch.tensor(variables.prognostic_in_output, device=area.device)
-        self.loss_fn = self.build_loss(torch.ones(len(variables.output_names), device=area.device))
+        n_out, n_in = len(variables.output_names), len(variables.input_names)
+        weights = torch.ones(n_out) if loss_weights is None else torch.tensor(list(loss_weights), dtype=torch.float32)
+        if weights.shape != (n_out,):
+            raise ValueError(f"loss_weights has {weights.numel()} entries but there are {n_out} output variables")
+        fill = torch.zeros(n_in) if input_fill is None else torch.as_tensor(input_fill)
+        if fill.shape != (n_in,):
+            raise ValueError(f"input_fill has {fill.numel()} entries but there are {n_in} input variables")
+        self.input_fill = fill.to(area.device, torch.float32)
+        self.loss_fn = self.build_loss(weights.to(area.device))
 
     @classmethod
     def build(cls, config: ExperimentConfig, groups: ProcessGroups, variables: VariableIndex, area: Tensor,
-              model: nn.Module, dtype: torch.dtype = torch.float32) -> ForecastTask:
-        """The task for this rank; ``model``: the unwrapped model."""
-        return cls(config, groups, variables, area, dtype)
+              model: nn.Module, dtype: torch.dtype = torch.float32, **options: object) -> ForecastTask:
+        """The task for this rank; ``model``: the unwrapped model; ``options``: ``loss_weights``, ``input_fill``."""
+        return cls(config, groups, variables, area, dtype, **options)
 
     # ---- what differs between tasks ----------------------------------------------------------
     @staticmethod
@@ -114,31 +131,66 @@ class ForecastTask:
         """``x`` ``(batch, multistep_input, grid_local, input_variables)`` -> ``(batch, grid_local, output_variables)``."""
         return model(x)
 
-    def loss(self, pred: Tensor, target: Tensor) -> Tensor:
+    def loss(self, pred: Tensor, target: Tensor, mask: Tensor | None = None) -> Tensor:
         """``pred`` ``(batch members, grid_local, output_variables)``, ``target`` ``(batch, grid_local,
-        output_variables)`` -> the full-grid loss (a scalar, equal on every rank of the model group)."""
-        return self.loss_fn(pred.float(), target, self.area, self.groups.model_group)
+        output_variables)``, ``mask`` (True = valid target, same shape as target) -> the full-grid
+        loss (a scalar, equal on every rank of the model group)."""
+        return self.loss_fn(pred.float(), target, self.area, self.groups.model_group, mask=mask)
 
     # ---- shared ------------------------------------------------------------------------------
+    def impute(self, x: Tensor) -> Tensor:
+        """``x`` ``(..., input_variables)`` with each NaN replaced by its variable's fill value."""
+        return torch.where(torch.isnan(x), self.input_fill.to(x.dtype), x)
+
+    def next_window(self, x: Tensor, state: Tensor, pred: Tensor) -> Tensor:
+        """The window after predicting ``state``'s time: ``state`` ``(batch, grid_local,
+        input_variables)`` is the stored (normalised, un-imputed) input at that time; its forcings
+        are used, and cells whose stored value is missing get the fill value (prognostic ones too,
+        as the model saw them at the first step)."""
+        missing = torch.isnan(state)
+        x = advance_window(x, self.impute(state), pred, self.prognostic_in_input, self.prognostic_in_output)
+        newest = torch.where(missing, self.input_fill.to(x.dtype), x[:, -1])
+        return torch.cat([x[:, :-1], newest.unsqueeze(1)], dim=1)
+
     def forecast_loss(self, model: Model, batch: Tensor, step: int = 0, micro: int = 0) -> Tensor:
-        """Mean loss over ``training.rollout`` autoregressive steps of a normalised batch
-        ``(batch, time, grid_local, variables)``; gradients flow through the rollout."""
+        """Mean loss over the rollout of a normalised batch ``(batch, time, grid_local, variables)``
+        (``time - multistep_input`` autoregressive steps); gradients flow through the rollout."""
         m, v = self.multistep, self.variables
-        x = self.repeat_members(batch[:, :m][..., v.input_idx])
+        rollout = batch.shape[1] - m
+        if rollout < 1:
+            raise ValueError(f"the batch has {batch.shape[1]} times: it needs multistep_input={m} plus at least one")
+        x = self.repeat_members(self.impute(batch[:, :m][..., v.input_idx]))
         total = batch.new_zeros((), dtype=torch.float32)
-        for r in range(self.rollout):
+        for r in range(rollout):
             pred = self.forward(model, x, NoiseKey(step, micro, r))
             target = batch[:, m + r][..., v.output_idx].float()
-            total = total + self.loss(pred, target) / self.rollout
-            if r + 1 < self.rollout:
-                forcing = self.repeat_members(batch[:, m + r][..., v.input_idx])
-                x = advance_window(x, forcing, pred, self.prognostic_in_input, self.prognostic_in_output)
+            total = total + self.loss(pred, target, ~torch.isnan(target)) / rollout
+            if r + 1 < rollout:
+                x = self.next_window(x, self.repeat_members(batch[:, m + r][..., v.input_idx]), pred)
         return total
+
+    def predict_step(self, model: Model, x: Tensor, key: NoiseKey) -> Tensor:
+        """One member per initial state from an imputed window ``x`` ``(batch, multistep_input,
+        grid_local, input_variables)``: ``(batch, grid_local, output_variables)``."""
+        return self.forward(model, x, key)
 
     def predict(self, model: Model, batch: Tensor, key: NoiseKey) -> Tensor:
         """One step from a normalised batch ``(batch, time, grid_local, variables)``, one member per
         initial state: ``(batch, grid_local, output_variables)`` (validation)."""
-        return self.forward(model, batch[:, :self.multistep][..., self.variables.input_idx], key)
+        return self.predict_step(model, self.impute(batch[:, :self.multistep][..., self.variables.input_idx]), key)
+
+    def predict_rollout(self, model: Model, batch: Tensor, key: NoiseKey) -> list[Tensor]:
+        """``time - multistep_input`` steps from a normalised batch, one member per initial state:
+        one ``(batch, grid_local, output_variables)`` per lead time (validation)."""
+        m, v = self.multistep, self.variables
+        x = self.impute(batch[:, :m][..., v.input_idx])
+        preds = []
+        for r in range(batch.shape[1] - m):
+            pred = self.predict_step(model, x, NoiseKey(key.step, key.micro, r))
+            preds.append(pred)
+            if r + 1 < batch.shape[1] - m:
+                x = self.next_window(x, batch[:, m + r][..., v.input_idx], pred)
+        return preds
 
 
 class EnsembleForecastTask(ForecastTask):
@@ -159,15 +211,16 @@ class EnsembleForecastTask(ForecastTask):
     name = "ensemble"
 
     def __init__(self, config: ExperimentConfig, groups: ProcessGroups, variables: VariableIndex, area: Tensor,
-                 sample_noise: Callable[..., Tensor], dtype: torch.dtype = torch.float32) -> None:
+                 sample_noise: Callable[..., Tensor], dtype: torch.dtype = torch.float32,
+                 **options: object) -> None:
         self.members = self.members_per_model(config)
-        super().__init__(config, groups, variables, area, dtype)
+        super().__init__(config, groups, variables, area, dtype, **options)
         self.sample_noise = sample_noise
 
     @classmethod
     def build(cls, config: ExperimentConfig, groups: ProcessGroups, variables: VariableIndex, area: Tensor,
-              model: nn.Module, dtype: torch.dtype = torch.float32) -> EnsembleForecastTask:
-        return cls(config, groups, variables, area, model.sample_noise, dtype)
+              model: nn.Module, dtype: torch.dtype = torch.float32, **options: object) -> EnsembleForecastTask:
+        return cls(config, groups, variables, area, model.sample_noise, dtype, **options)
 
     @staticmethod
     def replica_count(layout: ParallelLayout) -> int:
@@ -219,17 +272,16 @@ class EnsembleForecastTask(ForecastTask):
         """``x``: ``(batch members, ...)`` (after :meth:`repeat_members`)."""
         return model(x, self.noise(x.shape[0] // self.members, key, self.members))
 
-    def predict(self, model: Model, batch: Tensor, key: NoiseKey) -> Tensor:
+    def predict_step(self, model: Model, x: Tensor, key: NoiseKey) -> Tensor:
         """One step of this rank's first member per initial state (validation)."""
-        x = batch[:, :self.multistep][..., self.variables.input_idx]
         return model(x, self.noise(x.shape[0], key, 1))
 
-    def loss(self, pred: Tensor, target: Tensor) -> Tensor:
+    def loss(self, pred: Tensor, target: Tensor, mask: Tensor | None = None) -> Tensor:
         ens = rearrange(pred.float(), "(b e) g v -> b e g v", e=self.members)
         group = self.groups.ensemble_member_group
         size = dist.get_world_size(group) if group is not None else 1
         ens = gather_tensor(ens, 1, [list(ens.shape)] * size, group)  # (batch, all members, grid_local, variables)
-        return self.loss_fn(ens, target, self.area, self.groups.model_group)
+        return self.loss_fn(ens, target, self.area, self.groups.model_group, mask=mask)
 
 
 def task_type(config: ExperimentConfig) -> type[ForecastTask]:
@@ -238,6 +290,10 @@ def task_type(config: ExperimentConfig) -> type[ForecastTask]:
 
 
 def build_task(config: ExperimentConfig, groups: ProcessGroups, variables: VariableIndex, area: Tensor,
-               model: nn.Module, dtype: torch.dtype = torch.float32) -> ForecastTask:
-    """The task for ``config`` on this rank; ``model``: the unwrapped model (its noise sampler)."""
-    return task_type(config).build(config, groups, variables, area, model, dtype)
+               model: nn.Module, dtype: torch.dtype = torch.float32, *, loss_weights: Sequence[float] | None = None,
+               input_fill: Tensor | None = None) -> ForecastTask:
+    """The task for ``config`` on this rank; ``model``: the unwrapped model (its noise sampler);
+    ``loss_weights``: per output variable (default 1); ``input_fill``: normalised NaN fill per input
+    variable (default 0)."""
+    return task_type(config).build(config, groups, variables, area, model, dtype, loss_weights=loss_weights,
+                                   input_fill=input_fill)

@@ -20,7 +20,7 @@ from stormshard.training.engine.deepspeed_engine import (
     disable_cpu_shm_build,
     on_cpu_accelerator,
 )
-from stormshard.training.engine.settings import EngineError, EngineSettings, section_enabled
+from stormshard.training.engine.settings import EngineError, EngineSettings
 from stormshard.training.engine.torch_engines import DDPEngine, LocalEngine
 
 __all__ = ["build_engine"]
@@ -60,7 +60,7 @@ def build_engine(model: nn.Module, groups: ProcessGroups, settings: EngineSettin
                 f"{layout.gpus_per_model}: ZeRO 1/2 reduce and partition gradients during backward, before a bucketed "
                 "sum could run; use 'hooks'"
             )
-        if settings.engine == "deepspeed" and section_enabled(settings.deepspeed.get("bf16")):
+        if settings.engine == "deepspeed" and settings.bf16:
             raise EngineError(
                 f"model_parallel_grad_reduction='bucketed' with deepspeed.bf16 and gpus_per_model "
                 f"{layout.gpus_per_model}: DeepSpeed's bf16 optimizer takes the gradients inside backward, before a "
@@ -94,8 +94,7 @@ def build_engine(model: nn.Module, groups: ProcessGroups, settings: EngineSettin
         if settings.compression is not None:
             compressor = register_powersgd_hook(ddp, settings.compression, groups.data_parallel_group).compressor
         return DDPEngine(model, ddp, groups, settings, compressor=compressor, hooks=hooks)
-    on_cpu = on_cpu_accelerator()
-    config = resolve_deepspeed_config(settings, layout.data_parallel_size, on_cpu)
-    if on_cpu:
+    config = resolve_deepspeed_config(settings, layout.data_parallel_size)
+    if on_cpu_accelerator():
         disable_cpu_shm_build()
     return DeepSpeedEngine(model, groups, settings, config, hooks=hooks)

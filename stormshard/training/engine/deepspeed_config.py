@@ -12,8 +12,15 @@ DeepSpeed key                      from
 ``train_batch_size``                micro batch x accumulation x data-parallel size (a value in
                                     the section must equal it)
 ``optimizer``                       ``{"type": "AdamW", "params": {lr, betas, eps, weight_decay}}``
-                                    (``torch_adam: true`` on the CPU accelerator: no JIT build)
+                                    with ``torch_adam: true`` on every accelerator: torch's
+                                    AdamW, no JIT build of DeepSpeed's fused Adam (which needs
+                                    nvcc at start-up and fails on arch lists such as ``9.0a``)
 ``zero_optimization``               ``{"stage": 0}`` unless the section sets it
+``bf16``                            ``{"enabled": precision == "bf16" and ZeRO stage >= 1}``
+                                    (other keys of a ``bf16`` section kept). At ZeRO 0 DeepSpeed
+                                    0.19 has no fp32 master weights for bf16 (its DDP_BFLOAT16
+                                    path steps AdamW on bf16 weights), so there the parameters stay
+                                    fp32 and the engine runs the forward under bf16 autocast
 =================================  ==========================================================
 """
 
@@ -23,10 +30,16 @@ from typing import Any
 
 from stormshard.training.engine.settings import EngineError, EngineSettings
 
-__all__ = ["resolve_deepspeed_config"]
+__all__ = ["resolve_deepspeed_config", "deepspeed_bf16"]
 
 
-def resolve_deepspeed_config(settings: EngineSettings, data_parallel_size: int, on_cpu: bool) -> dict[str, Any]:
+def deepspeed_bf16(settings: EngineSettings) -> bool:
+    """Whether DeepSpeed's own bf16 mode (bf16 parameters, fp32 master in its ZeRO optimizer) runs:
+    ``precision="bf16"`` at ZeRO 1 or 2. At ZeRO 0 the engine autocasts over fp32 parameters instead."""
+    return settings.bf16 and settings.zero_stage > 0
+
+
+def resolve_deepspeed_config(settings: EngineSettings, data_parallel_size: int) -> dict[str, Any]:
     """The DeepSpeed config for ``settings`` at ``data_parallel_size`` replicas (a new dict)."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in settings.deepspeed.items()}
     micro, accumulation = settings.micro_batch_size, settings.accumulation
@@ -38,9 +51,7 @@ def resolve_deepspeed_config(settings: EngineSettings, data_parallel_size: int, 
         )
     kwargs = settings.adamw_kwargs()
     params: dict[str, Any] = {"lr": kwargs["lr"], "betas": list(kwargs["betas"]), "eps": kwargs["eps"],
-                              "weight_decay": kwargs["weight_decay"]}
-    if on_cpu:
-        params["torch_adam"] = True
+                              "weight_decay": kwargs["weight_decay"], "torch_adam": True}
     cfg.update(
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accumulation,
@@ -49,4 +60,6 @@ def resolve_deepspeed_config(settings: EngineSettings, data_parallel_size: int, 
         optimizer={"type": "AdamW", "params": params},
     )
     cfg.setdefault("zero_optimization", {"stage": 0})
+    if settings.bf16 or "bf16" in cfg:
+        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": deepspeed_bf16(settings)}
     return cfg

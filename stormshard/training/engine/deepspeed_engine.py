@@ -5,12 +5,18 @@ generates, and stormshard's schedule as its ``lr_scheduler``.
 With PowerSGD (ZeRO 0, fp32) DeepSpeed's backward all-reduce is switched off and
 :class:`~stormshard.parallel.compression.PowerSGDCompressor` reduces the gradients over the
 data-parallel group at the accumulation boundary, before DeepSpeed clips and steps.
+
+``precision="bf16"``: at ZeRO 1/2 DeepSpeed's bf16 optimizer (bf16 parameters, fp32 master weights
+and AdamW moments, gradient reduction in ``communication_data_type``), the model casting its fp32
+inputs to its parameters' dtype; at ZeRO 0 (where DeepSpeed 0.19 keeps no fp32 master for bf16) fp32 parameters and
+optimizer with the forward under bf16 autocast. Floating outputs come back fp32 (see :mod:`.precision`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from stormshard.parallel.compression import PowerSGDCompressor
@@ -18,6 +24,8 @@ from stormshard.parallel.grads import reduce_model_parallel_gradients
 from stormshard.parallel.shapes import group_size
 from stormshard.parallel.topology import ProcessGroups
 from stormshard.training.engine.base import TrainingEngine, arg_names, check_state_keys
+from stormshard.training.engine.deepspeed_config import deepspeed_bf16
+from stormshard.training.engine.precision import autocast, cast_floating, compute_device_type
 from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.schedule import build_scheduler
 
@@ -47,7 +55,17 @@ class DeepSpeedEngine(TrainingEngine):
             self.compressor = PowerSGDCompressor(trainable, groups.data_parallel_group, settings.compression)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.ds(*args, **kwargs)
+        """DeepSpeed's forward. With bf16 at ZeRO 1/2 (DeepSpeed's bf16 mode) the inputs go in fp32 and the
+        model computes in its bf16 parameters' dtype; at ZeRO 0 the forward runs under bf16 autocast over
+        fp32 parameters. Outputs come back fp32."""
+        if not self.settings.bf16:
+            return self.ds(*args, **kwargs)
+        if deepspeed_bf16(self.settings):  # the model casts its inputs to its parameters' dtype
+            out = self.ds(*args, **kwargs)
+        else:
+            with autocast(True, compute_device_type(self.module)):
+                out = self.ds(*args, **kwargs)
+        return cast_floating(out, torch.float32)
 
     def backward(self, loss: Tensor) -> None:
         self.ds.backward(loss)

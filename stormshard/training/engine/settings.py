@@ -8,7 +8,11 @@ One place per knob. Every engine (``deepspeed``, ``ddp``, ``local``) takes these
 - ``optimizer``: :class:`AdamWSettings` (``betas``, ``eps``, ``weight_decay``; the learning rate
   comes from ``schedule``);
 - ``compression``: a :class:`~stormshard.parallel.compression.PowerSGDConfig` (the one PowerSGD schema),
-  written ``{"type": "powersgd", ...its fields}`` in a config.
+  written ``{"type": "powersgd", ...its fields}`` in a config;
+- ``precision``: ``"fp32"`` or ``"bf16"``. bf16 runs the model's compute in bfloat16 and keeps fp32
+  master weights and optimizer moments: DeepSpeed's bf16 optimizer (``deepspeed.bf16`` is generated
+  from it), or ``torch.autocast(bfloat16)`` over fp32 parameters for ``ddp`` and ``local``. Inputs,
+  targets, the loss and the returned predictions stay fp32 (see :mod:`.precision`).
 
 The ``deepspeed`` dict holds only what is DeepSpeed's own (``zero_optimization``, ``bf16``,
 ``communication_data_type``, ``train_batch_size`` as a cross-check, ...). DeepSpeed's spellings of the
@@ -45,7 +49,12 @@ __all__ = [
     "check_engine_sections",
     "zero_stage",
     "section_enabled",
+    "check_precision",
+    "COMMUNICATION_DTYPES",
 ]
+
+# deepspeed.communication_data_type values (the dtype of DeepSpeed's gradient reduction)
+COMMUNICATION_DTYPES = ("fp32", "bf16")
 
 
 class EngineError(ValueError):
@@ -152,7 +161,17 @@ def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: P
             "partitions parameters, which clashes with model sharding)"
         )
     if section_enabled(deepspeed.get("fp16")):
-        raise ValueError("deepspeed.fp16 is not supported (no loss scaling here): use bf16.enabled=true instead")
+        raise ValueError("deepspeed.fp16 is not supported (no loss scaling here): use training.precision='bf16' instead")
+    if "bf16" in deepspeed and not isinstance(deepspeed["bf16"], dict):
+        raise ValueError(f"deepspeed.bf16 must be an object like {{'enabled': true}}, got {deepspeed['bf16']!r}: "
+                         "better, remove it and set training.precision='bf16'")
+    comm = deepspeed.get("communication_data_type")
+    if comm is not None and comm not in COMMUNICATION_DTYPES:
+        raise ValueError(f"deepspeed.communication_data_type={comm!r} is not supported: use one of "
+                         f"{list(COMMUNICATION_DTYPES)} (the dtype of the gradient all-reduce / reduce-scatter)")
+    if comm is not None and engine != "deepspeed":
+        raise ValueError(f"deepspeed.communication_data_type={comm!r} is read by engine 'deepspeed' only, but the "
+                         f"engine is {engine!r}: remove it (ddp and local reduce gradients in their parameters' fp32)")
     if compression is None:
         return
     if engine == "local":
@@ -181,6 +200,18 @@ def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: P
         )
 
 
+def check_precision(precision: str, deepspeed: dict[str, Any], field: str = "training.precision") -> None:
+    """``deepspeed.bf16.enabled``, when given, must agree with ``precision`` (one knob: the precision
+    field; DeepSpeed's ``bf16`` section is generated from it). Raises ``ValueError`` naming both."""
+    section = deepspeed.get("bf16")
+    if isinstance(section, dict) and section_enabled(section) != (precision == "bf16"):
+        raise ValueError(
+            f"deepspeed.bf16.enabled={section_enabled(section)} but {field}={precision!r}: the precision is set in "
+            f"one place, {field} ('fp32' or 'bf16', read by every engine); remove deepspeed.bf16 (it is generated "
+            f"from {field}) or make them agree"
+        )
+
+
 class EngineSettings(BaseModel):
     """How the model is trained in parallel. Validated on construction; layout-dependent checks run
     in :func:`~stormshard.training.engine.build_engine` before anything is created."""
@@ -198,11 +229,36 @@ class EngineSettings(BaseModel):
     broadcast_buffers: bool = Field(True, description="DDP: broadcast rank 0's buffers every forward")
     compression: CompressionSection = None
     model_parallel_grad_reduction: Literal["hooks", "bucketed"] = "hooks"
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="compute precision of the model; bf16 keeps fp32 master weights and moments")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_precision(cls, data: Any) -> Any:
+        """``precision`` unset: taken from ``deepspeed.bf16.enabled`` (a DeepSpeed-style dict of settings)."""
+        if isinstance(data, dict) and "precision" not in data:
+            ds = data.get("deepspeed") or {}
+            if isinstance(ds, dict) and isinstance(ds.get("bf16"), dict):
+                data = {**data, "precision": "bf16" if section_enabled(ds["bf16"]) else "fp32"}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> EngineSettings:
         check_engine_sections(self.engine, self.deepspeed, self.compression)
+        check_precision(self.precision, self.deepspeed, "precision")
+        if self.bf16 and self.engine == "deepspeed" and self.compression is not None:
+            raise ValueError(
+                "compression with precision='bf16' on engine 'deepspeed': DeepSpeed's bf16 optimizer copies gradients "
+                "into its fp32 buffers inside backward, before the compressor could reduce them; use precision "
+                "'fp32' with compression, engine 'ddp' (bf16 autocast + PowerSGD), or "
+                "deepspeed.communication_data_type='bf16' instead of compression"
+            )
         return self
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the model computes in bfloat16 (``precision == "bf16"``)."""
+        return self.precision == "bf16"
 
     @property
     def accumulation(self) -> int:

@@ -5,6 +5,9 @@ At the accumulation boundary ``step()`` runs, in order: the bucketed model-group
 ``model_parallel_grad_reduction="bucketed"``), clipping to ``gradient_clipping`` (the norm counts each
 tensor-parallel slice once; all-reduced over the model group), the AdamW step, the schedule step.
 Data-parallel averaging happens inside backward (DDP's buckets, or the PowerSGD communication hook).
+
+``precision="bf16"``: the forward runs under ``torch.autocast(bfloat16)`` over fp32 parameters (fp32
+master weights, fp32 gradients, all-reduce and AdamW); its floating outputs are returned in fp32.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from stormshard.parallel.compression import PowerSGDCompressor
 from stormshard.parallel.grads import clip_grad_norm_, reduce_model_parallel_gradients
 from stormshard.parallel.topology import ProcessGroups
 from stormshard.training.engine.base import TrainingEngine, check_state_keys
+from stormshard.training.engine.precision import autocast, cast_floating, compute_device_type
 from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.schedule import build_scheduler
 
@@ -38,9 +42,15 @@ class _TorchEngine(TrainingEngine):
         self.scheduler: LambdaLR = build_scheduler(self.optimizer, settings.schedule)
         self._global_step = 0
         self._micro_steps = 0
+        self._device_type = compute_device_type(module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._wrapped(*args, **kwargs)
+        """The wrapped module's output; under bf16 autocast with ``precision="bf16"`` (outputs in fp32)."""
+        if not self.settings.bf16:
+            return self._wrapped(*args, **kwargs)
+        with autocast(True, self._device_type):
+            out = self._wrapped(*args, **kwargs)
+        return cast_floating(out, torch.float32)
 
     def backward(self, loss: Tensor) -> None:
         scale = self.accumulation
@@ -113,4 +123,4 @@ class DDPEngine(_TorchEngine):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # DDP's no_sync(), without a context manager: skip the all-reduce inside an accumulation window
         self._wrapped.require_backward_grad_sync = self.is_accumulation_boundary()
-        return self._wrapped(*args, **kwargs)
+        return super().forward(*args, **kwargs)

@@ -1,0 +1,148 @@
+"""Layers and kernels on CUDA against the CPU float64 reference, in fp32 and bf16; flash-attn's
+window path against the banded kernel (with the shifted offsets ``shard_sequence`` passes for a
+rank's halo); Transformer Engine's linear against torch's. Skipped without CUDA; times printed
+with ``-s``.
+
+Tolerances (relative max-norm): fp32 on CUDA 1e-4 (TF32 is off for matmuls by default in torch;
+different reduction orders only), bf16 3e-2 (as tests/test_bf16.py: a few bf16 roundings).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from tests.test_bf16 import _first, _layers, _rel_max
+
+FP32_TOL, BF16_TOL = 1e-4, 3e-2
+
+
+def _timed(fn, repeat: int = 5) -> float:  # noqa: ANN001
+    fn()
+    torch.cuda.synchronize()
+    tic = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - tic) / repeat
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_on_cuda_match_cpu_float64(dtype):
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    for name, module, inputs in _layers():
+        module = module.to(torch.bfloat16).float()
+        inputs = tuple(t.bfloat16().float() for t in inputs)
+        ref_in = [t.double().requires_grad_() for t in inputs]
+        ref = _first(copy.deepcopy(module).double()(*ref_in))
+        ref.square().sum().backward()
+        cuda_module = copy.deepcopy(module).cuda().to(dtype)
+        cuda_in = [t.cuda().to(dtype).requires_grad_() for t in inputs]
+        out = _first(cuda_module(*cuda_in))
+        out.float().square().sum().backward()
+        err = _rel_max(out.cpu(), ref)
+        grad_err = _rel_max(cuda_in[0].grad.cpu(), ref_in[0].grad)
+        print(f"{name} {dtype}: output error {err:.1e}, input-gradient error {grad_err:.1e}")
+        assert err < tol and grad_err < 2 * tol, (name, err, grad_err)
+
+
+def test_model_on_cuda_matches_cpu_float64(tmp_path):
+    """The tiny encoder-processor-decoder (transformer and graph-transformer processors) on CUDA in
+    fp32 and bf16 against the same model in float64 on the CPU."""
+    from stormshard.data.synthetic import generate_synthetic_dataset
+    from stormshard.graphs.builder import load_or_build_graph
+    from stormshard.models.registry import build_model
+    from stormshard.training.config import load_experiment_config
+    from stormshard.training.preflight import preflight
+    from tests.tiny_run import tiny_config
+
+    dataset = tmp_path / "synthetic.zarr"
+    generate_synthetic_dataset(dataset, grid="o8", steps=64, seed=1)
+    for changes in ({}, {"model.name": "graphtransformer", "graph.hidden": "ico1",
+                         "graph.processor": {"kind": "multimesh"}}):
+        cfg = load_experiment_config(tiny_config(str(dataset), tmp_path / "run", **changes))
+        inputs = preflight(cfg, 1)
+        graph = load_or_build_graph(cfg.graph, tmp_path / f"graph{len(changes)}.pt",
+                                    data_latlon=(inputs.dataset.latitudes, inputs.dataset.longitudes))
+        torch.manual_seed(0)
+        model = build_model(cfg.model, graph, inputs.variables, None).to(torch.bfloat16).float()
+        x = torch.randn(2, cfg.model.multistep_input, graph["data"].num_nodes, len(inputs.variables.input_names))
+        x = x.bfloat16().float()
+        with torch.no_grad():
+            ref = copy.deepcopy(model).double()(x.double())
+            for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)):
+                out = copy.deepcopy(model).cuda().to(dtype)(x.cuda().to(dtype))
+                err = _rel_max(out.cpu(), ref)
+                print(f"model {cfg.model.name} {dtype}: output error {err:.1e}")
+                assert err < tol, (cfg.model.name, dtype, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_kernel_on_cuda(dtype):
+    """The banded kernel on CUDA against the CPU float64 dense reference, forward and backward,
+    with the offsets of a middle rank's halo under shard_sequence (queries shifted into the keys)."""
+    from stormshard.layers.window import dense_window_attention, sliding_window_attention
+
+    g = torch.Generator().manual_seed(0)
+    window, seq, halo = 32, 256, 32
+    q = torch.randn(2, 4, seq, 64, generator=g).to(dtype).float()
+    k, v = (torch.randn(2, 4, seq + 2 * halo, 64, generator=g).to(dtype).float() for _ in range(2))
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = dense_window_attention(*ref_in, window, q_offset=halo, k_offset=0)
+    ref.square().sum().backward()
+    cuda_in = [t.cuda().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = sliding_window_attention(*cuda_in, window, q_offset=halo, k_offset=0)
+    out.float().square().sum().backward()
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    assert _rel_max(out.cpu(), ref) < tol
+    for got, want in zip(cuda_in, ref_in, strict=True):
+        assert _rel_max(got.grad.cpu(), want.grad) < 2 * tol
+
+
+def test_flash_attn_window_matches_banded():
+    """flash-attn's window path (bf16, when importable and >= 2.3) against the banded kernel, forward
+    and backward, at the offsets shard_sequence passes (no shift, a halo shift, the last rank)."""
+    from stormshard.layers import window as W
+
+    if W._flash_attn_func() is None:
+        pytest.skip("flash-attn >= 2.3 is not importable: the banded kernel is the CUDA path")
+    g = torch.Generator().manual_seed(1)
+    window, seq = 64, 1024
+    for q_len, k_len, q_offset in ((seq, seq, 0), (seq, seq + 2 * window, window), (seq, seq + window, window)):
+        q = torch.randn(2, 8, q_len, 64, generator=g).cuda().bfloat16()
+        k, v = (torch.randn(2, 8, k_len, 64, generator=g).cuda().bfloat16() for _ in range(2))
+        flash_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        banded_in = [t.clone().float().requires_grad_() for t in (q, k, v)]  # fp32: the banded path
+        flash = W.sliding_window_attention(*flash_in, window, q_offset=q_offset, k_offset=0)
+        banded = W.sliding_window_attention(*banded_in, window, q_offset=q_offset, k_offset=0)
+        assert flash.dtype == torch.bfloat16
+        flash.float().square().sum().backward()
+        banded.square().sum().backward()
+        assert _rel_max(flash.float(), banded.double()) < BF16_TOL
+        for a, b in zip(flash_in, banded_in, strict=True):
+            assert _rel_max(a.grad.float(), b.grad.double()) < 2 * BF16_TOL
+        t_flash = _timed(lambda: W.sliding_window_attention(q, k, v, window, q_offset=q_offset))  # noqa: B023
+        t_band = _timed(lambda: W.sliding_window_attention(q.float(), k.float(), v.float(), window,  # noqa: B023
+                                                           q_offset=q_offset))  # noqa: B023
+        print(f"window {window}, Lq {q_len}, Lk {k_len}: flash {t_flash * 1e3:.2f} ms, banded fp32 "
+              f"{t_band * 1e3:.2f} ms ({t_band / t_flash:.1f}x)")
+
+
+def test_transformer_engine_linear_matches_torch():
+    from stormshard.parallel.te_backend import LocalLinear, transformer_engine_available
+
+    if not transformer_engine_available():
+        pytest.skip("transformer_engine.pytorch is not importable")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128).cuda()
+    x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out = LocalLinear(allow_te=True)(x, lin.weight, lin.bias)
+    ref = torch.nn.functional.linear(x_ref, lin.weight, lin.bias)
+    assert _rel_max(out.detach().cpu(), ref.detach().cpu().double()) < 1e-3  # TE may use TF32
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert _rel_max(x.grad.cpu(), x_ref.grad.cpu().double()) < 1e-3
