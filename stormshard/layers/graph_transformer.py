@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch_geometric.utils import scatter, softmax
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.graph_kernels import fused_graph_attention
 from stormshard.parallel.graph import GraphShardPlan, exchange_halo
 
 __all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "graph_attention"]
@@ -181,15 +182,16 @@ class _GraphTransformerBase(nn.Module):
         k = rearrange(self.to_k(h_src), split, h=heads)
         v = rearrange(self.to_v(h_src), split, h=heads)
         edge_index = edge_index.to(x_dst.device)
+        w_e, b_e = self.to_e.weight, self.to_e.bias
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             if first:
                 index = torch.stack([index[0], index[1] - first])
             q = rearrange(self.to_q(h_dst[first:end]), split, h=heads)
-            emb = rearrange(self.to_e(attr), split, h=heads)
-            emb = emb.reshape(emb.shape[:1] + (1,) * (k.dim() - emb.dim()) + emb.shape[1:])  # broadcast over batch
-            attn = graph_attention(q, k, v, emb, index, end - first)
+            # fused kernel (stormshard.layers.graph_kernels): same math as graph_attention with the
+            # edge embedding to_e(attr) added to keys and values, no (E, heads, d) tensor formed
+            attn = fused_graph_attention(q, k, v, attr, w_e, b_e, index, end - first)
             x = x_dst[first:end] + self.proj(rearrange(attn, "n ... h d -> n ... (h d)"))
             return (x + self.mlp(self.norm_mlp(x)),)
 
