@@ -3,7 +3,7 @@
 For an edge ``j -> i`` with features ``e_ji``::
 
     m_ji = MLP_e([x_j, x_i, e_ji])          (edge_channels)
-    x_i <- x_i + MLP_n([x_i, sum_j m_ji])   (sum over the edges into i, torch-geometric scatter)
+    x_i <- x_i + MLP_n([x_i, sum_j m_ji])   (sum over the edges into i: index_add_)
     e_ji <- e_ji + m_ji
 
 Each MLP is Linear, GELU, Linear, LayerNorm. Layouts: node features ``(num_nodes, channels)``,
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch_geometric.utils import scatter
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.graph_kernels import segment_sum
 from stormshard.layers.graph_transformer import _check_positive, _resolve_edges, check_node_and_edge_shapes
 from stormshard.parallel.graph import GraphShardPlan, exchange_halo
 
@@ -71,7 +71,7 @@ class _GNNBase(nn.Module):
             attr_b = attr.reshape(attr.shape[:1] + (1,) * (h_dst.dim() - attr.dim()) + attr.shape[1:])
             attr_b = attr_b.expand(h_dst.shape[:-1] + attr.shape[-1:])  # edges shared by every batch entry
             msg = self.edge_mlp(torch.cat([h_src, h_dst, attr_b], dim=-1))
-            agg = scatter(msg, dst - first, dim=0, dim_size=end - first, reduce="sum")
+            agg = segment_sum(msg, dst - first if first else dst, end - first)  # index_add_, no copy saved
             x = x_dst[first:end]
             return x + self.node_mlp(torch.cat([x, agg], dim=-1)), attr_b + msg
 

@@ -42,9 +42,6 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "CsrStructure"]
 
-# the CSR tensors here are internal and built from checked indices
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
-
 
 # --------------------------------------------------------------------------------------------
 # CSR structure of a graph with heads
@@ -82,17 +79,28 @@ class CsrStructure:
 
     def matrix(self, values: Tensor) -> Tensor:
         """``A`` with ``values`` (CSR order) as a ``(num_dst * heads, num_src * heads)`` CSR tensor."""
-        return torch.sparse_csr_tensor(self.crow, self.col, values, (self.num_dst * self.heads, self.num_src * self.heads),
-                                       check_invariants=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta state"
+            return torch.sparse_csr_tensor(self.crow, self.col, values,
+                                           (self.num_dst * self.heads, self.num_src * self.heads), check_invariants=False)
 
     def matrix_t(self, values: Tensor) -> Tensor:
         """``A^T`` with ``A``'s ``values`` (CSR order of ``A``), as a CSR tensor."""
-        return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.perm_t],
-                                       (self.num_src * self.heads, self.num_dst * self.heads), check_invariants=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.perm_t],
+                                           (self.num_src * self.heads, self.num_dst * self.heads), check_invariants=False)
 
     def segment_sum(self, x: Tensor) -> Tensor:
         """Sum of entry rows ``x`` ``(nnz, ...)`` over each row of ``A``: ``(num_dst * heads, ...)``."""
-        return torch.segment_reduce(x, "sum", lengths=self.lengths, axis=0, unsafe=True)
+        if x.dim() == 1:
+            return torch.segment_reduce(x, "sum", lengths=self.lengths, unsafe=True)
+        out = x.new_zeros((self.num_dst * self.heads,) + tuple(x.shape[1:]))
+        return out.index_add_(0, self.row_of, x)  # faster than segment_reduce on rows
+
+    def pattern(self, dtype: torch.dtype) -> Tensor:
+        """``A``'s sparsity pattern (zero values) for ``sampled_addmm``."""
+        return self.matrix(torch.zeros(self.nnz, dtype=dtype, device=self.crow.device))
 
 
 def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:
@@ -220,7 +228,7 @@ class _FusedGraphAttention(torch.autograd.Function):
         nd, batch, _, d = q.shape
         scale = 1.0 / math.sqrt(d)
         qf, kf, vf = q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
-        pattern = st.matrix(torch.zeros(st.nnz, dtype=q.dtype, device=q.device))
+        pattern = st.pattern(q.dtype)
         logits = torch.sparse.sampled_addmm(pattern, qf, kf.t(), beta=0.0).values()
         a = _attr_rows(attr3, st, heads)  # (nnz, F)
         wb = _block_diag(w_e)

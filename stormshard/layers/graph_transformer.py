@@ -35,7 +35,6 @@ import math
 import torch
 from einops import rearrange
 from torch import Tensor, nn
-from torch_geometric.utils import scatter, softmax
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
 from stormshard.layers.graph_kernels import fused_graph_attention
@@ -58,6 +57,8 @@ def graph_attention(
     ``edge_emb`` ``(E, *batch or 1s, heads, d)`` (added to keys and values), ``edge_index``
     ``(2, E)``. Returns ``(num_dst, *batch, heads, d)``; a destination without incoming edges gets zeros.
     """
+    from torch_geometric.utils import scatter, softmax  # here: the layers' fast path does not load torch-geometric
+
     src, dst = edge_index[0], edge_index[1]
     k_j = key.index_select(0, src) + edge_emb
     v_j = value.index_select(0, src) + edge_emb
