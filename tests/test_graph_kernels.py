@@ -224,3 +224,13 @@ def test_gnn_blocks_match_scatter_path(kind, num_chunks, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
     for a, b in zip(new[2], ref[2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_structure_cache_drops_dead_edge_indices():
+    from stormshard.layers import graph_kernels
+
+    edge_index = torch.stack([torch.arange(6) % 4, torch.arange(6) % 3])
+    csr_structure(edge_index, 4, 3, 2)
+    key_count = len(graph_kernels._CACHE)
+    del edge_index
+    assert len(graph_kernels._CACHE) == key_count - 1

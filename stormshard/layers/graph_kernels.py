@@ -160,12 +160,10 @@ def csr_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) ->
         return hit[1]
     structure = _build_structure(edge_index, num_src, num_dst, heads)
     if len(_CACHE) >= _CACHE_SIZE:
-        for k in [k for k, (ref, _) in _CACHE.items() if ref() is None] or list(_CACHE)[: _CACHE_SIZE // 2]:
+        for k in list(_CACHE)[: _CACHE_SIZE // 2]:  # oldest first
             del _CACHE[k]
-    try:
-        _CACHE[key] = (weakref.ref(edge_index), structure)
-    except TypeError:  # pragma: no cover - tensors are weak-referenceable
-        pass
+    # the entry goes when the edge index tensor goes (per-call index tensors, e.g. edge chunks)
+    _CACHE[key] = (weakref.ref(edge_index, lambda _ref, key=key: _CACHE.pop(key, None)), structure)
     return structure
 
 

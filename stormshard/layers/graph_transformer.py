@@ -7,8 +7,11 @@ For an edge ``j -> i`` with edge features ``e_ji`` (per head ``h``, head size ``
     x_i <- x_i + W_o sum_j a_ji v_j
     x_i <- x_i + MLP(LayerNorm(x_i))
 
-(pre-norm, residual; torch-geometric's ``softmax`` and ``scatter`` per destination node, no Python
-loop over nodes or edges). Layouts: node features ``(num_nodes, channels)``, ``edge_attr``
+(pre-norm, residual). The blocks compute the attention with
+:func:`stormshard.layers.graph_kernels.fused_graph_attention` (CSR sampled products, segment
+softmax and a sparse product; no ``(E, heads, d)`` tensor is formed or kept for the backward);
+:func:`graph_attention` is the same math written out per edge (torch-geometric ``softmax`` and
+``scatter``), kept as the reference. Layouts: node features ``(num_nodes, channels)``, ``edge_attr``
 ``(num_edges, edge_channels)``, ``edge_index`` ``(2, num_edges)`` row 0 source, row 1 destination.
 
 Two variants:
