@@ -22,6 +22,7 @@ in destination-node chunks with activation checkpointing per chunk; results are 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
@@ -63,14 +64,20 @@ class _GNNBase(nn.Module):
         """``x_src`` ``(num_src_ext, C_src)`` (local rows + halo when sharded)."""
         num_dst = x_dst.shape[0]
         edge_index = edge_index.to(x_dst.device)
+        # the edge MLP's first linear on [x_j, x_i, e_ji] is W_s x_j + W_d x_i + W_e e_ji: project
+        # the nodes once (N rows) and gather the projections, instead of a GEMM over E concatenated rows
+        first_linear = self.edge_mlp[0]
+        w_src, w_dst, w_attr = first_linear.weight.split([self.src_channels, self.dst_channels, self.edge_channels], 1)
+        p_src, p_dst = F.linear(x_src, w_src), F.linear(x_dst, w_dst, first_linear.bias)
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor, Tensor]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             src, dst = index[0], index[1]
-            h_src, h_dst = x_src.index_select(0, src), x_dst.index_select(0, dst)
-            attr_b = attr.reshape(attr.shape[:1] + (1,) * (h_dst.dim() - attr.dim()) + attr.shape[1:])
-            attr_b = attr_b.expand(h_dst.shape[:-1] + attr.shape[-1:])  # edges shared by every batch entry
-            msg = self.edge_mlp(torch.cat([h_src, h_dst, attr_b], dim=-1))
+            hidden = p_src.index_select(0, src) + p_dst.index_select(0, dst)
+            attr_b = attr.reshape(attr.shape[:1] + (1,) * (hidden.dim() - attr.dim()) + attr.shape[1:])
+            hidden = hidden + F.linear(attr_b, w_attr)  # broadcast: edges shared by every batch entry
+            attr_b = attr_b.expand(hidden.shape[:-1] + attr.shape[-1:])
+            msg = self.edge_mlp[1:](hidden)
             agg = segment_sum(msg, dst - first if first else dst, end - first)  # index_add_, no copy saved
             x = x_dst[first:end]
             return x + self.node_mlp(torch.cat([x, agg], dim=-1)), attr_b + msg
