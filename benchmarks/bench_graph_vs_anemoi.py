@@ -323,9 +323,9 @@ def compare(args: argparse.Namespace) -> None:
                       f"stormshard {st[-1]['time']:.3f}s {st[-1]['rss']:.0f} MiB | speed-up "
                       f"{an[-1]['time'] / st[-1]['time']:.2f}x (cpu-s {an[-1]['cpu']:.2f} vs {st[-1]['cpu']:.2f}: "
                       f"{an[-1]['cpu'] / st[-1]['cpu']:.2f}x), memory {st[-1]['rss'] / an[-1]['rss']:.2f}x", flush=True)
-            speed = statistics.median(a["time"] / s["time"] for a, s in zip(an, st))
-            mem = statistics.median(s["rss"] / a["rss"] for a, s in zip(an, st))
-            cpu = statistics.median(a["cpu"] / s["cpu"] for a, s in zip(an, st))
+            speed = statistics.median(a["time"] / s["time"] for a, s in zip(an, st, strict=True))
+            mem = statistics.median(s["rss"] / a["rss"] for a, s in zip(an, st, strict=True))
+            cpu = statistics.median(a["cpu"] / s["cpu"] for a, s in zip(an, st, strict=True))
             rows.append((name, world, statistics.median(a["time"] for a in an), statistics.median(s["time"] for s in st),
                          speed, statistics.median(a["rss"] for a in an), statistics.median(s["rss"] for s in st), mem,
                          st[-1]["halo"], cpu))

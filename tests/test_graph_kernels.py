@@ -62,7 +62,7 @@ def both(tensors, edge_index, grad_out, num_dst):  # noqa: ANN001
         args = [tensors[n] for n in ("q", "k", "v", "attr", "weight", "bias")]
         out = fn(*args, edge_index, num_dst)
         grads = torch.autograd.grad((out * grad_out).sum(), [tensors[n] for n in names], allow_unused=True)
-        outs.append((out, dict(zip(names, grads))))
+        outs.append((out, dict(zip(names, grads, strict=True))))
     return outs
 
 
