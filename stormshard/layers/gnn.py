@@ -3,7 +3,7 @@
 For an edge ``j -> i`` with features ``e_ji``::
 
     m_ji = MLP_e([x_j, x_i, e_ji])          (edge_channels)
-    x_i <- x_i + MLP_n([x_i, sum_j m_ji])   (sum over the edges into i, torch-geometric scatter)
+    x_i <- x_i + MLP_n([x_i, sum_j m_ji])   (sum over the edges into i: index_add_)
     e_ji <- e_ji + m_ji
 
 Each MLP is Linear, GELU, Linear, LayerNorm. Layouts: node features ``(num_nodes, [*batch,]
@@ -28,10 +28,11 @@ activation checkpointing per chunk; results are equal.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch_geometric.utils import scatter
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.graph_kernels import segment_sum
 from stormshard.layers.graph_transformer import (
     _check_positive,
     check_local_rows,
@@ -77,16 +78,22 @@ class _GNNBase(nn.Module):
         edge_index = edge_index.to(x_dst.device)
         # edge attributes are often a module buffer, which bf16 engines leave in fp32: compute in the nodes' dtype
         edge_attr = edge_attr.to(x_dst.dtype)
+        # the edge MLP's first linear on [x_j, x_i, e_ji] is W_s x_j + W_d x_i + W_e e_ji: project
+        # the nodes once (N rows) and gather the projections, instead of a GEMM over E concatenated rows
+        first_linear = self.edge_mlp[0]
+        w_src, w_dst, w_attr = first_linear.weight.split([self.src_channels, self.dst_channels, self.edge_channels], 1)
+        p_src, p_dst = F.linear(x_src, w_src), F.linear(x_dst, w_dst, first_linear.bias)
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor, ...]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             src, dst = index[0], index[1]
-            h_src, h_dst = x_src.index_select(0, src), x_dst.index_select(0, dst)
-            attr_b = attr.reshape(attr.shape[:1] + (1,) * (h_dst.dim() - attr.dim()) + attr.shape[1:])
-            attr_b = attr_b.expand(h_dst.shape[:-1] + attr.shape[-1:])  # edges shared by every batch entry
-            msg = self.edge_mlp(torch.cat([h_src, h_dst, attr_b], dim=-1))
+            hidden = p_src.index_select(0, src) + p_dst.index_select(0, dst)
+            attr_b = attr.reshape(attr.shape[:1] + (1,) * (hidden.dim() - attr.dim()) + attr.shape[1:])
+            hidden = hidden + F.linear(attr_b, w_attr)  # broadcast: edges shared by every batch entry
+            attr_b = attr_b.expand(hidden.shape[:-1] + attr.shape[-1:])
+            msg = self.edge_mlp[1:](hidden)
             acc = torch.promote_types(msg.dtype, torch.float32)  # the sum over edges accumulates in fp32
-            agg = scatter(msg.to(acc), dst - first, dim=0, dim_size=end - first, reduce="sum").to(msg.dtype)
+            agg = segment_sum(msg.to(acc), dst - first if first else dst, end - first).to(msg.dtype)
             x = x_dst[first:end]
             x = x + self.node_mlp(torch.cat([x, agg], dim=-1))
             return (x, attr_b + msg) if update_edges else (x,)

@@ -7,8 +7,11 @@ For an edge ``j -> i`` with edge features ``e_ji`` (per head ``h``, head size ``
     x_i <- x_i + W_o sum_j a_ji v_j
     x_i <- x_i + MLP(LayerNorm(x_i))
 
-(pre-norm, residual; torch-geometric's ``softmax`` and ``scatter`` per destination node, no Python
-loop over nodes or edges). Layouts: node features ``(num_nodes, channels)``, ``edge_attr``
+(pre-norm, residual). The blocks compute the attention with
+:func:`stormshard.layers.graph_kernels.fused_graph_attention` (CSR sampled products, segment
+softmax and a sparse product; no ``(E, heads, d)`` tensor is formed or kept for the backward);
+:func:`graph_attention` is the same math written out per edge (torch-geometric ``softmax`` and
+``scatter``), kept as the reference. Layouts: node features ``(num_nodes, channels)``, ``edge_attr``
 ``(num_edges, edge_channels)``, ``edge_index`` ``(2, num_edges)`` row 0 source, row 1 destination.
 
 Two variants, one return convention each (shared with the GNN blocks of :mod:`stormshard.layers.gnn`):
@@ -41,9 +44,9 @@ import math
 import torch
 from einops import rearrange
 from torch import Tensor, nn
-from torch_geometric.utils import scatter, softmax
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.graph_kernels import fused_graph_attention
 from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "graph_attention"]
@@ -65,6 +68,9 @@ def graph_attention(
     incoming edges gets zeros. The logits, the softmax statistics (max and sum per destination) and
     the weighted sum over edges are computed in fp32 whatever the input dtype (bf16 included).
     """
+    # imported here: the blocks' fast path never loads torch-geometric (~100 MB resident)
+    from torch_geometric.utils import scatter, softmax
+
     src, dst = edge_index[0], edge_index[1]
     acc = torch.promote_types(value.dtype, torch.float32)
     k_j = key.index_select(0, src) + edge_emb
@@ -187,15 +193,20 @@ class _GraphTransformerBase(nn.Module):
         edge_index = edge_index.to(x_dst.device)
         # edge attributes are often a module buffer, which bf16 engines leave in fp32: compute in the nodes' dtype
         edge_attr = edge_attr.to(x_dst.dtype)
+        w_e, b_e = self.to_e.weight, self.to_e.bias
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             if first:
                 index = torch.stack([index[0], index[1] - first])
             q = rearrange(self.to_q(h_dst[first:end]), split, h=heads)
-            emb = rearrange(self.to_e(attr), split, h=heads)
-            emb = emb.reshape(emb.shape[:1] + (1,) * (k.dim() - emb.dim()) + emb.shape[1:])  # broadcast over batch
-            attn = graph_attention(q, k, v, emb, index, end - first)
+            # fused kernel (stormshard.layers.graph_kernels): same math as graph_attention with the
+            # edge embedding to_e(attr) added to keys and values, no (E, heads, d) tensor formed
+            # logits, softmax statistics and the weighted sum in fp32 whatever the compute dtype (bf16)
+            acc = torch.promote_types(q.dtype, torch.float32)
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                attn = fused_graph_attention(q.to(acc), k.to(acc), v.to(acc), attr.to(acc), w_e.to(acc),
+                                             None if b_e is None else b_e.to(acc), index, end - first).to(q.dtype)
             x = x_dst[first:end] + self.proj(rearrange(attn, "n ... h d -> n ... (h d)"))
             return (x + self.mlp(self.norm_mlp(x)),)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch_geometric.utils import k_hop_subgraph
 
 from stormshard.parallel.graph import (
     _check_edge_attr,
@@ -50,6 +49,8 @@ def get_k_hop_edges(
     if nodes.numel() == 0 or edge_index.shape[1] == 0:
         keep = torch.zeros(edge_index.shape[1], dtype=torch.bool, device=edge_index.device)
     else:
+        from torch_geometric.utils import k_hop_subgraph  # loaded on use only (~100 MB resident)
+
         num_nodes = int(max(edge_index.max(), nodes.max())) + 1
         _, _, _, keep = k_hop_subgraph(nodes, num_hops, edge_index, num_nodes=num_nodes, directed=True)
     ids = keep.nonzero().flatten()

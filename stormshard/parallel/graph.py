@@ -20,13 +20,13 @@ tensors only. anemoi's edge-sorting helpers live in :mod:`stormshard.parallel.an
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch_geometric.typing import SparseTensor
 
 from stormshard.parallel.counter import record_communication
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
@@ -41,8 +41,18 @@ ProcessGroup = dist.ProcessGroup
 # --------------------------------------------------------------------------------------------
 
 
+def _is_sparse_tensor(x: object) -> bool:
+    """A torch-sparse / torch-geometric ``SparseTensor`` (without importing torch-geometric, whose
+    import alone costs ~100 MB of resident memory: one can only exist if its module is loaded)."""
+    for module in ("torch_geometric.typing", "torch_sparse"):
+        cls = getattr(sys.modules.get(module), "SparseTensor", None)
+        if isinstance(cls, type) and isinstance(x, cls):
+            return True
+    return False
+
+
 def _check_edge_index(edge_index: object, name: str = "edge_index") -> Tensor:
-    if isinstance(edge_index, SparseTensor):
+    if _is_sparse_tensor(edge_index):
         raise TypeError(
             f"{name} is a SparseTensor; stormshard takes a dense (2, num_edges) edge index: convert "
             "an adj_t with `row, col, _ = adj_t.coo(); edge_index = torch.stack([col, row])`"

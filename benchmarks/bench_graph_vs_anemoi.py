@@ -1,0 +1,384 @@
+"""stormshard's graph-transformer processor (G1) and encoder (G2) against anemoi-models, same shapes.
+
+The stormshard side of ``../shared/anemoi-bench`` (issue 14): the same synthetic graphs (Fibonacci
+lattices ordered north to south, symmetric kNN processor graph, data -> k nearest hidden encoder
+graph, edge attributes length/dx/dy/dz; re-implemented here), the same float32 random inputs and
+output gradient, the same timing (one warm-up step, then the median of the timed forward +
+backward steps, the maximum over ranks; a barrier before every step) and the same memory
+accounting (peak RSS of each rank's process, ``ru_maxrss``). Two ranks: gloo, destination-node
+sharding with stormshard's halo plan (the normed source rows cross one ``all_to_all_single``).
+
+G1: ``--component processor`` (16 GraphTransformerProcessorBlocks, 4,096 nodes, k=8, C 256, 8 heads).
+G2: ``--component mapper`` (16,384 data nodes -> 4,096 hidden, 4 hidden neighbours per data node,
+96 source / 16 destination input channels embedded to C 256 by linears, one
+GraphTransformerMapperBlock), as anemoi's ``GraphTransformerForwardMapper``.
+
+    python benchmarks/bench_graph_vs_anemoi.py --component processor            # 1 process
+    torchrun --standalone --nproc_per_node 2 benchmarks/bench_graph_vs_anemoi.py --component processor
+    python benchmarks/bench_graph_vs_anemoi.py --compare [--layers 4] [--repeat 2]
+
+``--compare`` runs, for G1 and G2 at 1 and 2 processes, anemoi's script
+(``$ANEMOI_BENCH/bench_graphtransformer.py`` with ``$ANEMOI_PY`` and ``$ANEMOI_PYTHONPATH``, or
+``--anemoi-bench``, ``--anemoi-python``, ``--anemoi-pythonpath``; defaults ``/work/shared/anemoi-bench``,
+``/tmp/anemoi-env/venv/bin/python`` and no PYTHONPATH) and this one back to back
+(``--repeat`` pairs, alternating), and prints the medians and the ratios: speed-up = anemoi time /
+stormshard time, memory = stormshard peak RSS / anemoi peak RSS (max over ranks); also the
+ratio of process CPU seconds per step (summed over ranks), which a loaded machine disturbs less. Absolute times
+vary between machines and hours; only ratios from one run mean anything.
+
+``--chunks`` is each library's own edge-chunk setting: anemoi's README commands use 2 for G1 and
+1 for G2 (anemoi loops over chunks without checkpointing); stormshard's default here is 1
+(``--st-chunks``), its fused attention keeps no per-edge feature tensors, and ``num_chunks > 1``
+in stormshard means checkpointed chunks (lower memory, a recomputed forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from stormshard.layers.graph_transformer import (  # noqa: E402
+    GraphTransformerMapperBlock,
+    GraphTransformerProcessorBlock,
+)
+from stormshard.parallel.counter import CommCounter  # noqa: E402
+from stormshard.parallel.graph import GraphShardPlan  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# --------------------------------------------------------------------------------------------
+# graphs (same definitions as the anemoi benchmark: Fibonacci lattice, kNN, edge attributes)
+# --------------------------------------------------------------------------------------------
+
+
+def fibonacci_sphere(n: int) -> np.ndarray:
+    """``(n, 3)`` unit vectors of a Fibonacci lattice, point ``i`` at ``z = 1 - (2i + 1) / n``
+    (north to south), longitude advancing by the golden angle."""
+    idx = np.arange(n, dtype=np.float64) + 0.5
+    z = 1.0 - 2.0 * idx / n
+    rho = np.sqrt(1.0 - z * z)
+    lon = idx * math.pi * (3.0 - math.sqrt(5.0))
+    return np.column_stack([rho * np.cos(lon), rho * np.sin(lon), z])
+
+
+def _edges(src_xyz: np.ndarray, dst_xyz: np.ndarray, src: np.ndarray, dst: np.ndarray):
+    """``edge_index`` (2, E) ordered by (destination, source) and ``edge_attr`` (E, 4): the edge
+    vector's length and its x, y, z components (source minus destination)."""
+    order = np.lexsort((src, dst))
+    src, dst = src[order], dst[order]
+    vec = src_xyz[src] - dst_xyz[dst]
+    attr = np.column_stack([np.linalg.norm(vec, axis=1), vec])
+    return torch.from_numpy(np.stack([src, dst]).astype(np.int64)), torch.from_numpy(attr).float()
+
+
+def knn_processor_graph(n: int, k: int):
+    """Symmetric kNN graph on an ``n``-point lattice (an edge both ways for every kNN pair)."""
+    from scipy.spatial import cKDTree
+
+    xyz = fibonacci_sphere(n)
+    _, nbr = cKDTree(xyz).query(xyz, k=k + 1)  # first neighbour is the node itself
+    a = nbr[:, 1:].reshape(-1)
+    b = np.repeat(np.arange(n), k)
+    pairs = np.unique(np.concatenate([np.column_stack([a, b]), np.column_stack([b, a])]), axis=0)
+    return _edges(xyz, xyz, pairs[:, 0], pairs[:, 1])
+
+
+def knn_encoder_graph(n_data: int, n_hidden: int, k: int):
+    """Every data node -> its ``k`` nearest hidden nodes."""
+    from scipy.spatial import cKDTree
+
+    data, hidden = fibonacci_sphere(n_data), fibonacci_sphere(n_hidden)
+    _, nbr = cKDTree(hidden).query(data, k=k)
+    return _edges(data, hidden, np.repeat(np.arange(n_data), k), nbr.reshape(-1))
+
+
+# --------------------------------------------------------------------------------------------
+# one run (1 process, or one rank under torchrun)
+# --------------------------------------------------------------------------------------------
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _max_over_ranks(value: float, group) -> float:  # noqa: ANN001
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _sum_over_ranks(value: float, group) -> float:  # noqa: ANN001
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+        group = dist.group.WORLD
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        group, rank, world = None, 0, 1
+    gen = torch.Generator().manual_seed(42)
+    c = args.channels
+
+    if args.component == "processor":
+        n = args.nodes
+        edge_index, edge_attr = knn_processor_graph(n, args.k)
+        plan = GraphShardPlan.build(edge_index, n, group)
+        torch.manual_seed(1234)
+        blocks = torch.nn.ModuleList(
+            GraphTransformerProcessorBlock(c, edge_attr.shape[1], args.heads, plan, mlp_ratio=4.0,
+                                           num_chunks=args.st_chunks)
+            for _ in range(args.layers)
+        )
+        params = list(blocks.parameters())
+        x = plan.shard_src(torch.randn(n, c, generator=gen)).clone().requires_grad_(True)
+        grad_out = plan.shard_dst(torch.randn(n, c, generator=gen)).clone()
+        attr = plan.shard_edges(edge_attr)
+        inputs = [x]
+
+        def forward() -> torch.Tensor:
+            y = x
+            for block in blocks:
+                y, _ = block(y, attr)
+            return y
+
+        shape = dict(nodes=n, edges=int(edge_index.shape[1]), channels=c, heads=args.heads, layers=args.layers)
+    else:
+        nd, nh = args.data_nodes, args.nodes
+        edge_index, edge_attr = knn_encoder_graph(nd, nh, args.k_enc)
+        plan = GraphShardPlan.build(edge_index, (nd, nh), group)
+        torch.manual_seed(1234)
+        embed_src, embed_dst = torch.nn.Linear(args.in_src, c), torch.nn.Linear(args.in_dst, c)
+        block = GraphTransformerMapperBlock(c, c, edge_attr.shape[1], args.heads, plan, mlp_ratio=4.0,
+                                            num_chunks=args.st_chunks)
+        params = [*embed_src.parameters(), *embed_dst.parameters(), *block.parameters()]
+        xs = plan.shard_src(torch.randn(nd, args.in_src, generator=gen)).clone().requires_grad_(True)
+        xd = plan.shard_dst(torch.randn(nh, args.in_dst, generator=gen)).clone().requires_grad_(True)
+        grad_out = plan.shard_dst(torch.randn(nh, c, generator=gen)).clone()
+        attr = plan.shard_edges(edge_attr)
+        inputs = [xs, xd]
+
+        def forward() -> torch.Tensor:
+            return block(embed_src(xs), embed_dst(xd), attr)
+
+        shape = dict(data_nodes=nd, hidden_nodes=nh, edges=int(edge_index.shape[1]), channels=c, heads=args.heads,
+                     in_src=args.in_src, in_dst=args.in_dst)
+
+    def step() -> tuple[float, float]:
+        for t in [*params, *inputs]:
+            t.grad = None
+        t0 = time.perf_counter()
+        out = forward()
+        t1 = time.perf_counter()
+        (out * grad_out).sum().backward()
+        return t1 - t0, time.perf_counter() - t1
+
+    rss_setup = _peak_rss_mib()
+    totals, fwds, cpus = [], [], []
+    for i in range(args.warmup + args.steps):
+        if group is not None:
+            dist.barrier(group)
+        if i == args.warmup:
+            counter = CommCounter().__enter__()
+        c0 = time.process_time()
+        f, b = step()
+        c = time.process_time() - c0
+        if i >= args.warmup:
+            totals.append(f + b)
+            fwds.append(f)
+            cpus.append(c)
+    counter.__exit__(None, None, None)
+    peak = _peak_rss_mib()
+    median = statistics.median(totals)
+    result = dict(
+        component=args.component, world=world, threads_per_rank=args.threads, shape=shape,
+        stormshard_chunks=args.st_chunks, torch=torch.__version__,
+        median_fwd_bwd_s_max_over_ranks=_max_over_ranks(median, group),
+        median_fwd_s_max_over_ranks=_max_over_ranks(statistics.median(fwds), group),
+        median_cpu_s_sum_over_ranks=_sum_over_ranks(statistics.median(cpus), group),
+        peak_rss_mib=[_peak_rss_mib()], rss_setup_mib=rss_setup, halo_rows=[plan.num_halo], edges_local=[plan.num_edges_local],
+        comm_bytes_per_step=[counter.total_bytes / max(1, len(totals))],
+    )
+    if group is not None:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (peak, plan.num_halo, plan.num_edges_local,
+                                          counter.total_bytes / max(1, len(totals))), group=group)
+        result["peak_rss_mib"] = [g[0] for g in gathered]
+        result["halo_rows"] = [g[1] for g in gathered]
+        result["edges_local"] = [g[2] for g in gathered]
+        result["comm_bytes_per_step"] = [g[3] for g in gathered]
+    if rank == 0:
+        print(f"RESULT stormshard {args.component} world {world}: median fwd+bwd "
+              f"{result['median_fwd_bwd_s_max_over_ranks']:.3f}s (fwd {result['median_fwd_s_max_over_ranks']:.3f}s, "
+              f"cpu-s {result['median_cpu_s_sum_over_ranks']:.2f}, load {os.getloadavg()[0]:.1f}) "
+              f"peak_rss {[round(p) for p in result['peak_rss_mib']]} MiB (after setup {rss_setup:.0f}) halo rows {result['halo_rows']} "
+              f"comm bytes/step {[int(b) for b in result['comm_bytes_per_step']]}", flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=2)
+    if group is not None:
+        dist.destroy_process_group()
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# --compare: anemoi and stormshard back to back
+# --------------------------------------------------------------------------------------------
+
+CASES = {
+    "G1": dict(component="processor", anemoi_chunks=2, steps=3),
+    "G2": dict(component="mapper", anemoi_chunks=1, steps=5),
+}
+
+
+def _shape_args(args: argparse.Namespace, component: str) -> list[str]:
+    common = ["--nodes", str(args.nodes), "--channels", str(args.channels), "--heads", str(args.heads),
+              "--threads", str(args.threads), "--warmup", str(args.warmup)]
+    if component == "processor":
+        return common + ["--component", "processor", "--k", str(args.k), "--layers", str(args.layers)]
+    return common + ["--component", "mapper", "--data-nodes", str(args.data_nodes), "--k-enc", str(args.k_enc),
+                     "--in-src", str(args.in_src), "--in-dst", str(args.in_dst)]
+
+
+def _launch(python: str, script: list[str], world: int) -> list[str]:
+    if world == 1:
+        return [python, *script]
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *script]
+
+
+def _run_anemoi(args, case: dict, world: int, steps: int, out_dir: str) -> dict:  # noqa: ANN001
+    shutil.rmtree(out_dir, ignore_errors=True)
+    script = [os.path.join(args.anemoi_bench, "bench_graphtransformer.py"), *_shape_args(args, case["component"]),
+              "--chunks", str(case["anemoi_chunks"]), "--ckpt", "0", "--steps", str(steps)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), ANEMOI_BENCH_OUT=out_dir)
+    env.pop("PYTHONPATH", None)
+    if args.anemoi_pythonpath:  # e.g. a --target install of anemoi-models and its dependencies
+        env["PYTHONPATH"] = args.anemoi_pythonpath
+    proc = subprocess.run(_launch(args.anemoi_python, script, world), env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"anemoi run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    (name,) = [f for f in os.listdir(out_dir) if f.endswith(".json")]
+    with open(os.path.join(out_dir, name)) as fh:
+        res = json.load(fh)
+    return dict(time=res["median_fwd_bwd_s_max_over_ranks"], cpu=res["median_cpu_s_sum_over_ranks"],
+                rss=max(r["peak_rss_mib"] for r in res["per_rank"]))
+
+
+def _run_ours(args, case: dict, world: int, steps: int, out_json: str) -> dict:  # noqa: ANN001
+    script = [os.path.abspath(__file__), *_shape_args(args, case["component"]), "--st-chunks", str(args.st_chunks),
+              "--steps", str(steps), "--json", out_json]
+    root = os.path.dirname(HERE)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    proc = subprocess.run(_launch(sys.executable, script, world), env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"stormshard run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(out_json) as fh:
+        res = json.load(fh)
+    return dict(time=res["median_fwd_bwd_s_max_over_ranks"], cpu=res["median_cpu_s_sum_over_ranks"],
+                rss=max(res["peak_rss_mib"]),
+                halo=res["comm_bytes_per_step"])
+
+
+def compare(args: argparse.Namespace) -> None:
+    tmp = tempfile.mkdtemp(prefix="bench_graph_vs_anemoi_")
+    rows = []
+    cases = [c.strip() for c in args.cases.split(",")]
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"machine: {os.cpu_count()} CPU(s), {args.threads} thread(s) per rank, load {os.getloadavg()[0]:.1f}; "
+          f"torch {torch.__version__}; G1 layers {args.layers}; stormshard num_chunks {args.st_chunks}", flush=True)
+    for name in cases:
+        case = CASES[name]
+        steps = args.steps if args.steps is not None else case["steps"]
+        for world in worlds:
+            an, st = [], []
+            for r in range(args.repeat):
+                order = (("anemoi", "stormshard") if r % 2 == 0 else ("stormshard", "anemoi"))
+                for who in order:
+                    if who == "anemoi":
+                        an.append(_run_anemoi(args, case, world, steps, os.path.join(tmp, "anemoi")))
+                    else:
+                        st.append(_run_ours(args, case, world, steps, os.path.join(tmp, "ours.json")))
+                print(f"  {name} world {world} pair {r + 1}: anemoi {an[-1]['time']:.3f}s {an[-1]['rss']:.0f} MiB | "
+                      f"stormshard {st[-1]['time']:.3f}s {st[-1]['rss']:.0f} MiB | speed-up "
+                      f"{an[-1]['time'] / st[-1]['time']:.2f}x (cpu-s {an[-1]['cpu']:.2f} vs {st[-1]['cpu']:.2f}: "
+                      f"{an[-1]['cpu'] / st[-1]['cpu']:.2f}x), memory {st[-1]['rss'] / an[-1]['rss']:.2f}x", flush=True)
+            speed = statistics.median(a["time"] / s["time"] for a, s in zip(an, st, strict=True))
+            mem = statistics.median(s["rss"] / a["rss"] for a, s in zip(an, st, strict=True))
+            cpu = statistics.median(a["cpu"] / s["cpu"] for a, s in zip(an, st, strict=True))
+            rows.append((name, world, statistics.median(a["time"] for a in an), statistics.median(s["time"] for s in st),
+                         speed, statistics.median(a["rss"] for a in an), statistics.median(s["rss"] for s in st), mem,
+                         st[-1]["halo"], cpu))
+    print("\n| case | processes | anemoi s | stormshard s | speed-up | anemoi peak RSS MiB/rank | "
+          "stormshard peak RSS MiB/rank | memory ratio | cpu-s speed-up | stormshard halo bytes/step per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, world, ta, ts, sp, ra, rs, mr, halo, cpu in rows:
+        print(f"| {name} | {world} | {ta:.3f} | {ts:.3f} | {sp:.2f}x | {ra:.0f} | {rs:.0f} | {mr:.2f}x | {cpu:.2f}x | "
+              f"{[int(h) for h in halo]} |")
+    goal = all(r[4] >= 1.5 and r[7] <= 0.7 for r in rows)
+    print(f"\ngoal (speed-up >= 1.5x and memory <= 0.7x in every row): {'met' if goal else 'NOT met'}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--component", default="processor", choices=["processor", "mapper"])
+    p.add_argument("--nodes", type=int, default=4096, help="hidden mesh nodes")
+    p.add_argument("--data-nodes", type=int, default=16384, help="data grid nodes (mapper)")
+    p.add_argument("--k", type=int, default=8, help="kNN of the processor graph (before symmetrisation)")
+    p.add_argument("--k-enc", type=int, default=4, help="hidden neighbours per data node (mapper)")
+    p.add_argument("--channels", type=int, default=256)
+    p.add_argument("--in-src", type=int, default=96)
+    p.add_argument("--in-dst", type=int, default=16)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--st-chunks", type=int, default=1, help="stormshard num_chunks")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default: G1 3, G2 5, as anemoi's README)")
+    p.add_argument("--json", default=None, help="write the result here (rank 0)")
+    p.add_argument("--compare", action="store_true", help="run anemoi's and this benchmark back to back")
+    p.add_argument("--cases", default="G1,G2")
+    p.add_argument("--worlds", default="1,2")
+    p.add_argument("--repeat", type=int, default=1, help="--compare: pairs per case (alternating order)")
+    p.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),
+                   help="--compare: interpreter for anemoi's script (env ANEMOI_PY)")
+    p.add_argument("--anemoi-bench", default=os.environ.get("ANEMOI_BENCH", "/work/shared/anemoi-bench"),
+                   help="--compare: folder holding bench_graphtransformer.py (env ANEMOI_BENCH)")
+    p.add_argument("--anemoi-pythonpath", default=os.environ.get("ANEMOI_PYTHONPATH", ""),
+                   help="--compare: PYTHONPATH for anemoi's runs (env ANEMOI_PYTHONPATH; default: none)")
+    args = p.parse_args()
+    if args.compare:
+        compare(args)
+        return
+    if args.steps is None:
+        args.steps = CASES["G1" if args.component == "processor" else "G2"]["steps"]
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

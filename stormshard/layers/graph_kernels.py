@@ -1,0 +1,392 @@
+"""Fused graph kernels: CSR graph attention and sum aggregation without per-edge feature tensors.
+
+The straightforward graph attention (:func:`stormshard.layers.graph_transformer.graph_attention`)
+gathers keys, values and queries per edge, ``(E, heads, d)`` each, adds the projected edge
+embedding ``(E, heads, d)``, and lets autograd keep several of them per layer. On a CPU every
+such tensor is a fresh ``E x channels`` allocation (34 MB at 33k edges x 256 channels, above
+glibc's mmap threshold, so page-faulted on every call) and one memory pass per op.
+
+:func:`fused_graph_attention` computes the same thing with the graph as a sparse CSR matrix whose
+rows are ``(destination node, head)`` pairs and whose columns are ``(source node, head)`` pairs
+(a block-diagonal-per-head adjacency; ``nnz = E x heads``):
+
+- logits: one sampled dense-dense product (``torch.sparse.sampled_addmm``, SDDMM) of the queries
+  and keys; the edge-embedding term ``q_i . (W_e a_ji + b_e)`` is ``(W_e^T q_i) . a_ji + q_i . b_e``,
+  so the edge embedding ``(E, channels)`` is never formed: only ``(E x heads, edge_channels)``;
+- softmax over each row (the edges into one node, per head) with ``torch.segment_reduce``;
+- output: one sparse-dense product (SpMM) ``alpha @ values`` plus ``W_e (sum_j alpha_ji a_ji) + b_e``.
+
+The backward is written out (SDDMM for the gradient of the weights, SpMM with the transposed
+pattern for keys and values) and autograd keeps only the queries, keys, values (node tensors),
+the edge attributes and the ``E x heads`` attention weights: nothing of size ``E x channels``.
+
+:func:`segment_sum` sums edge rows into destination nodes (``index_add_``; its backward is a
+gather), the aggregation of the GNN blocks.
+
+The CSR structure of a graph (row pointers, column ids, the transposed pattern and the maps
+between them) depends only on ``edge_index``, the node counts and the number of heads; it is
+cached per ``edge_index`` tensor (keyed by the tensor's identity, storage and version, so an
+in-place change or a new tensor rebuilds it).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "CsrStructure"]
+
+
+# --------------------------------------------------------------------------------------------
+# CSR structure of a graph with heads
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class CsrStructure:
+    """The head-expanded adjacency of a graph, in CSR form, and its transpose.
+
+    Rows of ``A`` are ``row = dst * heads + g``, columns ``src * heads + g`` (``g`` the head; a
+    batch dimension is folded into the heads). Entry ``i`` of ``A`` (CSR order: by row, then by
+    source id) belongs to edge ``edge_of[i]`` (an id in the caller's ``edge_index`` order) and
+    head ``head_of[i]``. ``crow_t``, ``col_t`` describe ``A^T`` with ``perm_t`` mapping its
+    entries to ``A``'s (``values_t = values[perm_t]``).
+    """
+
+    num_src: int
+    num_dst: int
+    heads: int
+    num_edges: int
+    crow: Tensor
+    col: Tensor
+    row_of: Tensor
+    edge_of: Tensor
+    head_of: Tensor
+    lengths: Tensor
+    crow_t: Tensor
+    col_t: Tensor
+    perm_t: Tensor
+
+    @property
+    def nnz(self) -> int:
+        return self.num_edges * self.heads
+
+    def matrix(self, values: Tensor) -> Tensor:
+        """``A`` with ``values`` (CSR order) as a ``(num_dst * heads, num_src * heads)`` CSR tensor."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta state"
+            return torch.sparse_csr_tensor(self.crow, self.col, values,
+                                           (self.num_dst * self.heads, self.num_src * self.heads), check_invariants=False)
+
+    def matrix_t(self, values: Tensor) -> Tensor:
+        """``A^T`` with ``A``'s ``values`` (CSR order of ``A``), as a CSR tensor."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.perm_t],
+                                           (self.num_src * self.heads, self.num_dst * self.heads), check_invariants=False)
+
+    def segment_sum(self, x: Tensor) -> Tensor:
+        """Sum of entry rows ``x`` ``(nnz, ...)`` over each row of ``A``: ``(num_dst * heads, ...)``."""
+        if x.dim() == 1:
+            return torch.segment_reduce(x, "sum", lengths=self.lengths, unsafe=True)
+        out = x.new_zeros((self.num_dst * self.heads,) + tuple(x.shape[1:]))
+        return out.index_add_(0, self.row_of, x)  # faster than segment_reduce on rows
+
+    def pattern(self, dtype: torch.dtype) -> Tensor:
+        """``A``'s sparsity pattern (zero values) for ``sampled_addmm``."""
+        return self.matrix(torch.zeros(self.nnz, dtype=dtype, device=self.crow.device))
+
+
+def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:
+    src, dst = edge_index[0].long(), edge_index[1].long()
+    num_edges = src.numel()
+    device = src.device
+    # edges sorted by (destination, source), stable: CSR rows with ascending column ids
+    order = torch.argsort(dst * max(num_src, 1) + src, stable=True)
+    s, t = src[order], dst[order]
+    g = torch.arange(heads, device=device)
+
+    def positions(rows: Tensor, sorted_rows: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+        deg = torch.bincount(sorted_rows, minlength=num_rows)
+        ptr = torch.zeros(num_rows + 1, dtype=torch.long, device=device)
+        ptr[1:] = torch.cumsum(deg, 0)
+        j = torch.arange(rows.numel(), device=device) - ptr[sorted_rows]
+        # entry (edge p, head g) of row (r, g) sits at ptr[r] * heads + g * deg[r] + j
+        pos = (ptr[sorted_rows] * heads + j).unsqueeze(1) + g.unsqueeze(0) * deg[sorted_rows].unsqueeze(1)
+        lengths = deg.repeat_interleave(heads)
+        crow = torch.zeros(num_rows * heads + 1, dtype=torch.long, device=device)
+        crow[1:] = torch.cumsum(lengths, 0)
+        return pos, crow, lengths
+
+    nnz = num_edges * heads
+    pos, crow, lengths = positions(t, t, num_dst)
+    col = torch.empty(nnz, dtype=torch.long, device=device)
+    col[pos.flatten()] = (s.unsqueeze(1) * heads + g).flatten()
+    row_of = torch.empty(nnz, dtype=torch.long, device=device)
+    row_of[pos.flatten()] = (t.unsqueeze(1) * heads + g).flatten()
+    edge_of = torch.empty(nnz, dtype=torch.long, device=device)
+    edge_of[pos.flatten()] = order.unsqueeze(1).expand(-1, heads).flatten()
+    head_of = torch.empty(nnz, dtype=torch.long, device=device)
+    head_of[pos.flatten()] = g.unsqueeze(0).expand(num_edges, -1).flatten()
+
+    # transpose: the same entries sorted by (source, destination)
+    order_t = torch.argsort(s * max(num_dst, 1) + t, stable=True)
+    s_t, t_t = s[order_t], t[order_t]
+    pos_t, crow_t, _ = positions(s_t, s_t, num_src)
+    col_t = torch.empty(nnz, dtype=torch.long, device=device)
+    col_t[pos_t.flatten()] = (t_t.unsqueeze(1) * heads + g).flatten()
+    perm_t = torch.empty(nnz, dtype=torch.long, device=device)
+    perm_t[pos_t.flatten()] = pos[order_t].flatten()
+    return CsrStructure(num_src, num_dst, heads, num_edges, crow, col, row_of, edge_of, head_of, lengths,
+                        crow_t, col_t, perm_t)
+
+
+_CACHE: dict[tuple, tuple[weakref.ref, CsrStructure]] = {}
+_CACHE_SIZE = 32
+
+
+def csr_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:
+    """The (cached) :class:`CsrStructure` of ``edge_index`` ``(2, E)`` with ``heads`` heads."""
+    key = (id(edge_index), edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape),
+           tuple(edge_index.stride()), edge_index.dtype, edge_index.device, num_src, num_dst, heads)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is edge_index:
+        return hit[1]
+    structure = _build_structure(edge_index, num_src, num_dst, heads)
+    if len(_CACHE) >= _CACHE_SIZE:
+        for k in list(_CACHE)[: _CACHE_SIZE // 2]:  # oldest first
+            del _CACHE[k]
+    # the entry goes when the edge index tensor goes (per-call index tensors, e.g. edge chunks)
+    _CACHE[key] = (weakref.ref(edge_index, lambda _ref, key=key: _CACHE.pop(key, None)), structure)
+    return structure
+
+
+# --------------------------------------------------------------------------------------------
+# fused graph attention
+# --------------------------------------------------------------------------------------------
+
+
+def _segment_softmax(logits: Tensor, st: CsrStructure) -> Tensor:
+    """Softmax of the entries of every row of ``A`` (the edges into one node, one head)."""
+    row_max = torch.segment_reduce(logits, "max", lengths=st.lengths, unsafe=True)
+    ex = torch.exp(logits - row_max.index_select(0, st.row_of))
+    total = torch.segment_reduce(ex, "sum", lengths=st.lengths, unsafe=True)
+    return ex.div_(total.index_select(0, st.row_of))
+
+
+def _attr_rows(attr3: Tensor, st: CsrStructure, heads: int) -> Tensor:
+    """Edge attributes of every entry ``(nnz, edge_channels)``; ``attr3`` is ``(E, 1 or B, F)``."""
+    flat = attr3.reshape(-1, attr3.shape[-1])
+    if attr3.shape[1] == 1:
+        return flat.index_select(0, st.edge_of)
+    return flat.index_select(0, st.edge_of * attr3.shape[1] + st.head_of // heads)
+
+
+def _attr_index(attr3: Tensor, st: CsrStructure, heads: int) -> Tensor:
+    if attr3.shape[1] == 1:
+        return st.edge_of
+    return st.edge_of * attr3.shape[1] + st.head_of // heads
+
+
+def _block_diag(w_e: Tensor) -> Tensor:
+    """``(H * d, H * F)`` block-diagonal matrix of the per-head edge weights ``w_e`` ``(H, d, F)``:
+    per-head products with ``w_e`` become one GEMM over all heads."""
+    return torch.block_diag(*w_e.unbind(0))
+
+
+def _heads_to_attr(x: Tensor, wb: Tensor, fdim: int) -> Tensor:
+    """``einsum("nbhd,hdf->nbhf", x, w_e)`` as one GEMM with the block-diagonal ``wb``."""
+    n, b, h, _ = x.shape
+    return (x.reshape(n * b, -1) @ wb).view(n, b, h, fdim)
+
+
+def _attr_to_heads(y: Tensor, wb: Tensor, d: int) -> Tensor:
+    """``einsum("nbhf,hdf->nbhd", y, w_e)``."""
+    n, b, h, _ = y.shape
+    return (y.reshape(n * b, -1) @ wb.t()).view(n, b, h, d)
+
+
+def _weight_grad(x: Tensor, y: Tensor) -> Tensor:
+    """``einsum("nbhd,nbhf->hdf", x, y)``: the diagonal blocks of one ``x^T y`` GEMM."""
+    h, d, f = x.shape[2], x.shape[3], y.shape[3]
+    full = x.reshape(-1, h * d).t() @ y.reshape(-1, h * f)  # (H*d, H*F)
+    return torch.stack([full[i * d:(i + 1) * d, i * f:(i + 1) * f] for i in range(h)])
+
+
+class _FusedGraphAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attr3, w_e, b_e, st: CsrStructure, heads: int):  # noqa: ANN001
+        # q (Nd, B, H, d), k/v (Ns, B, H, d), attr3 (E, 1|B, F), w_e (H, d, F), b_e (H, d)
+        nd, batch, _, d = q.shape
+        scale = 1.0 / math.sqrt(d)
+        qf, kf, vf = q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
+        pattern = st.pattern(q.dtype)
+        logits = torch.sparse.sampled_addmm(pattern, qf, kf.t(), beta=0.0).values()
+        a = _attr_rows(attr3, st, heads)  # (nnz, F)
+        wb = _block_diag(w_e)
+        qe = _heads_to_attr(q, wb, a.shape[1]).reshape(-1, a.shape[1])
+        qb = torch.einsum("nbhd,hd->nbh", q, b_e).reshape(-1)
+        logits = logits + (qe.index_select(0, st.row_of) * a).sum(-1) + qb.index_select(0, st.row_of)
+        alpha = _segment_softmax(logits.mul_(scale), st)
+        out = (st.matrix(alpha) @ vf).view(nd, batch, heads, d)
+        agg = st.segment_sum(alpha.unsqueeze(1) * a).view(nd, batch, heads, -1)  # sum_j alpha a_j
+        rows = st.segment_sum(alpha).view(nd, batch, heads, 1)  # 1, or 0 without edges
+        out += _attr_to_heads(agg, wb, d) + rows * b_e
+        ctx.save_for_backward(q, k, v, attr3, w_e, b_e, alpha)
+        ctx.st, ctx.heads = st, heads
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):  # noqa: ANN001
+        q, k, v, attr3, w_e, b_e, alpha = ctx.saved_tensors
+        st, heads = ctx.st, ctx.heads
+        nd, batch, _, d = q.shape
+        ns = k.shape[0]
+        scale = 1.0 / math.sqrt(d)
+        go = grad_out.contiguous()
+        gof, qf, kf, vf = go.view(-1, d), q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
+        a = _attr_rows(attr3, st, heads)
+        fdim = a.shape[1]
+        need_q, need_k, need_v, need_a, need_w, need_b = ctx.needs_input_grad[:6]
+
+        # output = A_alpha @ v + W_e agg + b_e rows
+        pattern = st.matrix(torch.zeros(st.nnz, dtype=q.dtype, device=q.device))
+        wb = _block_diag(w_e)
+        gw = _heads_to_attr(go, wb, fdim).reshape(-1, fdim)  # W_e^T go per row
+        gb = torch.einsum("nbhd,hd->nbh", go, b_e).reshape(-1)
+        dalpha = torch.sparse.sampled_addmm(pattern, gof, vf.t(), beta=0.0).values()
+        dalpha = dalpha + (gw.index_select(0, st.row_of) * a).sum(-1) + gb.index_select(0, st.row_of)
+        dv = (st.matrix_t(alpha) @ gof).view(ns, batch, heads, d) if need_v else None
+        dw = db = None
+        if need_w or need_b:
+            agg = st.segment_sum(alpha.unsqueeze(1) * a).view(nd, batch, heads, fdim)
+            rows = st.segment_sum(alpha).view(nd, batch, heads, 1)
+            dw = _weight_grad(go, agg)
+            db = (go * rows).sum((0, 1))
+
+        # softmax backward, then logits = scale * q . (k + W_e a + b_e)
+        t = st.segment_sum(alpha * dalpha)
+        ds = alpha.mul(dalpha - t.index_select(0, st.row_of)).mul_(scale)
+        dq = dk = da = None
+        if need_q:
+            de = st.segment_sum(ds.unsqueeze(1) * a).view(nd, batch, heads, fdim)
+            rsd = st.segment_sum(ds).view(nd, batch, heads, 1)
+            dq = (st.matrix(ds) @ kf).view(nd, batch, heads, d)
+            dq += _attr_to_heads(de, wb, d) + rsd * b_e
+        elif need_w or need_b:
+            de = st.segment_sum(ds.unsqueeze(1) * a).view(nd, batch, heads, fdim)
+            rsd = st.segment_sum(ds).view(nd, batch, heads, 1)
+        if need_k:
+            dk = (st.matrix_t(ds) @ qf).view(ns, batch, heads, d)
+        if need_w or need_b:
+            dw = dw + _weight_grad(q, de)
+            db = db + (q * rsd).sum((0, 1))
+        if need_a:
+            qe = _heads_to_attr(q, wb, fdim).reshape(-1, fdim)
+            per_entry = alpha.unsqueeze(1) * gw.index_select(0, st.row_of)
+            per_entry += ds.unsqueeze(1) * qe.index_select(0, st.row_of)
+            da = torch.zeros(attr3.shape[0] * attr3.shape[1], fdim, dtype=a.dtype, device=a.device)
+            da.index_add_(0, _attr_index(attr3, st, heads), per_entry)
+            da = da.view(attr3.shape)
+        return dq, dk, dv, da, dw, db, None, None
+
+
+def fused_graph_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    edge_attr: Tensor,
+    edge_weight: Tensor,
+    edge_bias: Tensor | None,
+    edge_index: Tensor,
+    num_dst: int | None = None,
+) -> Tensor:
+    """Graph attention with the edge embedding ``edge_attr @ edge_weight.T + edge_bias`` added to
+    keys and values, without forming any ``(E, heads, d)`` tensor.
+
+    Equal (in exact arithmetic) to ``graph_attention(query, key, value, emb, edge_index,
+    num_dst)`` with ``emb = (edge_attr @ edge_weight.T + edge_bias)`` split into heads:
+
+    - ``query`` ``(num_dst, *batch, heads, d)``, ``key`` / ``value`` ``(num_src, *batch, heads, d)``;
+    - ``edge_attr`` ``(E, F)`` (shared by the batch) or ``(E, *batch, F)``;
+    - ``edge_weight`` ``(heads * d, F)`` and ``edge_bias`` ``(heads * d,)`` or None (an
+      ``nn.Linear(F, heads * d)``'s weight and bias, output channels ordered ``(head, d)``);
+    - ``edge_index`` ``(2, E)``, row 0 source (``< num_src``), row 1 destination (``< num_dst``),
+      any order, duplicates allowed.
+
+    Returns ``(num_dst, *batch, heads, d)``; a destination without incoming edges gets zeros.
+    Differentiable in every tensor argument (not twice).
+    """
+    num_dst = query.shape[0] if num_dst is None else num_dst
+    if query.shape[0] != num_dst:
+        raise ValueError(f"query has {query.shape[0]} rows but num_dst is {num_dst}")
+    if query.dim() < 3 or key.shape != value.shape or key.shape[1:] != query.shape[1:]:
+        raise ValueError(
+            f"query (num_dst, *batch, heads, d) and key/value (num_src, *batch, heads, d) must agree, got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    heads, d = query.shape[-2], query.shape[-1]
+    batch_shape = tuple(query.shape[1:-2])
+    batch = math.prod(batch_shape)
+    fdim = edge_attr.shape[-1]
+    if edge_weight.shape != (heads * d, fdim):
+        raise ValueError(f"edge_weight must be ({heads * d}, {fdim}), got {tuple(edge_weight.shape)}")
+    num_edges = edge_index.shape[1]
+    if edge_attr.shape[0] != num_edges:
+        raise ValueError(f"edge_attr has {edge_attr.shape[0]} rows but edge_index has {num_edges} edges")
+    if edge_attr.dim() == 2:
+        attr3 = edge_attr.unsqueeze(1)
+    elif tuple(edge_attr.shape[1:-1]) == batch_shape:
+        attr3 = edge_attr.reshape(num_edges, batch, fdim)
+    elif all(s == 1 for s in edge_attr.shape[1:-1]):
+        attr3 = edge_attr.reshape(num_edges, 1, fdim)
+    else:
+        raise ValueError(f"edge_attr batch dims {tuple(edge_attr.shape[1:-1])} do not match {batch_shape}")
+    if edge_bias is None:
+        edge_bias = torch.zeros(heads * d, dtype=query.dtype, device=query.device)
+
+    q = query.reshape(num_dst, batch, heads, d).contiguous()
+    k = key.reshape(key.shape[0], batch, heads, d).contiguous()
+    v = value.reshape(value.shape[0], batch, heads, d).contiguous()
+    w_e = edge_weight.view(heads, d, fdim)
+    b_e = edge_bias.view(heads, d)
+    if num_edges == 0:  # keeps every input in the graph (zero gradients)
+        out = q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum() + attr3.sum() + w_e.sum() + b_e.sum())
+        return out.reshape(query.shape)
+    st = csr_structure(edge_index, key.shape[0], num_dst, batch * heads)
+    out = _FusedGraphAttention.apply(q, k, v, attr3.contiguous(), w_e, b_e, st, heads)
+    return out.reshape(query.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# sum aggregation
+# --------------------------------------------------------------------------------------------
+
+
+class _SegmentSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, num_rows: int):  # noqa: ANN001
+        ctx.save_for_backward(index)
+        out = x.new_zeros((num_rows,) + tuple(x.shape[1:]))
+        return out.index_add_(0, index, x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):  # noqa: ANN001
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
+def segment_sum(x: Tensor, index: Tensor, num_rows: int) -> Tensor:
+    """``out[index[e]] += x[e]``: ``(num_rows, ...)`` from edge rows ``x`` ``(E, ...)``.
+
+    ``index_add_`` forward, a gather backward; autograd keeps only ``index`` (no copy of ``x``).
+    """
+    return _SegmentSum.apply(x, index, num_rows)
