@@ -153,17 +153,20 @@ def test_read_path_and_predictions_stay_fp32(dataset, tmp_path):
 # ------------------------------------------------------------------------------ training curves
 
 
-@pytest.mark.parametrize("engine", ["deepspeed", "local"])
-def test_bf16_loss_curve_follows_fp32(dataset, tmp_path, engine):
-    """20 steps of the same config in fp32 and bf16 (DeepSpeed bf16 ZeRO 1, or local autocast)."""
-    extra = {"deepspeed.zero_optimization": {"stage": 1}} if engine == "deepspeed" else {"deepspeed": {}}
+@pytest.mark.parametrize("engine, stage", [("deepspeed", 1), ("deepspeed", 0), ("local", None)])
+def test_bf16_loss_curve_follows_fp32(dataset, tmp_path, engine, stage):
+    """20 steps of the same config in fp32 and bf16 (DeepSpeed's bf16 mode at ZeRO 1, autocast over fp32
+    parameters at ZeRO 0 and locally)."""
+    extra = {"deepspeed.zero_optimization": {"stage": stage}} if engine == "deepspeed" else {"deepspeed": {}}
     changes = {"engine": engine, "training.max_steps": 20, "training.lr": 3e-3, **extra}
     fp32 = _train(0, 1, tiny_config(dataset, tmp_path / "fp32", **changes))
     bf16 = _train(0, 1, tiny_config(dataset, tmp_path / "bf16", **changes, **BF16))
     rel = _rel(bf16, fp32)
     print(f"{engine}: bf16 vs fp32 mean relative difference {sum(rel) / len(rel):.2e}, max {max(rel):.2e}")
     assert sum(rel) / len(rel) < 2e-2 and max(rel) < 5e-2, (bf16, fp32)
-    assert bf16 != fp32  # bf16 really ran
+    # bf16 really ran: its rounding moves the very first loss by far more than fp32 summation order
+    # would (DeepSpeed's forward once silently switched an outer autocast off: 6e-9 on an H100)
+    assert rel[0] > 1e-6, (bf16[0], fp32[0])
     assert bf16[-1] < 0.8 * bf16[0]  # and it learns
 
 

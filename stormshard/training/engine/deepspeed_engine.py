@@ -9,7 +9,7 @@ data-parallel group at the accumulation boundary, before DeepSpeed clips and ste
 ``precision="bf16"``: at ZeRO 1/2 DeepSpeed's bf16 optimizer (bf16 parameters, fp32 master weights
 and AdamW moments, gradient reduction in ``communication_data_type``), the model casting its fp32
 inputs to its parameters' dtype; at ZeRO 0 (where DeepSpeed 0.19 keeps no fp32 master for bf16) fp32 parameters and
-optimizer with the forward under bf16 autocast. Floating outputs come back fp32 (see :mod:`.precision`).
+optimizer with the forward under bf16 autocast (hooks inside the module's call). Floating outputs come back fp32 (see :mod:`.precision`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from stormshard.parallel.shapes import group_size
 from stormshard.parallel.topology import ProcessGroups
 from stormshard.training.engine.base import TrainingEngine, arg_names, check_state_keys
 from stormshard.training.engine.deepspeed_config import deepspeed_bf16
-from stormshard.training.engine.precision import autocast, cast_floating, compute_device_type
+from stormshard.training.engine.precision import autocast_inside_forward, cast_floating, compute_device_type
 from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.schedule import build_scheduler
 
@@ -41,6 +41,8 @@ class DeepSpeedEngine(TrainingEngine):
 
         self.groups, self.settings, self.config = groups, settings, config
         self._hooks = hooks or []
+        if settings.bf16 and not deepspeed_bf16(settings):  # ZeRO 0: autocast over fp32 parameters
+            autocast_inside_forward(module, compute_device_type(module))
         params = [p for p in module.parameters() if p.requires_grad]
         schedule = settings.schedule
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -56,16 +58,10 @@ class DeepSpeedEngine(TrainingEngine):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's forward. With bf16 at ZeRO 1/2 (DeepSpeed's bf16 mode) the inputs go in fp32 and the
-        model computes in its bf16 parameters' dtype; at ZeRO 0 the forward runs under bf16 autocast over
-        fp32 parameters. Outputs come back fp32."""
-        if not self.settings.bf16:
-            return self.ds(*args, **kwargs)
-        if deepspeed_bf16(self.settings):  # the model casts its inputs to its parameters' dtype
-            out = self.ds(*args, **kwargs)
-        else:
-            with autocast(True, compute_device_type(self.module)):
-                out = self.ds(*args, **kwargs)
-        return cast_floating(out, torch.float32)
+        model computes in its bf16 parameters' dtype; at ZeRO 0 it runs under bf16 autocast over fp32
+        parameters (hooks on the module, :func:`.precision.autocast_inside_forward`). Outputs come back fp32."""
+        out = self.ds(*args, **kwargs)  # the model casts its inputs to its parameters' dtype
+        return cast_floating(out, torch.float32) if self.settings.bf16 else out
 
     def backward(self, loss: Tensor) -> None:
         self.ds.backward(loss)

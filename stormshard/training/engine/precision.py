@@ -2,7 +2,10 @@
 
 One setting, ``EngineSettings.precision`` (``training.precision`` in a config), for every engine:
 
-- ``deepspeed`` at ZeRO 0: as ``ddp`` / ``local`` below (DeepSpeed 0.19's bf16 mode at ZeRO 0 steps
+- ``deepspeed`` at ZeRO 0: fp32 parameters and optimizer, the forward under bf16 autocast entered by
+  hooks inside the module's call (:func:`autocast_inside_forward`: DeepSpeed's forward disables an
+  autocast entered outside it, and its ``torch_autocast`` section reduces the gradients of every
+  Linear in bf16 whatever ``communication_data_type`` says; its bf16 mode at ZeRO 0 steps
   AdamW on the bf16 weights without fp32 master weights, a 3% loss drift in 10 steps on an H100).
 - ``deepspeed`` at ZeRO 1, 2: DeepSpeed's bf16 optimizer: the module's parameters are bf16, the
   optimizer keeps fp32 master weights and fp32 AdamW moments; gradients are reduced in
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["cast_floating", "autocast", "compute_device_type"]
+__all__ = ["cast_floating", "autocast", "compute_device_type", "autocast_inside_forward"]
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -62,3 +65,23 @@ def autocast(enabled: bool, device_type: str) -> Iterator[None]:
         return
     with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
         yield
+
+
+def autocast_inside_forward(module: torch.nn.Module, device_type: str) -> None:
+    """Run ``module``'s forward under bf16 autocast entered from inside its own call (forward hooks).
+
+    DeepSpeed's forward switches off an autocast entered outside it; hooks on the module itself run
+    inside that and win. Activation checkpointing recomputes under the autocast state of the forward.
+    The exit hook runs even when the forward raises, so the autocast state never leaks."""
+    active: list[torch.autocast] = []
+
+    def enter(_module: torch.nn.Module, _args: Any) -> None:
+        ctx = torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        ctx.__enter__()
+        active.append(ctx)
+
+    def leave(_module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
