@@ -70,8 +70,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results; with --quick a "
+                   "temporary folder, so a quick run never replaces the published numbers)")
     a = p.parse_args()
+    if a.out is None:
+        a.out = tempfile.mkdtemp(prefix="bench_forecast_out_") if a.quick else str(ROOT / "benchmarks" / "results")
     n_dates, steps = (2, 2) if a.quick else (4, 4)
     with tempfile.TemporaryDirectory(prefix="bench_forecast_") as tmp:
         work = Path(tmp)

@@ -362,6 +362,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: G1 3, G2 5, as anemoi's README)")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
     p.add_argument("--compare", action="store_true", help="run anemoi's and this benchmark back to back")
+    p.add_argument("--quick", action="store_true",
+                   help="small shapes (512 hidden / 2,048 data nodes, 64 channels, 2 layers, 1 step; make bench)")
     p.add_argument("--cases", default="G1,G2")
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--repeat", type=int, default=1, help="--compare: pairs per case (alternating order)")
@@ -372,6 +374,9 @@ def main() -> None:
     p.add_argument("--anemoi-pythonpath", default=os.environ.get("ANEMOI_PYTHONPATH", ""),
                    help="--compare: PYTHONPATH for anemoi's runs (env ANEMOI_PYTHONPATH; default: none)")
     args = p.parse_args()
+    if args.quick:
+        args.nodes, args.data_nodes, args.channels, args.layers, args.heads = 512, 2048, 64, 2, 4
+        args.in_src, args.in_dst, args.steps = 16, 8, args.steps or 1
     if args.compare:
         compare(args)
         return

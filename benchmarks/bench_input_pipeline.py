@@ -64,7 +64,10 @@ def main() -> None:
     parser.add_argument("--compute-factor", type=float, default=1.5)
     parser.add_argument("--gpus-per-model", type=int, default=1, help="read this rank's 1/k slice of the grid")
     parser.add_argument("--store", default=None, help="reuse or write the store here (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="an O32 grid, 8 dates, 6 steps (make bench)")
     args = parser.parse_args()
+    if args.quick:
+        args.grid, args.dates, args.steps = "o32", 8, 6
     torch.set_num_threads(1)
 
     tmp = tempfile.TemporaryDirectory()

@@ -378,12 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="quickstart only, fewer layouts and steps (~3 min)")
     parser.add_argument("--launcher", choices=("deepspeed", "torchrun"), default="deepspeed")
     parser.add_argument("--warmup", type=int, default=3, help="first optimizer steps left out of the timing")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=None,
+                        help="results folder (default: benchmarks/results; with --quick a temporary folder, "
+                        "so a quick run never replaces the published numbers)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
     parser.add_argument("--keep", default=None, help="keep the per-case configs, logs and metrics in this folder")
     parser.add_argument("--only", default=None, help="run only the cases whose name contains this string")
     parser.add_argument("--replot", action="store_true", help="redraw the chart and tables from <out>/training.json")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = tempfile.mkdtemp(prefix="bench_training_") if args.quick and not args.replot else \
+            str(ROOT / "benchmarks" / "results")
     if args.replot:
         result = json.loads((Path(args.out) / "training.json").read_text())
         plot(result, Path(args.out) / "training.png")
