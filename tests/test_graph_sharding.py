@@ -16,6 +16,7 @@ from stormshard.parallel.anemoi_compat import (
 )
 from stormshard.parallel.counter import CommCounter
 from stormshard.parallel.graph import GraphShardPlan
+from stormshard.parallel.halo_projection import halo_linear
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
 from tests.distributed import run_distributed
 
@@ -205,6 +206,73 @@ def _check_halo_exchange(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_halo_exchange(world):
     run_distributed(_check_halo_exchange, world)
+
+
+def _check_halo_linear(rank, world):
+    """halo_linear (exchange overlapped with the projections) equals exchange_halo + F.linear:
+    outputs and gradients of rows, weights and biases, float64; the same bytes."""
+    group = dist.group.WORLD
+    for case, (num_src, num_dst, num_edges, limit) in enumerate(GRAPHS):
+        edge_index = random_graph(num_src, num_dst, num_edges, seed=11 + case, dst_limit=limit)
+        num_nodes = num_src if num_src == num_dst else (num_src, num_dst)
+        plan = GraphShardPlan.build(edge_index, num_nodes, group)
+        g = torch.Generator().manual_seed(100 + case)
+        batch = (2,) if case % 2 else ()
+        x_full = torch.randn(num_src, *batch, 6, generator=g, dtype=torch.float64)
+        weights = [torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)]
+        biases = [torch.randn(5, generator=g, dtype=torch.float64), None]
+        w_out = [torch.randn(num_edges, *batch, 5, generator=g, dtype=torch.float64),
+                 torch.randn(num_edges, *batch, 3, generator=g, dtype=torch.float64)]
+        mine = [plan.shard_edges(w) for w in w_out]
+
+        def run(fn):  # noqa: ANN001, ANN202
+            x = plan.shard_src(x_full).clone().requires_grad_()
+            ws = [w.clone().requires_grad_() for w in weights]
+            bs = [None if b is None else b.clone().requires_grad_() for b in biases]
+            with CommCounter() as counter:
+                outs = fn(x, ws, bs)
+                loss = sum((o[plan.edge_index[0]] * w).sum() for o, w in zip(outs, mine, strict=True))
+                loss.backward()
+            grads = [x.grad, *[w.grad for w in ws], bs[0].grad]
+            return outs, grads, counter.bytes("all_to_all")
+
+        def reference(x, ws, bs):  # noqa: ANN001, ANN202
+            ext = plan.exchange_halo(x)  # one exchange, then the products
+            return [torch.nn.functional.linear(ext, w, b) for w, b in zip(ws, bs, strict=True)]
+
+        ref_outs, ref_grads, ref_bytes = run(reference)
+        outs, grads, nbytes = run(lambda x, ws, bs: halo_linear(plan, x, ws, bs))
+        for a, b in zip(outs, ref_outs, strict=True):
+            assert a.shape == (plan.num_src_local + plan.num_halo, *batch, b.shape[-1])
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, ref_grads, strict=True):
+            # replicated parameters: each rank holds the gradient of its own edges
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert nbytes == ref_bytes, (case, nbytes, ref_bytes)
+
+    # bf16 autocast: the products run in bf16, like F.linear under autocast
+    edge_index = random_graph(50, 50, 250, seed=3)
+    plan = GraphShardPlan.build(edge_index, 50, group)
+    x = plan.shard_src(torch.randn(50, 8, generator=torch.Generator().manual_seed(0)))
+    w = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (out,) = halo_linear(plan, x, [w], [None])
+        ref = torch.nn.functional.linear(plan.exchange_halo(x), w)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)
+
+    with pytest.raises(ValueError, match="one bias"):
+        halo_linear(plan, x, [w], [])
+    with pytest.raises(ValueError, match="weights must be"):
+        halo_linear(plan, x, [torch.zeros(4, 7)], [None])
+    with pytest.raises(ValueError, match="rows but rank"):
+        halo_linear(plan, torch.zeros(plan.num_src_local + 1, 8), [w], [None])
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_halo_linear(world):
+    run_distributed(_check_halo_linear, world)
 
 
 def test_halo_smaller_than_all_gather_on_a_local_graph():

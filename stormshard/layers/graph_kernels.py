@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -72,6 +72,7 @@ class CsrStructure:
     crow_t: Tensor
     col_t: Tensor
     perm_t: Tensor
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def nnz(self) -> int:
@@ -99,8 +100,62 @@ class CsrStructure:
         return out.index_add_(0, self.row_of, x)  # faster than segment_reduce on rows
 
     def pattern(self, dtype: torch.dtype) -> Tensor:
-        """``A``'s sparsity pattern (zero values) for ``sampled_addmm``."""
-        return self.matrix(torch.zeros(self.nnz, dtype=dtype, device=self.crow.device))
+        """``A``'s sparsity pattern (zero values) for ``sampled_addmm`` (cached per dtype)."""
+        key = ("pattern", dtype)
+        if key not in self._cache:
+            self._cache[key] = self.matrix(torch.zeros(self.nnz, dtype=dtype, device=self.crow.device))
+        return self._cache[key]
+
+    def edge_pattern(self, attr_batch: int) -> EdgePattern:
+        """The entry -> edge-attribute-row incidence for attributes ``(E, attr_batch, F)`` (cached)."""
+        key = ("edges", attr_batch)
+        if key not in self._cache:
+            self._cache[key] = EdgePattern.build(self, attr_batch)
+        return self._cache[key]
+
+
+@dataclass(frozen=True, eq=False)
+class EdgePattern:
+    """``B``: the ``(num_dst * heads, E * attr_batch)`` incidence of ``A``'s entries and the edge
+    attribute rows they read (entry ``i`` of row ``r`` reads row ``col[i]``; same row pointers as
+    ``A``, entries in ``A``'s order), and its transpose (``crow_t``, ``col_t``; ``perm_t`` maps
+    its entries to ``B``'s). ``B(alpha) @ attr`` sums the attributes of a row's edges weighted by
+    ``alpha``; ``B^T(alpha) @ u`` sums, for every edge, its entries' rows of ``u``.
+    """
+
+    num_rows: int
+    num_attr_rows: int
+    crow: Tensor
+    col: Tensor
+    crow_t: Tensor
+    col_t: Tensor
+    perm_t: Tensor
+
+    @classmethod
+    def build(cls, st: CsrStructure, attr_batch: int) -> EdgePattern:
+        if attr_batch == 1:
+            col = st.edge_of
+        else:  # the batch is folded into the heads (b * heads_per_batch + g): entry reads batch b
+            col = st.edge_of * attr_batch + st.head_of // (st.heads // attr_batch)
+        num_attr_rows = st.num_edges * attr_batch
+        perm_t = torch.argsort(col, stable=True)  # by attribute row, then entry order (= ascending row)
+        crow_t = torch.zeros(num_attr_rows + 1, dtype=torch.long, device=col.device)
+        crow_t[1:] = torch.cumsum(torch.bincount(col, minlength=num_attr_rows), 0)
+        return cls(st.num_dst * st.heads, num_attr_rows, st.crow, col, crow_t, st.row_of[perm_t], perm_t)
+
+    def matrix(self, values: Tensor) -> Tensor:
+        """``B`` with ``values`` (``A``'s entry order), ``(num_dst * heads, E * attr_batch)``."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(self.crow, self.col, values, (self.num_rows, self.num_attr_rows),
+                                           check_invariants=False)
+
+    def matrix_t(self, values: Tensor) -> Tensor:
+        """``B^T`` with ``values`` in ``A``'s entry order, ``(E * attr_batch, num_dst * heads)``."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.perm_t],
+                                           (self.num_attr_rows, self.num_rows), check_invariants=False)
 
 
 def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:
@@ -180,121 +235,93 @@ def _segment_softmax(logits: Tensor, st: CsrStructure) -> Tensor:
     return ex.div_(total.index_select(0, st.row_of))
 
 
-def _attr_rows(attr3: Tensor, st: CsrStructure, heads: int) -> Tensor:
-    """Edge attributes of every entry ``(nnz, edge_channels)``; ``attr3`` is ``(E, 1 or B, F)``."""
-    flat = attr3.reshape(-1, attr3.shape[-1])
-    if attr3.shape[1] == 1:
-        return flat.index_select(0, st.edge_of)
-    return flat.index_select(0, st.edge_of * attr3.shape[1] + st.head_of // heads)
+def _block_diag(w: Tensor) -> Tensor:
+    """``(H * d, H * F)`` block-diagonal matrix of per-head matrices ``w`` ``(H, d, F)``: the
+    per-head products with ``w`` become one GEMM over all heads."""
+    return torch.block_diag(*w.unbind(0))
 
 
-def _attr_index(attr3: Tensor, st: CsrStructure, heads: int) -> Tensor:
-    if attr3.shape[1] == 1:
-        return st.edge_of
-    return st.edge_of * attr3.shape[1] + st.head_of // heads
+def _diagonal_blocks(full: Tensor, heads: int) -> Tensor:
+    """``(H, d, F)`` diagonal blocks of a ``(H * d, H * F)`` matrix."""
+    d, f = full.shape[0] // heads, full.shape[1] // heads
+    return torch.stack([full[i * d:(i + 1) * d, i * f:(i + 1) * f] for i in range(heads)])
 
 
-def _block_diag(w_e: Tensor) -> Tensor:
-    """``(H * d, H * F)`` block-diagonal matrix of the per-head edge weights ``w_e`` ``(H, d, F)``:
-    per-head products with ``w_e`` become one GEMM over all heads."""
-    return torch.block_diag(*w_e.unbind(0))
-
-
-def _heads_to_attr(x: Tensor, wb: Tensor, fdim: int) -> Tensor:
-    """``einsum("nbhd,hdf->nbhf", x, w_e)`` as one GEMM with the block-diagonal ``wb``."""
-    n, b, h, _ = x.shape
-    return (x.reshape(n * b, -1) @ wb).view(n, b, h, fdim)
-
-
-def _attr_to_heads(y: Tensor, wb: Tensor, d: int) -> Tensor:
-    """``einsum("nbhf,hdf->nbhd", y, w_e)``."""
-    n, b, h, _ = y.shape
-    return (y.reshape(n * b, -1) @ wb.t()).view(n, b, h, d)
-
-
-def _weight_grad(x: Tensor, y: Tensor) -> Tensor:
-    """``einsum("nbhd,nbhf->hdf", x, y)``: the diagonal blocks of one ``x^T y`` GEMM."""
-    h, d, f = x.shape[2], x.shape[3], y.shape[3]
-    full = x.reshape(-1, h * d).t() @ y.reshape(-1, h * f)  # (H*d, H*F)
-    return torch.stack([full[i * d:(i + 1) * d, i * f:(i + 1) * f] for i in range(h)])
+def _with_ones(attr3: Tensor) -> Tensor:
+    """``(E * B_attr, F + 1)``: the edge attributes and a column of ones (the edge bias's input)."""
+    e, b, f = attr3.shape
+    out = attr3.new_ones((e, b, f + 1))
+    out[..., :f] = attr3
+    return out.view(e * b, f + 1)
 
 
 class _FusedGraphAttention(torch.autograd.Function):
+    """The edge embedding enters through ``W = [W_e | b_e]`` per head ``(H, d, F + 1)`` and the
+    attributes with a ones column ``a = [attr, 1]``: ``q . (W_e attr + b_e) = (W^T q) . a`` and
+    ``sum_j alpha_j (W_e attr_j + b_e) = W (sum_j alpha_j a_j)``; the sums over a row's edges are
+    sparse products with the entry -> attribute incidence ``B`` (:class:`EdgePattern`)."""
+
     @staticmethod
     def forward(ctx, q, k, v, attr3, w_e, b_e, st: CsrStructure, heads: int):  # noqa: ANN001
         # q (Nd, B, H, d), k/v (Ns, B, H, d), attr3 (E, 1|B, F), w_e (H, d, F), b_e (H, d)
         nd, batch, _, d = q.shape
         scale = 1.0 / math.sqrt(d)
         qf, kf, vf = q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
-        pattern = st.pattern(q.dtype)
-        logits = torch.sparse.sampled_addmm(pattern, qf, kf.t(), beta=0.0).values()
-        a = _attr_rows(attr3, st, heads)  # (nnz, F)
-        wb = _block_diag(w_e)
-        qe = _heads_to_attr(q, wb, a.shape[1]).reshape(-1, a.shape[1])
-        qb = torch.einsum("nbhd,hd->nbh", q, b_e).reshape(-1)
-        logits = logits + (qe.index_select(0, st.row_of) * a).sum(-1) + qb.index_select(0, st.row_of)
+        ep = st.edge_pattern(attr3.shape[1])
+        a = _with_ones(attr3)  # (E * B_attr, F + 1)
+        f1 = a.shape[1]
+        wb = _block_diag(torch.cat([w_e, b_e.unsqueeze(-1)], -1))  # (H d, H (F + 1))
+        u = (q.reshape(nd * batch, -1) @ wb).view(-1, f1)  # W^T q per (node, head)
+        logits = torch.sparse.sampled_addmm(st.pattern(q.dtype), qf, kf.t(), beta=0.0).values()
+        logits += (u.index_select(0, st.row_of) * a.index_select(0, ep.col)).sum(-1)
         alpha = _segment_softmax(logits.mul_(scale), st)
-        out = (st.matrix(alpha) @ vf).view(nd, batch, heads, d)
-        agg = st.segment_sum(alpha.unsqueeze(1) * a).view(nd, batch, heads, -1)  # sum_j alpha a_j
-        rows = st.segment_sum(alpha).view(nd, batch, heads, 1)  # 1, or 0 without edges
-        out += _attr_to_heads(agg, wb, d) + rows * b_e
-        ctx.save_for_backward(q, k, v, attr3, w_e, b_e, alpha)
+        out = st.matrix(alpha) @ vf
+        agg = ep.matrix(alpha) @ a  # sum_j alpha_j a_j per (node, head)
+        out = out.view(nd * batch, -1).addmm_(agg.view(nd * batch, -1), wb.t())
+        ctx.save_for_backward(q, k, v, attr3, w_e, alpha, wb, u, agg)
         ctx.st, ctx.heads = st, heads
-        return out
+        return out.view(nd, batch, heads, d)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # noqa: ANN001
-        q, k, v, attr3, w_e, b_e, alpha = ctx.saved_tensors
+        q, k, v, attr3, w_e, alpha, wb, u, agg = ctx.saved_tensors
         st, heads = ctx.st, ctx.heads
         nd, batch, _, d = q.shape
         ns = k.shape[0]
         scale = 1.0 / math.sqrt(d)
         go = grad_out.contiguous()
         gof, qf, kf, vf = go.view(-1, d), q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
-        a = _attr_rows(attr3, st, heads)
-        fdim = a.shape[1]
+        ep = st.edge_pattern(attr3.shape[1])
+        a = _with_ones(attr3)
+        f1 = a.shape[1]
         need_q, need_k, need_v, need_a, need_w, need_b = ctx.needs_input_grad[:6]
 
-        # output = A_alpha @ v + W_e agg + b_e rows
-        pattern = st.matrix(torch.zeros(st.nnz, dtype=q.dtype, device=q.device))
-        wb = _block_diag(w_e)
-        gw = _heads_to_attr(go, wb, fdim).reshape(-1, fdim)  # W_e^T go per row
-        gb = torch.einsum("nbhd,hd->nbh", go, b_e).reshape(-1)
-        dalpha = torch.sparse.sampled_addmm(pattern, gof, vf.t(), beta=0.0).values()
-        dalpha = dalpha + (gw.index_select(0, st.row_of) * a).sum(-1) + gb.index_select(0, st.row_of)
+        # output = A_alpha @ v + W (B_alpha @ a)
+        gu = (go.view(nd * batch, -1) @ wb).view(-1, f1)  # W^T go per (node, head)
+        dalpha = torch.sparse.sampled_addmm(st.pattern(q.dtype), gof, vf.t(), beta=0.0).values()
+        dalpha += (gu.index_select(0, st.row_of) * a.index_select(0, ep.col)).sum(-1)
         dv = (st.matrix_t(alpha) @ gof).view(ns, batch, heads, d) if need_v else None
-        dw = db = None
-        if need_w or need_b:
-            agg = st.segment_sum(alpha.unsqueeze(1) * a).view(nd, batch, heads, fdim)
-            rows = st.segment_sum(alpha).view(nd, batch, heads, 1)
-            dw = _weight_grad(go, agg)
-            db = (go * rows).sum((0, 1))
 
-        # softmax backward, then logits = scale * q . (k + W_e a + b_e)
+        # softmax backward, then logits = scale * (q . k + u . a)
         t = st.segment_sum(alpha * dalpha)
         ds = alpha.mul(dalpha - t.index_select(0, st.row_of)).mul_(scale)
-        dq = dk = da = None
+        dq = dk = da = dw = db = None
+        de = ep.matrix(ds) @ a if (need_q or need_w or need_b) else None
         if need_q:
-            de = st.segment_sum(ds.unsqueeze(1) * a).view(nd, batch, heads, fdim)
-            rsd = st.segment_sum(ds).view(nd, batch, heads, 1)
-            dq = (st.matrix(ds) @ kf).view(nd, batch, heads, d)
-            dq += _attr_to_heads(de, wb, d) + rsd * b_e
-        elif need_w or need_b:
-            de = st.segment_sum(ds.unsqueeze(1) * a).view(nd, batch, heads, fdim)
-            rsd = st.segment_sum(ds).view(nd, batch, heads, 1)
+            dq = (st.matrix(ds) @ kf).view(nd * batch, -1).addmm_(de.view(nd * batch, -1), wb.t())
+            dq = dq.view(nd, batch, heads, d)
         if need_k:
             dk = (st.matrix_t(ds) @ qf).view(ns, batch, heads, d)
         if need_w or need_b:
-            dw = dw + _weight_grad(q, de)
-            db = db + (q * rsd).sum((0, 1))
+            full = go.view(nd * batch, -1).t() @ agg.view(nd * batch, -1)
+            full.addmm_(q.reshape(nd * batch, -1).t(), de.view(nd * batch, -1))
+            dwb = _diagonal_blocks(full, heads)  # (H, d, F + 1)
+            dw, db = dwb[..., :-1], dwb[..., -1]
         if need_a:
-            qe = _heads_to_attr(q, wb, fdim).reshape(-1, fdim)
-            per_entry = alpha.unsqueeze(1) * gw.index_select(0, st.row_of)
-            per_entry += ds.unsqueeze(1) * qe.index_select(0, st.row_of)
-            da = torch.zeros(attr3.shape[0] * attr3.shape[1], fdim, dtype=a.dtype, device=a.device)
-            da.index_add_(0, _attr_index(attr3, st, heads), per_entry)
-            da = da.view(attr3.shape)
+            da = ep.matrix_t(alpha) @ gu
+            da += ep.matrix_t(ds) @ u
+            da = da[:, :-1].reshape(attr3.shape)
         return dq, dk, dv, da, dw, db, None, None
 
 

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
 from stormshard.layers.graph_kernels import fused_graph_attention
 from stormshard.parallel.graph import GraphShardPlan
+from stormshard.parallel.halo_projection import halo_linear
 
 __all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "graph_attention"]
 
@@ -179,18 +180,21 @@ class _GraphTransformerBase(nn.Module):
     def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
         check_node_and_edge_shapes(x_src, x_dst, edge_attr, self.src_channels, self.dst_channels, self.edge_channels)
 
-    def _attend(self, h_src: Tensor, h_dst: Tensor, x_dst: Tensor, edge_attr: Tensor, edge_index: Tensor) -> Tensor:
-        """Attention + residual + MLP. ``h_src`` ``(num_src_ext, C_src)`` and ``h_dst`` are normed.
+    def _attend(self, h_src: Tensor, h_dst: Tensor, x_dst: Tensor, edge_attr: Tensor, plan: GraphShardPlan) -> Tensor:
+        """Attention + residual + MLP. ``h_src`` ``(num_src_local, C_src)`` (this rank's rows) and
+        ``h_dst`` are normed.
 
-        Keys and values are projected once per source node; everything per destination (query,
-        attention over its edges, output projection, residuals, MLP) runs inside the chunk of its
-        destination range, so with checkpointing only the chunk outputs stay alive.
+        Keys and values are projected once per source node, the halo rows' exchange overlapped
+        with the local rows' projection (:func:`~stormshard.parallel.halo_projection.halo_linear`);
+        everything per destination (query, attention over its edges, output projection,
+        residuals, MLP) runs inside the chunk of its destination range, so with checkpointing only
+        the chunk outputs stay alive.
         """
         heads = self.num_heads
         split = "n ... (h d) -> n ... h d"
-        k = rearrange(self.to_k(h_src), split, h=heads)
-        v = rearrange(self.to_v(h_src), split, h=heads)
-        edge_index = edge_index.to(x_dst.device)
+        k, v = halo_linear(plan, h_src, (self.to_k.weight, self.to_v.weight), (self.to_k.bias, self.to_v.bias))
+        k, v = rearrange(k, split, h=heads), rearrange(v, split, h=heads)
+        edge_index = plan.edge_index.to(x_dst.device)
         # edge attributes are often a module buffer, which bf16 engines leave in fp32: compute in the nodes' dtype
         edge_attr = edge_attr.to(x_dst.dtype)
         w_e, b_e = self.to_e.weight, self.to_e.bias
@@ -243,8 +247,7 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
     def forward(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> Tensor:
         self._check_channels(x_src, x_dst, edge_attr)
         check_local_rows(self.plan, x_src.shape[0], x_dst.shape[0], edge_attr)
-        h_src = self.plan.exchange_halo(self.norm_src(x_src))
-        return self._attend(h_src, self.norm_dst(x_dst), x_dst, edge_attr, self.plan.edge_index)
+        return self._attend(self.norm_src(x_src), self.norm_dst(x_dst), x_dst, edge_attr, self.plan)
 
 
 class GraphTransformerProcessorBlock(_GraphTransformerBase):
@@ -274,4 +277,4 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         self._check_channels(x, x, edge_attr)
         check_local_rows(self.plan, x.shape[0], x.shape[0], edge_attr)
         h = self.norm(x)
-        return self._attend(self.plan.exchange_halo(h), h, x, edge_attr, self.plan.edge_index), edge_attr
+        return self._attend(h, h, x, edge_attr, self.plan), edge_attr
