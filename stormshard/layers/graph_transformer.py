@@ -29,7 +29,8 @@ one-rank plan ``GraphShardPlan.build(edge_index, num_nodes)``. Node inputs are t
 slices (``plan.shard_src`` / ``plan.shard_dst``; everything with one rank) and ``edge_attr`` the
 plan's edges in plan order (``plan.shard_edges(edge_attr)``; edges sorted by destination, also
 with one rank). The normalised source features go through one halo exchange per block (forward
-and backward, over the plan's group; nothing with one rank); the output is this rank's
+and backward, over the plan's group; nothing with one rank), overlapped with the projection of the
+local rows to keys and values (:func:`~stormshard.parallel.halo_projection.halo_linear`); the output is this rank's
 destination slice. Parameters are replicated: the caller sums their gradients over the model
 group (as DDP does).
 

@@ -18,6 +18,7 @@ from stormshard.parallel.compression import PowerSGDCompressor, PowerSGDConfig, 
 from stormshard.parallel.counter import CommCounter
 from stormshard.parallel.grads import clip_grad_norm_, reduce_model_parallel_gradients
 from stormshard.parallel.graph import GraphShardPlan
+from stormshard.parallel.halo_projection import halo_linear
 from stormshard.parallel.random import TrackedDropout, tensor_parallel_rng_tracker
 from stormshard.parallel.sequence import (
     HaloPlan,
@@ -49,6 +50,6 @@ __all__ = [
     "gather_tensor", "reduce_tensor", "copy_tensor", "sync_tensor", "reduce_shard_tensor", "shard_heads",
     "shard_sequence", "add_halos", "remove_halos", "halo_exchange", "HaloPlan", "ColumnParallelLinear",
     "RowParallelLinear", "full_state_dict", "load_full_state_dict", "tensor_parallel_rng_tracker",
-    "TrackedDropout", "GraphShardPlan", "reduce_model_parallel_gradients", "clip_grad_norm_",
+    "TrackedDropout", "GraphShardPlan", "halo_linear", "reduce_model_parallel_gradients", "clip_grad_norm_",
     "PowerSGDConfig", "PowerSGDCompressor", "register_powersgd_hook", "CommCounter",
 ]
