@@ -1,4 +1,4 @@
-"""stormshard's graph-transformer processor (G1) and encoder (G2) against anemoi-models, same shapes.
+"""stormshard's graph-transformer (G1, G2) and GNN (N1, N2) processor and encoder against anemoi-models, same shapes.
 
 The stormshard side of ``../shared/anemoi-bench`` (issue 14): the same synthetic graphs (Fibonacci
 lattices ordered north to south, symmetric kNN processor graph, data -> k nearest hidden encoder
@@ -13,12 +13,29 @@ G2: ``--component mapper`` (16,384 data nodes -> 4,096 hidden, 4 hidden neighbou
 96 source / 16 destination input channels embedded to C 256 by linears, one
 GraphTransformerMapperBlock), as anemoi's ``GraphTransformerForwardMapper``.
 
+N1: ``--component gnn_processor`` (16 GNNProcessorBlocks on G1's graph, C 256, edges C wide: the
+first block embeds the 4 edge attributes), as anemoi's ``GNNProcessor``. N2: ``--component
+gnn_mapper`` (G2's graph and inputs; source / destination node MLP embeddings 96 / 16 -> C 256 and
+one GNNMapperBlock that embeds the edges), as anemoi's ``GNNForwardMapper``. Architecture parity
+with anemoi's AIFS GNN defaults (``mlp_extra_layers`` 0, ``mlp_hidden_ratio`` 1): every MLP is
+Linear, GELU, Linear, GELU, Linear, LayerNorm (``mlp_hidden_layers = --mlp-extra-layers + 2``),
+edge features are C wide after an MLP embedding of the raw attributes (``edge_in_channels=4``),
+the aggregation sums the updated edges (``aggregate_updated_edges=True``), hidden widths C; both
+sides print their parameter counts, which must be equal. anemoi's forward mapper also updates the
+data nodes (``update_src_nodes``, its default), computed in the forward but not back-propagated
+here (the loss is on the hidden nodes, as in G2); ``--src-update 1`` (the default) computes the
+same update on stormshard's side (the block's node MLP on ``[x_src, x_src]``), ``0`` switches it
+off on both sides. anemoi's side is ``benchmarks/anemoi_side/bench_gnn.py`` (run with anemoi's
+interpreter; it reuses the anemoi-bench graph builders and timing helpers).
+
     python benchmarks/bench_graph_vs_anemoi.py --component processor            # 1 process
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_graph_vs_anemoi.py --component processor
     python benchmarks/bench_graph_vs_anemoi.py --compare [--layers 4] [--repeat 2]
+    python benchmarks/bench_graph_vs_anemoi.py --compare --cases N1,N2 [--worlds 1,2]
 
-``--compare`` runs, for G1 and G2 at 1 and 2 processes, anemoi's script
-(``$ANEMOI_BENCH/bench_graphtransformer.py`` with ``$ANEMOI_PY`` and ``$ANEMOI_PYTHONPATH``, or
+``--compare`` runs, for each case of ``--cases`` (default G1, G2, N1, N2) at 1 and 2 processes,
+anemoi's script (``$ANEMOI_BENCH/bench_graphtransformer.py`` for G1/G2,
+``benchmarks/anemoi_side/bench_gnn.py`` for N1/N2, with ``$ANEMOI_PY`` and ``$ANEMOI_PYTHONPATH``, or
 ``--anemoi-bench``, ``--anemoi-python``, ``--anemoi-pythonpath``; defaults ``/work/shared/anemoi-bench``,
 ``/tmp/anemoi-env/venv/bin/python`` and no PYTHONPATH) and this one back to back
 (``--repeat`` pairs, alternating), and prints the medians and the ratios: speed-up = anemoi time /
@@ -29,7 +46,9 @@ vary between machines and hours; only ratios from one run mean anything.
 ``--chunks`` is each library's own edge-chunk setting: anemoi's README commands use 2 for G1 and
 1 for G2 (anemoi loops over chunks without checkpointing); stormshard's default here is 1
 (``--st-chunks``), its fused attention keeps no per-edge feature tensors, and ``num_chunks > 1``
-in stormshard means checkpointed chunks (lower memory, a recomputed forward).
+in stormshard means checkpointed chunks (lower memory, a recomputed forward). For N1 anemoi's
+``num_chunks`` is the AIFS processor's 2 (layer groups for checkpointing, inert with ``--ckpt 0``),
+for N2 the AIFS encoder's 1 (edge chunks).
 """
 
 from __future__ import annotations
@@ -52,6 +71,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock, gnn_mlp  # noqa: E402
 from stormshard.layers.graph_transformer import (  # noqa: E402
     GraphTransformerMapperBlock,
     GraphTransformerProcessorBlock,
@@ -167,6 +187,59 @@ def run(args: argparse.Namespace) -> dict:
             return y
 
         shape = dict(nodes=n, edges=int(edge_index.shape[1]), channels=c, heads=args.heads, layers=args.layers)
+    elif args.component == "gnn_processor":
+        n = args.nodes
+        edge_index, edge_attr = knn_processor_graph(n, args.k)
+        plan = GraphShardPlan.build(edge_index, n, group)
+        torch.manual_seed(1234)
+        # anemoi's GNNProcessor: edges C wide, the first layer embeds the raw attributes (edge_dim)
+        blocks = torch.nn.ModuleList(
+            GNNProcessorBlock(c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks,
+                              mlp_hidden_layers=args.mlp_extra_layers + 2, aggregate_updated_edges=True,
+                              edge_in_channels=edge_attr.shape[1] if i == 0 else None)
+            for i in range(args.layers)
+        )
+        params = list(blocks.parameters())
+        x = plan.shard_src(torch.randn(n, c, generator=gen)).clone().requires_grad_(True)
+        grad_out = plan.shard_dst(torch.randn(n, c, generator=gen)).clone()
+        attr = plan.shard_edges(edge_attr)
+        inputs = [x]
+
+        def forward() -> torch.Tensor:
+            y, e = x, attr
+            for block in blocks:
+                y, e = block(y, e)
+            return y
+
+        shape = dict(nodes=n, edges=int(edge_index.shape[1]), channels=c, layers=args.layers, edge_dim=4,
+                     mlp_extra_layers=args.mlp_extra_layers, mlp_hidden_ratio=1.0)
+    elif args.component == "gnn_mapper":
+        nd, nh = args.data_nodes, args.nodes
+        edge_index, edge_attr = knn_encoder_graph(nd, nh, args.k_enc)
+        plan = GraphShardPlan.build(edge_index, (nd, nh), group)
+        torch.manual_seed(1234)
+        layers = args.mlp_extra_layers + 2
+        # anemoi's GNNForwardMapper: MLP embeddings of the nodes and (in the block) of the edges
+        embed_src, embed_dst = gnn_mlp(args.in_src, c, c, layers), gnn_mlp(args.in_dst, c, c, layers)
+        block = GNNMapperBlock(c, c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks, mlp_hidden_layers=layers,
+                               edge_in_channels=edge_attr.shape[1], aggregate_updated_edges=True)
+        params = [*embed_src.parameters(), *embed_dst.parameters(), *block.parameters()]
+        xs = plan.shard_src(torch.randn(nd, args.in_src, generator=gen)).clone().requires_grad_(True)
+        xd = plan.shard_dst(torch.randn(nh, args.in_dst, generator=gen)).clone().requires_grad_(True)
+        grad_out = plan.shard_dst(torch.randn(nh, c, generator=gen)).clone()
+        attr = plan.shard_edges(edge_attr)
+        inputs = [xs, xd]
+
+        def forward() -> torch.Tensor:
+            h_src = embed_src(xs)
+            out = block(h_src, embed_dst(xd), attr)
+            if args.src_update:  # anemoi's update_src_nodes: computed, not back-propagated (as on anemoi's side)
+                h_src + block.node_mlp(torch.cat([h_src, h_src], dim=-1))
+            return out
+
+        shape = dict(data_nodes=nd, hidden_nodes=nh, edges=int(edge_index.shape[1]), channels=c,
+                     in_src=args.in_src, in_dst=args.in_dst, edge_dim=4, mlp_extra_layers=args.mlp_extra_layers,
+                     mlp_hidden_ratio=1.0, src_update=bool(args.src_update))
     else:
         nd, nh = args.data_nodes, args.nodes
         edge_index, edge_attr = knn_encoder_graph(nd, nh, args.k_enc)
@@ -216,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
     median = statistics.median(totals)
     result = dict(
         component=args.component, world=world, threads_per_rank=args.threads, shape=shape,
-        stormshard_chunks=args.st_chunks, torch=torch.__version__,
+        stormshard_chunks=args.st_chunks, torch=torch.__version__, params=sum(t.numel() for t in params),
         median_fwd_bwd_s_max_over_ranks=_max_over_ranks(median, group),
         median_fwd_s_max_over_ranks=_max_over_ranks(statistics.median(fwds), group),
         median_cpu_s_sum_over_ranks=_sum_over_ranks(statistics.median(cpus), group),
@@ -236,7 +309,8 @@ def run(args: argparse.Namespace) -> dict:
               f"{result['median_fwd_bwd_s_max_over_ranks']:.3f}s (fwd {result['median_fwd_s_max_over_ranks']:.3f}s, "
               f"cpu-s {result['median_cpu_s_sum_over_ranks']:.2f}, load {os.getloadavg()[0]:.1f}) "
               f"peak_rss {[round(p) for p in result['peak_rss_mib']]} MiB (after setup {rss_setup:.0f}) halo rows {result['halo_rows']} "
-              f"comm bytes/step {[int(b) for b in result['comm_bytes_per_step']]}", flush=True)
+              f"comm bytes/step {[int(b) for b in result['comm_bytes_per_step']]} params {result['params']}",
+              flush=True)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(result, fh, indent=2)
@@ -252,15 +326,30 @@ def run(args: argparse.Namespace) -> dict:
 CASES = {
     "G1": dict(component="processor", anemoi_chunks=2, steps=3),
     "G2": dict(component="mapper", anemoi_chunks=1, steps=5),
+    "N1": dict(component="gnn_processor", anemoi_chunks=2, steps=3),
+    "N2": dict(component="gnn_mapper", anemoi_chunks=1, steps=5),
 }
+COMPONENT_CASE = {case["component"]: name for name, case in CASES.items()}
+GNN_SCRIPT = os.path.join(HERE, "anemoi_side", "bench_gnn.py")
 
 
-def _shape_args(args: argparse.Namespace, component: str) -> list[str]:
-    common = ["--nodes", str(args.nodes), "--channels", str(args.channels), "--heads", str(args.heads),
-              "--threads", str(args.threads), "--warmup", str(args.warmup)]
-    if component == "processor":
-        return common + ["--component", "processor", "--k", str(args.k), "--layers", str(args.layers)]
-    return common + ["--component", "mapper", "--data-nodes", str(args.data_nodes), "--k-enc", str(args.k_enc),
+def _shape_args(args: argparse.Namespace, component: str, anemoi: bool = False) -> list[str]:
+    """The shape arguments of ``component``, for this script or (``anemoi``) for anemoi's script,
+    whose ``--component`` is ``processor`` / ``mapper`` (bench_gnn.py has no ``--heads``)."""
+    gnn = component.startswith("gnn_")
+    common = ["--nodes", str(args.nodes), "--channels", str(args.channels), "--threads", str(args.threads),
+              "--warmup", str(args.warmup)]
+    if not gnn:
+        common += ["--heads", str(args.heads)]
+    kind = component.removeprefix("gnn_")
+    if gnn:
+        common += ["--mlp-extra-layers", str(args.mlp_extra_layers)]
+    if kind == "mapper" and gnn:
+        common += ["--update-src-nodes" if anemoi else "--src-update", str(args.src_update)]
+    name = kind if anemoi else component
+    if kind == "processor":
+        return common + ["--component", name, "--k", str(args.k), "--layers", str(args.layers)]
+    return common + ["--component", name, "--data-nodes", str(args.data_nodes), "--k-enc", str(args.k_enc),
                      "--in-src", str(args.in_src), "--in-dst", str(args.in_dst)]
 
 
@@ -272,9 +361,12 @@ def _launch(python: str, script: list[str], world: int) -> list[str]:
 
 def _run_anemoi(args, case: dict, world: int, steps: int, out_dir: str) -> dict:  # noqa: ANN001
     shutil.rmtree(out_dir, ignore_errors=True)
-    script = [os.path.join(args.anemoi_bench, "bench_graphtransformer.py"), *_shape_args(args, case["component"]),
+    gnn = case["component"].startswith("gnn_")
+    path = GNN_SCRIPT if gnn else os.path.join(args.anemoi_bench, "bench_graphtransformer.py")
+    script = [path, *_shape_args(args, case["component"], anemoi=True),
               "--chunks", str(case["anemoi_chunks"]), "--ckpt", "0", "--steps", str(steps)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), ANEMOI_BENCH_OUT=out_dir)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), ANEMOI_BENCH_OUT=out_dir,
+               ANEMOI_BENCH=os.path.abspath(args.anemoi_bench))
     env.pop("PYTHONPATH", None)
     if args.anemoi_pythonpath:  # e.g. a --target install of anemoi-models and its dependencies
         env["PYTHONPATH"] = args.anemoi_pythonpath
@@ -285,7 +377,7 @@ def _run_anemoi(args, case: dict, world: int, steps: int, out_dir: str) -> dict:
     with open(os.path.join(out_dir, name)) as fh:
         res = json.load(fh)
     return dict(time=res["median_fwd_bwd_s_max_over_ranks"], cpu=res["median_cpu_s_sum_over_ranks"],
-                rss=max(r["peak_rss_mib"] for r in res["per_rank"]))
+                rss=max(r["peak_rss_mib"] for r in res["per_rank"]), params=res.get("params"))
 
 
 def _run_ours(args, case: dict, world: int, steps: int, out_json: str) -> dict:  # noqa: ANN001
@@ -300,7 +392,7 @@ def _run_ours(args, case: dict, world: int, steps: int, out_json: str) -> dict: 
     with open(out_json) as fh:
         res = json.load(fh)
     return dict(time=res["median_fwd_bwd_s_max_over_ranks"], cpu=res["median_cpu_s_sum_over_ranks"],
-                rss=max(res["peak_rss_mib"]),
+                rss=max(res["peak_rss_mib"]), params=res["params"],
                 halo=res["comm_bytes_per_step"])
 
 
@@ -310,7 +402,8 @@ def compare(args: argparse.Namespace) -> None:
     cases = [c.strip() for c in args.cases.split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"machine: {os.cpu_count()} CPU(s), {args.threads} thread(s) per rank, load {os.getloadavg()[0]:.1f}; "
-          f"torch {torch.__version__}; G1 layers {args.layers}; stormshard num_chunks {args.st_chunks}", flush=True)
+          f"torch {torch.__version__}; G1/N1 layers {args.layers}; stormshard num_chunks {args.st_chunks}; "
+          f"GNN mlp_extra_layers {args.mlp_extra_layers}, N2 source update {bool(args.src_update)}", flush=True)
     for name in cases:
         case = CASES[name]
         steps = args.steps if args.steps is not None else case["steps"]
@@ -326,19 +419,21 @@ def compare(args: argparse.Namespace) -> None:
                 print(f"  {name} world {world} pair {r + 1}: anemoi {an[-1]['time']:.3f}s {an[-1]['rss']:.0f} MiB | "
                       f"stormshard {st[-1]['time']:.3f}s {st[-1]['rss']:.0f} MiB | speed-up "
                       f"{an[-1]['time'] / st[-1]['time']:.2f}x (cpu-s {an[-1]['cpu']:.2f} vs {st[-1]['cpu']:.2f}: "
-                      f"{an[-1]['cpu'] / st[-1]['cpu']:.2f}x), memory {st[-1]['rss'] / an[-1]['rss']:.2f}x", flush=True)
+                      f"{an[-1]['cpu'] / st[-1]['cpu']:.2f}x), memory {st[-1]['rss'] / an[-1]['rss']:.2f}x; "
+                      f"params anemoi {an[-1]['params']} stormshard {st[-1]['params']}", flush=True)
             speed = statistics.median(a["time"] / s["time"] for a, s in zip(an, st, strict=True))
             mem = statistics.median(s["rss"] / a["rss"] for a, s in zip(an, st, strict=True))
             cpu = statistics.median(a["cpu"] / s["cpu"] for a, s in zip(an, st, strict=True))
             rows.append((name, world, statistics.median(a["time"] for a in an), statistics.median(s["time"] for s in st),
                          speed, statistics.median(a["rss"] for a in an), statistics.median(s["rss"] for s in st), mem,
-                         st[-1]["halo"], cpu))
+                         st[-1]["halo"], cpu, an[-1]["params"], st[-1]["params"]))
     print("\n| case | processes | anemoi s | stormshard s | speed-up | anemoi peak RSS MiB/rank | "
-          "stormshard peak RSS MiB/rank | memory ratio | cpu-s speed-up | stormshard halo bytes/step per rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, world, ta, ts, sp, ra, rs, mr, halo, cpu in rows:
+          "stormshard peak RSS MiB/rank | memory ratio | cpu-s speed-up | stormshard halo bytes/step per rank | "
+          "params anemoi / stormshard |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, world, ta, ts, sp, ra, rs, mr, halo, cpu, pa, ps in rows:
         print(f"| {name} | {world} | {ta:.3f} | {ts:.3f} | {sp:.2f}x | {ra:.0f} | {rs:.0f} | {mr:.2f}x | {cpu:.2f}x | "
-              f"{[int(h) for h in halo]} |")
+              f"{[int(h) for h in halo]} | {pa} / {ps} |")
     goal = all(r[4] >= 1.5 and r[7] <= 0.7 for r in rows)
     print(f"\ngoal (speed-up >= 1.5x and memory <= 0.7x in every row): {'met' if goal else 'NOT met'}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -346,7 +441,7 @@ def compare(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--component", default="processor", choices=["processor", "mapper"])
+    p.add_argument("--component", default="processor", choices=list(COMPONENT_CASE))
     p.add_argument("--nodes", type=int, default=4096, help="hidden mesh nodes")
     p.add_argument("--data-nodes", type=int, default=16384, help="data grid nodes (mapper)")
     p.add_argument("--k", type=int, default=8, help="kNN of the processor graph (before symmetrisation)")
@@ -357,20 +452,25 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--st-chunks", type=int, default=1, help="stormshard num_chunks")
+    p.add_argument("--mlp-extra-layers", type=int, default=0,
+                   help="GNN (N1, N2): anemoi's mlp_extra_layers (AIFS: 0); stormshard mlp_hidden_layers = this + 2")
+    p.add_argument("--src-update", type=int, default=1, choices=[0, 1],
+                   help="N2: update the data nodes as anemoi's GNNForwardMapper (forward only; both sides)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="timed steps (default: G1 3, G2 5, as anemoi's README)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps (default: G1/N1 3, G2/N2 5, as anemoi's README)")
     p.add_argument("--json", default=None, help="write the result here (rank 0)")
     p.add_argument("--compare", action="store_true", help="run anemoi's and this benchmark back to back")
     p.add_argument("--quick", action="store_true",
                    help="small shapes (512 hidden / 2,048 data nodes, 64 channels, 2 layers, 1 step; make bench)")
-    p.add_argument("--cases", default="G1,G2")
+    p.add_argument("--cases", default="G1,G2,N1,N2")
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--repeat", type=int, default=1, help="--compare: pairs per case (alternating order)")
     p.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),
                    help="--compare: interpreter for anemoi's script (env ANEMOI_PY)")
     p.add_argument("--anemoi-bench", default=os.environ.get("ANEMOI_BENCH", "/work/shared/anemoi-bench"),
-                   help="--compare: folder holding bench_graphtransformer.py (env ANEMOI_BENCH)")
+                   help="--compare: folder holding bench_graphtransformer.py and common.py (env ANEMOI_BENCH)")
     p.add_argument("--anemoi-pythonpath", default=os.environ.get("ANEMOI_PYTHONPATH", ""),
                    help="--compare: PYTHONPATH for anemoi's runs (env ANEMOI_PYTHONPATH; default: none)")
     args = p.parse_args()
@@ -381,7 +481,7 @@ def main() -> None:
         compare(args)
         return
     if args.steps is None:
-        args.steps = CASES["G1" if args.component == "processor" else "G2"]["steps"]
+        args.steps = CASES[COMPONENT_CASE[args.component]]["steps"]
     run(args)
 
 

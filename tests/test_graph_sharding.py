@@ -208,6 +208,41 @@ def test_halo_exchange(world):
     run_distributed(_check_halo_exchange, world)
 
 
+def _compare_halo_linear(plan: GraphShardPlan, num_src: int, num_edges: int, seed: int, batch: tuple) -> None:
+    """halo_linear against exchange_halo + F.linear on ``plan``: outputs, gradients, bytes."""
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(num_src, *batch, 6, generator=g, dtype=torch.float64)
+    weights = [torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)]
+    biases = [torch.randn(5, generator=g, dtype=torch.float64), None]
+    w_out = [torch.randn(num_edges, *batch, 5, generator=g, dtype=torch.float64),
+             torch.randn(num_edges, *batch, 3, generator=g, dtype=torch.float64)]
+    mine = [plan.shard_edges(w) for w in w_out]
+
+    def run(fn):  # noqa: ANN001, ANN202
+        x = plan.shard_src(x_full).clone().requires_grad_()
+        ws = [w.clone().requires_grad_() for w in weights]
+        bs = [None if b is None else b.clone().requires_grad_() for b in biases]
+        with CommCounter() as counter:
+            outs = fn(x, ws, bs)
+            loss = sum((o[plan.edge_index[0]] * w).sum() for o, w in zip(outs, mine, strict=True))
+            loss.backward()
+        return outs, [x.grad, *[w.grad for w in ws], bs[0].grad], counter.bytes("all_to_all")
+
+    def reference(x, ws, bs):  # noqa: ANN001, ANN202
+        ext = plan.exchange_halo(x)  # one exchange, then the products
+        return [torch.nn.functional.linear(ext, w, b) for w, b in zip(ws, bs, strict=True)]
+
+    ref_outs, ref_grads, ref_bytes = run(reference)
+    outs, grads, nbytes = run(lambda x, ws, bs: halo_linear(plan, x, ws, bs))
+    for a, b in zip(outs, ref_outs, strict=True):
+        assert a.shape == (plan.num_src_local + plan.num_halo, *batch, b.shape[-1])
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, ref_grads, strict=True):
+        # replicated parameters: each rank holds the gradient of its own edges
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert nbytes == ref_bytes, (nbytes, ref_bytes)
+
+
 def _check_halo_linear(rank, world):
     """halo_linear (exchange overlapped with the projections) equals exchange_halo + F.linear:
     outputs and gradients of rows, weights and biases, float64; the same bytes."""
@@ -216,39 +251,7 @@ def _check_halo_linear(rank, world):
         edge_index = random_graph(num_src, num_dst, num_edges, seed=11 + case, dst_limit=limit)
         num_nodes = num_src if num_src == num_dst else (num_src, num_dst)
         plan = GraphShardPlan.build(edge_index, num_nodes, group)
-        g = torch.Generator().manual_seed(100 + case)
-        batch = (2,) if case % 2 else ()
-        x_full = torch.randn(num_src, *batch, 6, generator=g, dtype=torch.float64)
-        weights = [torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)]
-        biases = [torch.randn(5, generator=g, dtype=torch.float64), None]
-        w_out = [torch.randn(num_edges, *batch, 5, generator=g, dtype=torch.float64),
-                 torch.randn(num_edges, *batch, 3, generator=g, dtype=torch.float64)]
-        mine = [plan.shard_edges(w) for w in w_out]
-
-        def run(fn):  # noqa: ANN001, ANN202
-            x = plan.shard_src(x_full).clone().requires_grad_()
-            ws = [w.clone().requires_grad_() for w in weights]
-            bs = [None if b is None else b.clone().requires_grad_() for b in biases]
-            with CommCounter() as counter:
-                outs = fn(x, ws, bs)
-                loss = sum((o[plan.edge_index[0]] * w).sum() for o, w in zip(outs, mine, strict=True))
-                loss.backward()
-            grads = [x.grad, *[w.grad for w in ws], bs[0].grad]
-            return outs, grads, counter.bytes("all_to_all")
-
-        def reference(x, ws, bs):  # noqa: ANN001, ANN202
-            ext = plan.exchange_halo(x)  # one exchange, then the products
-            return [torch.nn.functional.linear(ext, w, b) for w, b in zip(ws, bs, strict=True)]
-
-        ref_outs, ref_grads, ref_bytes = run(reference)
-        outs, grads, nbytes = run(lambda x, ws, bs: halo_linear(plan, x, ws, bs))
-        for a, b in zip(outs, ref_outs, strict=True):
-            assert a.shape == (plan.num_src_local + plan.num_halo, *batch, b.shape[-1])
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-        for a, b in zip(grads, ref_grads, strict=True):
-            # replicated parameters: each rank holds the gradient of its own edges
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-        assert nbytes == ref_bytes, (case, nbytes, ref_bytes)
+        _compare_halo_linear(plan, num_src, num_edges, 100 + case, (2,) if case % 2 else ())
 
     # bf16 autocast: the products run in bf16, like F.linear under autocast
     edge_index = random_graph(50, 50, 250, seed=3)
