@@ -11,7 +11,9 @@ sharding with stormshard's halo plan (the normed source rows cross one ``all_to_
 G1: ``--component processor`` (16 GraphTransformerProcessorBlocks, 4,096 nodes, k=8, C 256, 8 heads).
 G2: ``--component mapper`` (16,384 data nodes -> 4,096 hidden, 4 hidden neighbours per data node,
 96 source / 16 destination input channels embedded to C 256 by linears, one
-GraphTransformerMapperBlock), as anemoi's ``GraphTransformerForwardMapper``.
+GraphTransformerMapperBlock), as anemoi's ``GraphTransformerForwardMapper``. Both graph-transformer
+cases build stormshard's blocks with ``self_projection=True`` (anemoi's ``lin_self``), so that the
+two sides have the same parameters and the same dense work (the printed parameter counts agree).
 
 N1: ``--component gnn_processor`` (16 GNNProcessorBlocks on G1's graph, C 256, edges C wide: the
 first block embeds the 4 edge attributes), as anemoi's ``GNNProcessor``. N2: ``--component
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.manual_seed(1234)
         blocks = torch.nn.ModuleList(
             GraphTransformerProcessorBlock(c, edge_attr.shape[1], args.heads, plan, mlp_ratio=4.0,
-                                           num_chunks=args.st_chunks)
+                                           num_chunks=args.st_chunks, self_projection=True)
             for _ in range(args.layers)
         )
         params = list(blocks.parameters())
@@ -247,7 +249,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.manual_seed(1234)
         embed_src, embed_dst = torch.nn.Linear(args.in_src, c), torch.nn.Linear(args.in_dst, c)
         block = GraphTransformerMapperBlock(c, c, edge_attr.shape[1], args.heads, plan, mlp_ratio=4.0,
-                                            num_chunks=args.st_chunks)
+                                            num_chunks=args.st_chunks, self_projection=True)
         params = [*embed_src.parameters(), *embed_dst.parameters(), *block.parameters()]
         xs = plan.shard_src(torch.randn(nd, args.in_src, generator=gen)).clone().requires_grad_(True)
         xd = plan.shard_dst(torch.randn(nh, args.in_dst, generator=gen)).clone().requires_grad_(True)

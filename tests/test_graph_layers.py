@@ -26,6 +26,8 @@ CASES = [
     ("gnn_processor", 53, 53, 260, 40),
     ("transformer_mapper", 7, 3, 12, None),  # at 4 ranks one rank owns no destination (and no source) rows
     ("gnn_mapper", 3, 7, 12, None),
+    ("transformer_self_mapper", 61, 45, 300, None),  # self_projection=True (anemoi's lin_self)
+    ("transformer_self_processor", 53, 53, 260, 40),
 ]
 
 
@@ -37,10 +39,13 @@ def make_plan(kind: str, edge_index: torch.Tensor, num_src: int, num_dst: int, g
 
 def make_block(kind: str, plan: GraphShardPlan, num_chunks: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    if kind == "transformer_mapper":
-        block = GraphTransformerMapperBlock(SRC_C, DST_C, EDGE_C, HEADS, plan, mlp_ratio=2.0, num_chunks=num_chunks)
-    elif kind == "transformer_processor":
-        block = GraphTransformerProcessorBlock(DST_C, EDGE_C, HEADS, plan, mlp_ratio=2.0, num_chunks=num_chunks)
+    self_projection = "_self_" in kind
+    if kind.startswith("transformer") and kind.endswith("mapper"):
+        block = GraphTransformerMapperBlock(SRC_C, DST_C, EDGE_C, HEADS, plan, mlp_ratio=2.0, num_chunks=num_chunks,
+                                            self_projection=self_projection)
+    elif kind.startswith("transformer"):
+        block = GraphTransformerProcessorBlock(DST_C, EDGE_C, HEADS, plan, mlp_ratio=2.0, num_chunks=num_chunks,
+                                               self_projection=self_projection)
     elif kind == "gnn_mapper":
         block = GNNMapperBlock(SRC_C, DST_C, EDGE_C, plan, num_chunks=num_chunks)
     else:
@@ -139,7 +144,8 @@ def test_sharded_blocks_equal_single_process(world):
     run_distributed(_check_sharded_blocks, world, chunks)
 
 
-@pytest.mark.parametrize("kind", ["transformer_mapper", "transformer_processor", "gnn_mapper", "gnn_processor"])
+@pytest.mark.parametrize("kind", ["transformer_mapper", "transformer_processor", "transformer_self_processor",
+                                  "gnn_mapper", "gnn_processor"])
 def test_chunked_equals_unchunked(kind):
     num_src, num_dst = (53, 53) if kind.endswith("processor") else (61, 45)
     inputs = make_inputs(kind, num_src, num_dst, 300, num_dst - 6, seed=5)
@@ -198,3 +204,22 @@ def test_bad_inputs():
     for kind in ("transformer_processor", "gnn_processor"):
         with pytest.raises(ValueError, match="one node set"):
             make_block(kind, plan, 1)
+
+
+def test_self_projection_is_anemoi_lin_self():
+    """``self_projection=True`` adds ``W_s n_dst(x_i)`` to the attention output before the output
+    projection (anemoi's ``lin_self``): the block equals the one without it, with the term added by hand."""
+    edge_index, x_src, x_dst, edge_attr, _, _ = make_inputs("transformer_mapper", 13, 9, 60, None, seed=5)
+    plan = make_plan("transformer_mapper", edge_index, 13, 9)
+    with_self = make_block("transformer_self_mapper", plan, 1)
+    plain = make_block("transformer_mapper", plan, 1)
+    plain.load_state_dict({k: v for k, v in with_self.state_dict().items() if not k.startswith("to_self.")})
+    attr = plan.shard_edges(edge_attr)
+    captured = {}
+    plain.proj.register_forward_pre_hook(lambda _m, args: captured.setdefault("in", args[0]))
+    plain(x_src, x_dst, attr)
+    extra = with_self.to_self(with_self.norm_dst(x_dst))
+    x = x_dst + with_self.proj(captured["in"] + extra)
+    expected = x + with_self.mlp(with_self.norm_mlp(x))
+    torch.testing.assert_close(with_self(x_src, x_dst, attr), expected, rtol=1e-12, atol=1e-12)
+    assert sum(p.numel() for p in with_self.parameters()) - sum(p.numel() for p in plain.parameters()) == DST_C * DST_C + DST_C

@@ -4,10 +4,11 @@ For an edge ``j -> i`` with edge features ``e_ji`` (per head ``h``, head size ``
 
     q_i = W_q n_dst(x_i)      k_j = W_k n_src(x_j) + W_e e_ji      v_j = W_v n_src(x_j) + W_e e_ji
     a_ji = softmax over the edges into i of (q_i . k_j / sqrt(d))
-    x_i <- x_i + W_o sum_j a_ji v_j
+    x_i <- x_i + W_o (sum_j a_ji v_j [+ W_s n_dst(x_i)])
     x_i <- x_i + MLP(LayerNorm(x_i))
 
-(pre-norm, residual). The blocks compute the attention with
+(pre-norm, residual; the bracketed term with ``self_projection=True``, anemoi-models'
+``lin_self``, so that a block has anemoi's parameters and cost). The blocks compute the attention with
 :func:`stormshard.layers.graph_kernels.fused_graph_attention` (CSR sampled products, segment
 softmax and a sparse product; no ``(E, heads, d)`` tensor is formed or kept for the backward);
 :func:`graph_attention` is the same math written out per edge (torch-geometric ``softmax`` and
@@ -154,6 +155,7 @@ class _GraphTransformerBase(nn.Module):
         mlp_ratio: float,
         num_chunks: int,
         hidden_dim: int | None,
+        self_projection: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("src_channels", src_channels), ("dst_channels", dst_channels),
@@ -174,6 +176,8 @@ class _GraphTransformerBase(nn.Module):
         self.to_k = nn.Linear(src_channels, hidden_dim)
         self.to_v = nn.Linear(src_channels, hidden_dim)
         self.to_e = nn.Linear(edge_channels, hidden_dim)
+        # anemoi's lin_self: a projection of the normed destination added to the attention output
+        self.to_self = nn.Linear(dst_channels, hidden_dim) if self_projection else None
         self.proj = nn.Linear(hidden_dim, dst_channels)
         self.norm_mlp = nn.LayerNorm(dst_channels)
         self.mlp = _mlp(dst_channels, mlp_ratio)
@@ -212,7 +216,10 @@ class _GraphTransformerBase(nn.Module):
             with torch.autocast(device_type=q.device.type, enabled=False):
                 attn = fused_graph_attention(q.to(acc), k.to(acc), v.to(acc), attr.to(acc), w_e.to(acc),
                                              None if b_e is None else b_e.to(acc), index, end - first).to(q.dtype)
-            x = x_dst[first:end] + self.proj(rearrange(attn, "n ... h d -> n ... (h d)"))
+            attn = rearrange(attn, "n ... h d -> n ... (h d)")
+            if self.to_self is not None:
+                attn = attn + self.to_self(h_dst[first:end])
+            x = x_dst[first:end] + self.proj(attn)
             return (x + self.mlp(self.norm_mlp(x)),)
 
         outs, _ = map_destination_chunks(chunk, edge_index, x_dst.shape[0], self.num_chunks)
@@ -239,8 +246,10 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
         mlp_ratio: float = 4.0,
         num_chunks: int = 1,
         hidden_dim: int | None = None,
+        self_projection: bool = False,
     ) -> None:
-        super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim)
+        super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
+                         self_projection)
         self.plan = check_plan(plan, processor=False)
         self.norm_src = nn.LayerNorm(src_channels)
         self.norm_dst = nn.LayerNorm(dst_channels)
@@ -269,8 +278,10 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         mlp_ratio: float = 4.0,
         num_chunks: int = 1,
         hidden_dim: int | None = None,
+        self_projection: bool = False,
     ) -> None:
-        super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim)
+        super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
+                         self_projection)
         self.plan = check_plan(plan, processor=True)
         self.norm = nn.LayerNorm(channels)
 

@@ -35,6 +35,7 @@ class ProcessorConfig(_Strict):
     window_size: int = Field(64, ge=0)
     shard_strategy: Literal["shard_sequence", "shard_heads", "tensor"] = "shard_sequence"
     num_chunks: int = Field(1, ge=1)
+    self_projection: bool = False  # graphtransformer: anemoi's lin_self in every block
 
 
 class MapperConfig(_Strict):
@@ -43,6 +44,7 @@ class MapperConfig(_Strict):
     num_heads: int = Field(8, ge=1)
     mlp_ratio: float = Field(4.0, gt=0)
     num_chunks: int = Field(1, ge=1)
+    self_projection: bool = False  # graph-transformer mapper: anemoi's lin_self
 
 
 class EnsembleConfig(_Strict):

@@ -107,7 +107,7 @@ class EncoderProcessorDecoder(nn.Module):
         if self.config.name == "gnn":
             return GNNMapperBlock(c, c, edge_channels, plan, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks)
         return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, plan, mlp_ratio=cfg.mlp_ratio,
-                                           num_chunks=cfg.num_chunks)
+                                           num_chunks=cfg.num_chunks, self_projection=cfg.self_projection)
 
     def check_input(self, x: Tensor) -> None:
         expect = (self.config.multistep_input, self.plan.data_sizes[self.plan.rank], len(self.variables.input_names))

@@ -76,7 +76,7 @@ class GraphProcessor(nn.Module):
         else:
             self.blocks = nn.ModuleList(
                 GraphTransformerProcessorBlock(c, edge_channels, p.num_heads, graph_plan, mlp_ratio=p.mlp_ratio,
-                                               num_chunks=p.num_chunks)
+                                               num_chunks=p.num_chunks, self_projection=p.self_projection)
                 for _ in range(p.num_layers)
             )
 
