@@ -166,71 +166,62 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(42)
     c = args.channels
 
-    if args.component == "processor":
+    processor = args.component in ("processor", "gnn_processor")
+    if processor:  # one node set: G1's graph, sharded node features in and out
         n = args.nodes
         edge_index, edge_attr = knn_processor_graph(n, args.k)
         plan = GraphShardPlan.build(edge_index, n, group)
-        torch.manual_seed(1234)
-        blocks = torch.nn.ModuleList(
-            GraphTransformerProcessorBlock(c, edge_attr.shape[1], args.heads, plan, mlp_ratio=4.0,
-                                           num_chunks=args.st_chunks, self_projection=True)
-            for _ in range(args.layers)
-        )
-        params = list(blocks.parameters())
         x = plan.shard_src(torch.randn(n, c, generator=gen)).clone().requires_grad_(True)
         grad_out = plan.shard_dst(torch.randn(n, c, generator=gen)).clone()
-        attr = plan.shard_edges(edge_attr)
         inputs = [x]
+        shape = dict(nodes=n, edges=int(edge_index.shape[1]), channels=c, layers=args.layers)
+    else:  # encoder: G2's graph, data -> hidden
+        nd, nh = args.data_nodes, args.nodes
+        edge_index, edge_attr = knn_encoder_graph(nd, nh, args.k_enc)
+        plan = GraphShardPlan.build(edge_index, (nd, nh), group)
+        xs = plan.shard_src(torch.randn(nd, args.in_src, generator=gen)).clone().requires_grad_(True)
+        xd = plan.shard_dst(torch.randn(nh, args.in_dst, generator=gen)).clone().requires_grad_(True)
+        grad_out = plan.shard_dst(torch.randn(nh, c, generator=gen)).clone()
+        inputs = [xs, xd]
+        shape = dict(data_nodes=nd, hidden_nodes=nh, edges=int(edge_index.shape[1]), channels=c,
+                     in_src=args.in_src, in_dst=args.in_dst)
+    attr = plan.shard_edges(edge_attr)
+    gnn_shape = dict(edge_dim=4, mlp_extra_layers=args.mlp_extra_layers, mlp_hidden_ratio=1.0)
+    hidden_layers = args.mlp_extra_layers + 2  # anemoi's MLP depth with mlp_extra_layers
+    torch.manual_seed(1234)
 
-        def forward() -> torch.Tensor:
-            y = x
-            for block in blocks:
-                y, _ = block(y, attr)
-            return y
-
-        shape = dict(nodes=n, edges=int(edge_index.shape[1]), channels=c, heads=args.heads, layers=args.layers)
-    elif args.component == "gnn_processor":
-        n = args.nodes
-        edge_index, edge_attr = knn_processor_graph(n, args.k)
-        plan = GraphShardPlan.build(edge_index, n, group)
-        torch.manual_seed(1234)
-        # anemoi's GNNProcessor: edges C wide, the first layer embeds the raw attributes (edge_dim)
-        blocks = torch.nn.ModuleList(
-            GNNProcessorBlock(c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks,
-                              mlp_hidden_layers=args.mlp_extra_layers + 2, aggregate_updated_edges=True,
-                              edge_in_channels=edge_attr.shape[1] if i == 0 else None)
-            for i in range(args.layers)
-        )
+    if processor:
+        if args.component == "processor":
+            blocks = torch.nn.ModuleList(
+                GraphTransformerProcessorBlock(c, edge_attr.shape[1], args.heads, plan, mlp_ratio=4.0,
+                                               num_chunks=args.st_chunks, self_projection=True)
+                for _ in range(args.layers)
+            )
+            shape.update(heads=args.heads)
+        else:  # anemoi's GNNProcessor: edges C wide, the first layer embeds the raw attributes (edge_dim)
+            blocks = torch.nn.ModuleList(
+                GNNProcessorBlock(c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks,
+                                  mlp_hidden_layers=hidden_layers, aggregate_updated_edges=True,
+                                  edge_in_channels=edge_attr.shape[1] if i == 0 else None)
+                for i in range(args.layers)
+            )
+            shape.update(gnn_shape)
         params = list(blocks.parameters())
-        x = plan.shard_src(torch.randn(n, c, generator=gen)).clone().requires_grad_(True)
-        grad_out = plan.shard_dst(torch.randn(n, c, generator=gen)).clone()
-        attr = plan.shard_edges(edge_attr)
-        inputs = [x]
 
         def forward() -> torch.Tensor:
-            y, e = x, attr
+            y, e = x, attr  # the graph transformer returns its edges unchanged, the GNN updates them
             for block in blocks:
                 y, e = block(y, e)
             return y
 
-        shape = dict(nodes=n, edges=int(edge_index.shape[1]), channels=c, layers=args.layers, edge_dim=4,
-                     mlp_extra_layers=args.mlp_extra_layers, mlp_hidden_ratio=1.0)
     elif args.component == "gnn_mapper":
-        nd, nh = args.data_nodes, args.nodes
-        edge_index, edge_attr = knn_encoder_graph(nd, nh, args.k_enc)
-        plan = GraphShardPlan.build(edge_index, (nd, nh), group)
-        torch.manual_seed(1234)
-        layers = args.mlp_extra_layers + 2
         # anemoi's GNNForwardMapper: MLP embeddings of the nodes and (in the block) of the edges
-        embed_src, embed_dst = gnn_mlp(args.in_src, c, c, layers), gnn_mlp(args.in_dst, c, c, layers)
-        block = GNNMapperBlock(c, c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks, mlp_hidden_layers=layers,
-                               edge_in_channels=edge_attr.shape[1], aggregate_updated_edges=True)
+        embed_src, embed_dst = gnn_mlp(args.in_src, c, c, hidden_layers), gnn_mlp(args.in_dst, c, c, hidden_layers)
+        block = GNNMapperBlock(c, c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks,
+                               mlp_hidden_layers=hidden_layers, edge_in_channels=edge_attr.shape[1],
+                               aggregate_updated_edges=True)
         params = [*embed_src.parameters(), *embed_dst.parameters(), *block.parameters()]
-        xs = plan.shard_src(torch.randn(nd, args.in_src, generator=gen)).clone().requires_grad_(True)
-        xd = plan.shard_dst(torch.randn(nh, args.in_dst, generator=gen)).clone().requires_grad_(True)
-        grad_out = plan.shard_dst(torch.randn(nh, c, generator=gen)).clone()
-        attr = plan.shard_edges(edge_attr)
-        inputs = [xs, xd]
+        shape.update(gnn_shape, src_update=bool(args.src_update))
 
         def forward() -> torch.Tensor:
             h_src = embed_src(xs)
@@ -239,29 +230,15 @@ def run(args: argparse.Namespace) -> dict:
                 h_src + block.node_mlp(torch.cat([h_src, h_src], dim=-1))
             return out
 
-        shape = dict(data_nodes=nd, hidden_nodes=nh, edges=int(edge_index.shape[1]), channels=c,
-                     in_src=args.in_src, in_dst=args.in_dst, edge_dim=4, mlp_extra_layers=args.mlp_extra_layers,
-                     mlp_hidden_ratio=1.0, src_update=bool(args.src_update))
     else:
-        nd, nh = args.data_nodes, args.nodes
-        edge_index, edge_attr = knn_encoder_graph(nd, nh, args.k_enc)
-        plan = GraphShardPlan.build(edge_index, (nd, nh), group)
-        torch.manual_seed(1234)
         embed_src, embed_dst = torch.nn.Linear(args.in_src, c), torch.nn.Linear(args.in_dst, c)
         block = GraphTransformerMapperBlock(c, c, edge_attr.shape[1], args.heads, plan, mlp_ratio=4.0,
                                             num_chunks=args.st_chunks, self_projection=True)
         params = [*embed_src.parameters(), *embed_dst.parameters(), *block.parameters()]
-        xs = plan.shard_src(torch.randn(nd, args.in_src, generator=gen)).clone().requires_grad_(True)
-        xd = plan.shard_dst(torch.randn(nh, args.in_dst, generator=gen)).clone().requires_grad_(True)
-        grad_out = plan.shard_dst(torch.randn(nh, c, generator=gen)).clone()
-        attr = plan.shard_edges(edge_attr)
-        inputs = [xs, xd]
+        shape.update(heads=args.heads)
 
         def forward() -> torch.Tensor:
             return block(embed_src(xs), embed_dst(xd), attr)
-
-        shape = dict(data_nodes=nd, hidden_nodes=nh, edges=int(edge_index.shape[1]), channels=c, heads=args.heads,
-                     in_src=args.in_src, in_dst=args.in_dst)
 
     def step() -> tuple[float, float]:
         for t in [*params, *inputs]:

@@ -214,6 +214,14 @@ def _run_block(plan, block, processor, x_src, x_dst, attr, w, w_e):  # noqa: ANN
 def _check_sharded(rank, world, num_chunks):  # noqa: ANN001
     group = dist.group.WORLD
     default_block_bytes, gnn.EDGE_BLOCK_BYTES = gnn.EDGE_BLOCK_BYTES, 1024  # several edge blocks per rank
+    try:
+        _compare_sharded(group, num_chunks)
+    finally:  # the rank processes are pooled: leave the module as it was
+        gnn.EDGE_BLOCK_BYTES = default_block_bytes
+    return True
+
+
+def _compare_sharded(group, num_chunks):  # noqa: ANN001
     for case, kind in enumerate(["gnn_processor", "gnn_mapper"]):
         for options in (ANEMOI, OPTIONS[0]):
             edge_index, x_src, x_dst, g = _case(kind, (), seed=10 + case)
@@ -242,11 +250,9 @@ def _check_sharded(rank, world, num_chunks):  # noqa: ANN001
                 summed = mine.clone()
                 dist.all_reduce(summed, group=group)
                 torch.testing.assert_close(summed, total, **tol, msg=lambda m, n=name, k=kind: f"{k} {n}: {m}")
-    gnn.EDGE_BLOCK_BYTES = default_block_bytes
-    return True
 
 
-@pytest.mark.parametrize("world,num_chunks", [(2, 1), (2, 3), (3, 1)])
+@pytest.mark.parametrize("world,num_chunks", [(2, 1), (2, 3), (3, 1), (4, 1)])
 def test_options_sharded_equal_single_process(world, num_chunks):
     run_distributed(_check_sharded, world, num_chunks)
 

@@ -20,6 +20,7 @@ tensors only. anemoi's edge-sorting helpers live in :mod:`stormshard.parallel.an
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -158,10 +159,14 @@ def _all_to_all_rows(x: Tensor, send_splits: list[int], recv_splits: list[int], 
     x = x.contiguous()
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
-    me = group_rank(group)
-    row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
-    record_communication("all_to_all", (sum(send_splits) - send_splits[me]) * row_bytes)
+    record_rows_sent(x, send_splits, group_rank(group))
     return out
+
+
+def record_rows_sent(rows: Tensor, send_splits: Sequence[int], rank: int) -> None:
+    """Count the bytes of the rows of ``rows`` (``send_splits`` per rank) that leave ``rank``."""
+    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+    record_communication("all_to_all", (sum(send_splits) - send_splits[rank]) * row_bytes)
 
 
 class _HaloAllToAll(torch.autograd.Function):
@@ -370,14 +375,8 @@ class GraphShardPlan:
     # communication
     # ----------------------------------------------------------------------------------------
 
-    def exchange_halo(self, x_src: Tensor) -> Tensor:
-        """``(num_src_local + num_halo, ...)``: this rank's source rows followed by its halo.
-
-        ``x_src`` is ``(num_src_local, ...)``. Communicates over the plan's group one
-        ``all_to_all_single`` with uneven splits (only the rows other ranks' edges read); its
-        backward returns the halo gradients to their owners, where they are added to the local
-        rows' gradients. Nothing is communicated when no rank of the layout needs a halo.
-        """
+    def check_source_rows(self, x_src: Tensor) -> None:
+        """Raise unless ``x_src`` is this rank's source rows and the plan can exchange halos."""
         if x_src.shape[0] != self.num_src_local:
             raise ValueError(
                 f"x_src has {x_src.shape[0]} rows but rank {self.rank} owns {self.num_src_local} source "
@@ -389,6 +388,16 @@ class GraphShardPlan:
                 "halos: it was built with for_rank; build it with GraphShardPlan.build(edge_index, "
                 "num_nodes, group)"
             )
+
+    def exchange_halo(self, x_src: Tensor) -> Tensor:
+        """``(num_src_local + num_halo, ...)``: this rank's source rows followed by its halo.
+
+        ``x_src`` is ``(num_src_local, ...)``. Communicates over the plan's group one
+        ``all_to_all_single`` with uneven splits (only the rows other ranks' edges read); its
+        backward returns the halo gradients to their owners, where they are added to the local
+        rows' gradients. Nothing is communicated when no rank of the layout needs a halo.
+        """
+        self.check_source_rows(x_src)
         if sum(self.halo_per_rank) == 0:  # every rank knows this, so all skip the collective together
             return x_src
         rows = x_src.index_select(0, self.send_index.to(x_src.device))

@@ -27,16 +27,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from stormshard.parallel.counter import record_communication
-from stormshard.parallel.graph import GraphShardPlan
+from stormshard.parallel.graph import GraphShardPlan, record_rows_sent
 
 __all__ = ["halo_linear"]
 
 
 def _start_all_to_all(rows: Tensor, out: Tensor, send: list[int], recv: list[int], group, rank: int):  # noqa: ANN001, ANN202
     """Start ``all_to_all_single`` of ``rows`` (``send`` per rank) into ``out`` (``recv`` per rank)."""
-    row_bytes = rows[0:1].numel() * rows.element_size() if rows.shape[0] else 0
-    record_communication("all_to_all", (sum(send) - send[rank]) * row_bytes)
+    record_rows_sent(rows, send, rank)
     return dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=group,
                                   async_op=True)
 
@@ -134,15 +132,9 @@ def halo_linear(
         if w.dim() != 2 or w.shape[1] != x_src.shape[-1]:
             raise ValueError(f"weights must be (out, {x_src.shape[-1]}) for x_src {tuple(x_src.shape)}, "
                              f"got {tuple(w.shape)}")
-    if x_src.shape[0] != plan.num_src_local:
-        raise ValueError(
-            f"x_src has {x_src.shape[0]} rows but rank {plan.rank} owns {plan.num_src_local} source "
-            f"nodes in this plan (sizes {list(plan.src_sizes)}): pass this rank's slice (plan.shard_src)"
-        )
+    plan.check_source_rows(x_src)
     if sum(plan.halo_per_rank) == 0:  # one rank, or no rank needs a halo: nothing to exchange
         return [F.linear(x_src, w, b) for w, b in zip(weights, biases, strict=True)]
-    if plan.group is None:
-        plan.exchange_halo(x_src)  # raises the plan's own error (a for_rank plan has no group)
     device_type = x_src.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
