@@ -72,8 +72,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock, gnn_mlp  # noqa: E402
+from gemm_timer import DenseGemmTimer  # noqa: E402
+
+from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock, GNNProcessorBlock, gnn_mlp  # noqa: E402
 from stormshard.layers.graph_transformer import (  # noqa: E402
     GraphTransformerMapperBlock,
     GraphTransformerProcessorBlock,
@@ -188,6 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     attr = plan.shard_edges(edge_attr)
     gnn_shape = dict(edge_dim=4, mlp_extra_layers=args.mlp_extra_layers, mlp_hidden_ratio=1.0)
     hidden_layers = args.mlp_extra_layers + 2  # anemoi's MLP depth with mlp_extra_layers
+    pool = EdgeBufferPool()  # one pool for every GNN block and MLP, as the models do
     torch.manual_seed(1234)
 
     if processor:
@@ -200,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
             shape.update(heads=args.heads)
         else:  # anemoi's GNNProcessor: edges C wide, the first layer embeds the raw attributes (edge_dim)
             blocks = torch.nn.ModuleList(
-                GNNProcessorBlock(c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks,
+                GNNProcessorBlock(c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks, buffer_pool=pool,
                                   mlp_hidden_layers=hidden_layers, aggregate_updated_edges=True,
                                   edge_in_channels=edge_attr.shape[1] if i == 0 else None)
                 for i in range(args.layers)
@@ -216,8 +220,9 @@ def run(args: argparse.Namespace) -> dict:
 
     elif args.component == "gnn_mapper":
         # anemoi's GNNForwardMapper: MLP embeddings of the nodes and (in the block) of the edges
-        embed_src, embed_dst = gnn_mlp(args.in_src, c, c, hidden_layers), gnn_mlp(args.in_dst, c, c, hidden_layers)
-        block = GNNMapperBlock(c, c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks,
+        embed_src = gnn_mlp(args.in_src, c, c, hidden_layers, buffer_pool=pool)
+        embed_dst = gnn_mlp(args.in_dst, c, c, hidden_layers, buffer_pool=pool)
+        block = GNNMapperBlock(c, c, c, plan, mlp_ratio=1.0, num_chunks=args.st_chunks, buffer_pool=pool,
                                mlp_hidden_layers=hidden_layers, edge_in_channels=edge_attr.shape[1],
                                aggregate_updated_edges=True)
         params = [*embed_src.parameters(), *embed_dst.parameters(), *block.parameters()]
@@ -265,6 +270,11 @@ def run(args: argparse.Namespace) -> dict:
             cpus.append(c)
     counter.__exit__(None, None, None)
     peak = _peak_rss_mib()
+    # one more step with the dense products timed (not a timed step: the dispatch adds overhead)
+    if group is not None:
+        dist.barrier(group)
+    with DenseGemmTimer() as gemm:
+        step()
     median = statistics.median(totals)
     result = dict(
         component=args.component, world=world, threads_per_rank=args.threads, shape=shape,
@@ -272,6 +282,8 @@ def run(args: argparse.Namespace) -> dict:
         median_fwd_bwd_s_max_over_ranks=_max_over_ranks(median, group),
         median_fwd_s_max_over_ranks=_max_over_ranks(statistics.median(fwds), group),
         median_cpu_s_sum_over_ranks=_sum_over_ranks(statistics.median(cpus), group),
+        gemm_s_per_step_max_over_ranks=_max_over_ranks(gemm.seconds, group),
+        gemm_flops_per_step_max_over_ranks=_max_over_ranks(float(gemm.flops), group),
         peak_rss_mib=[_peak_rss_mib()], rss_setup_mib=rss_setup, halo_rows=[plan.num_halo], edges_local=[plan.num_edges_local],
         comm_bytes_per_step=[counter.total_bytes / max(1, len(totals))],
     )
@@ -288,7 +300,9 @@ def run(args: argparse.Namespace) -> dict:
               f"{result['median_fwd_bwd_s_max_over_ranks']:.3f}s (fwd {result['median_fwd_s_max_over_ranks']:.3f}s, "
               f"cpu-s {result['median_cpu_s_sum_over_ranks']:.2f}, load {os.getloadavg()[0]:.1f}) "
               f"peak_rss {[round(p) for p in result['peak_rss_mib']]} MiB (after setup {rss_setup:.0f}) halo rows {result['halo_rows']} "
-              f"comm bytes/step {[int(b) for b in result['comm_bytes_per_step']]} params {result['params']}",
+              f"comm bytes/step {[int(b) for b in result['comm_bytes_per_step']]} params {result['params']}; "
+              f"dense products {result['gemm_s_per_step_max_over_ranks']:.3f}s "
+              f"({result['gemm_flops_per_step_max_over_ranks'] / 1e9:.1f} GFLOP, max over ranks)",
               flush=True)
         if args.json:
             with open(args.json, "w") as fh:
@@ -310,6 +324,7 @@ CASES = {
 }
 COMPONENT_CASE = {case["component"]: name for name, case in CASES.items()}
 GNN_SCRIPT = os.path.join(HERE, "anemoi_side", "bench_gnn.py")
+FLOOR_SCRIPT = os.path.join(HERE, "anemoi_side", "gemm_floor.py")
 
 
 def _shape_args(args: argparse.Namespace, component: str, anemoi: bool = False) -> list[str]:
@@ -338,18 +353,26 @@ def _launch(python: str, script: list[str], world: int) -> list[str]:
     return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *script]
 
 
-def _run_anemoi(args, case: dict, world: int, steps: int, out_dir: str) -> dict:  # noqa: ANN001
-    shutil.rmtree(out_dir, ignore_errors=True)
+def _anemoi_command(args, case: dict, world: int, steps: int, out_dir: str, floor_dir: str | None = None):  # noqa: ANN001, ANN202
+    """anemoi's script for ``case`` (under ``anemoi_side/gemm_floor.py`` when ``floor_dir``) and its environment."""
     gnn = case["component"].startswith("gnn_")
     path = GNN_SCRIPT if gnn else os.path.join(args.anemoi_bench, "bench_graphtransformer.py")
     script = [path, *_shape_args(args, case["component"], anemoi=True),
               "--chunks", str(case["anemoi_chunks"]), "--ckpt", "0", "--steps", str(steps)]
+    if floor_dir is not None:
+        script = [FLOOR_SCRIPT, floor_dir, *script]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), ANEMOI_BENCH_OUT=out_dir,
                ANEMOI_BENCH=os.path.abspath(args.anemoi_bench))
     env.pop("PYTHONPATH", None)
     if args.anemoi_pythonpath:  # e.g. a --target install of anemoi-models and its dependencies
         env["PYTHONPATH"] = args.anemoi_pythonpath
-    proc = subprocess.run(_launch(args.anemoi_python, script, world), env=env, capture_output=True, text=True)
+    return _launch(args.anemoi_python, script, world), env
+
+
+def _run_anemoi(args, case: dict, world: int, steps: int, out_dir: str) -> dict:  # noqa: ANN001
+    shutil.rmtree(out_dir, ignore_errors=True)
+    command, env = _anemoi_command(args, case, world, steps, out_dir)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"anemoi run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     (name,) = [f for f in os.listdir(out_dir) if f.endswith(".json")]
@@ -357,6 +380,22 @@ def _run_anemoi(args, case: dict, world: int, steps: int, out_dir: str) -> dict:
         res = json.load(fh)
     return dict(time=res["median_fwd_bwd_s_max_over_ranks"], cpu=res["median_cpu_s_sum_over_ranks"],
                 rss=max(r["peak_rss_mib"] for r in res["per_rank"]), params=res.get("params"))
+
+
+def _anemoi_dense_products(args, case: dict, world: int, out_dir: str) -> dict:  # noqa: ANN001
+    """anemoi's dense products per step (seconds and FLOPs, max over ranks), from one untimed run
+    (one warm-up and one step) under ``anemoi_side/gemm_floor.py``."""
+    floor_dir = os.path.join(out_dir, "floor")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    command, env = _anemoi_command(args, case, world, 1, out_dir, floor_dir)
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"anemoi dense-product run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    ranks = []
+    for name in sorted(os.listdir(floor_dir)):
+        with open(os.path.join(floor_dir, name)) as fh:
+            ranks.append(json.load(fh))
+    return dict(gemm_s=max(r["gemm_s_per_step"] for r in ranks), gemm_flops=max(r["gemm_flops_per_step"] for r in ranks))
 
 
 def _run_ours(args, case: dict, world: int, steps: int, out_json: str) -> dict:  # noqa: ANN001
@@ -372,12 +411,13 @@ def _run_ours(args, case: dict, world: int, steps: int, out_json: str) -> dict: 
         res = json.load(fh)
     return dict(time=res["median_fwd_bwd_s_max_over_ranks"], cpu=res["median_cpu_s_sum_over_ranks"],
                 rss=max(res["peak_rss_mib"]), params=res["params"],
-                halo=res["comm_bytes_per_step"])
+                halo=res["comm_bytes_per_step"], gemm_s=res["gemm_s_per_step_max_over_ranks"],
+                gemm_flops=res["gemm_flops_per_step_max_over_ranks"])
 
 
 def compare(args: argparse.Namespace) -> None:
     tmp = tempfile.mkdtemp(prefix="bench_graph_vs_anemoi_")
-    rows = []
+    rows, floors = [], []
     cases = [c.strip() for c in args.cases.split(",")]
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"machine: {os.cpu_count()} CPU(s), {args.threads} thread(s) per rank, load {os.getloadavg()[0]:.1f}; "
@@ -406,6 +446,11 @@ def compare(args: argparse.Namespace) -> None:
             rows.append((name, world, statistics.median(a["time"] for a in an), statistics.median(s["time"] for s in st),
                          speed, statistics.median(a["rss"] for a in an), statistics.median(s["rss"] for s in st), mem,
                          st[-1]["halo"], cpu, an[-1]["params"], st[-1]["params"]))
+            floors.append(dict(
+                name=name, world=world, anemoi_time=rows[-1][2], time=rows[-1][3],
+                gemm_s=statistics.median(s["gemm_s"] for s in st), gemm_flops=st[-1]["gemm_flops"],
+                anemoi=_anemoi_dense_products(args, case, world, os.path.join(tmp, "anemoi")) if args.floor else None,
+            ))
     print("\n| case | processes | anemoi s | stormshard s | speed-up | anemoi peak RSS MiB/rank | "
           "stormshard peak RSS MiB/rank | memory ratio | cpu-s speed-up | stormshard halo bytes/step per rank | "
           "params anemoi / stormshard |")
@@ -415,7 +460,24 @@ def compare(args: argparse.Namespace) -> None:
               f"{[int(h) for h in halo]} | {pa} / {ps} |")
     goal = all(r[4] >= 1.5 and r[7] <= 0.7 for r in rows)
     print(f"\ngoal (speed-up >= 1.5x and memory <= 0.7x in every row): {'met' if goal else 'NOT met'}")
+    _print_floors(floors)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _print_floors(floors: list[dict]) -> None:
+    """The dense-product floor of each row (:mod:`gemm_timer`): what stormshard's step spends in dense
+    matrix products (median over its runs, max over ranks), the rest of its step, how much rest a
+    1.5x speed-up allows, and the largest speed-up any implementation of the same dense products
+    could reach (anemoi's time / stormshard's dense-product time)."""
+    print("\n| case | processes | stormshard dense GFLOP/rank | stormshard dense-product s | anemoi dense GFLOP/rank | "
+          "anemoi dense-product s | stormshard other s (step - dense) | other s allowed at 1.5x | speed-up ceiling |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for f in floors:
+        an = f["anemoi"]
+        an_flops, an_s = ("-", "-") if an is None else (f"{an['gemm_flops'] / 1e9:.1f}", f"{an['gemm_s']:.3f}")
+        print(f"| {f['name']} | {f['world']} | {f['gemm_flops'] / 1e9:.1f} | {f['gemm_s']:.3f} | {an_flops} | {an_s} | "
+              f"{f['time'] - f['gemm_s']:.3f} | {f['anemoi_time'] / 1.5 - f['gemm_s']:.3f} | "
+              f"{f['anemoi_time'] / f['gemm_s']:.2f}x |")
 
 
 def main() -> None:
@@ -446,6 +508,8 @@ def main() -> None:
     p.add_argument("--cases", default="G1,G2,N1,N2")
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--repeat", type=int, default=1, help="--compare: pairs per case (alternating order)")
+    p.add_argument("--floor", action="store_true",
+                   help="--compare: also time anemoi's dense matrix products (one more, untimed anemoi run per row)")
     p.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),
                    help="--compare: interpreter for anemoi's script (env ANEMOI_PY)")
     p.add_argument("--anemoi-bench", default=os.environ.get("ANEMOI_BENCH", "/work/shared/anemoi-bench"),

@@ -31,7 +31,7 @@ from anemoi.models.layers.processor import GNNProcessor  # noqa: E402
 from anemoi.models.layers.utils import load_layer_kernels  # noqa: E402
 from bench_graphtransformer import encoder_graph, processor_graph  # noqa: E402
 
-from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock, gnn_mlp  # noqa: E402
+from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock, GNNProcessorBlock, gnn_mlp  # noqa: E402
 from stormshard.parallel.graph import GraphShardPlan  # noqa: E402
 
 
@@ -72,9 +72,10 @@ def main() -> None:
     anemoi = GNNProcessor(num_layers=layers, num_channels=c, num_chunks=1, mlp_extra_layers=extra, edge_dim=4,
                           layer_kernels=kernels, gradient_checkpointing=False)
     plan = GraphShardPlan.build(edge_index, n)
+    pool = EdgeBufferPool()  # one pool for the processor's blocks, as the models build them
     blocks = torch.nn.ModuleList(
         GNNProcessorBlock(c, c, plan, mlp_hidden_layers=depth, aggregate_updated_edges=True,
-                          edge_in_channels=4 if i == 0 else None) for i in range(layers))
+                          edge_in_channels=4 if i == 0 else None, buffer_pool=pool) for i in range(layers))
     for a, s in zip(anemoi.proc, blocks, strict=True):
         copy_mlp(s.edge_mlp, a.conv.edge_mlp, swap_first=c)
         copy_mlp(s.node_mlp, a.node_mlp)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.checkpointing import ActivationCheckpoint, checkpoint_blocks
 from stormshard.layers.conditional import ConditionalTransformerBlock
-from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock
+from stormshard.layers.gnn import EdgeBufferPool, EdgeKernelOptions, GNNMapperBlock, GNNProcessorBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock, GraphTransformerProcessorBlock
 from stormshard.layers.mlp import MLP
 from stormshard.layers.parallelize import build_transformer_processor, parallelize_processor
@@ -21,5 +21,5 @@ __all__ = [
     "TransformerProcessor", "TensorParallelTransformerBlock", "ConditionalTransformerBlock",
     "build_transformer_processor", "parallelize_processor", "ActivationCheckpoint", "checkpoint_blocks",
     "GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "GNNMapperBlock",
-    "GNNProcessorBlock",
+    "GNNProcessorBlock", "EdgeKernelOptions", "EdgeBufferPool",
 ]

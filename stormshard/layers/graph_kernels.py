@@ -48,6 +48,13 @@ __all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "CsrStructur
 # --------------------------------------------------------------------------------------------
 
 
+def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+    """A ``shape`` CSR tensor (no invariant check: the structures below build valid ones)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta state"
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+
+
 @dataclass(frozen=True, eq=False)
 class CsrStructure:
     """The head-expanded adjacency of a graph, in CSR form, and its transpose.
@@ -80,17 +87,11 @@ class CsrStructure:
 
     def matrix(self, values: Tensor) -> Tensor:
         """``A`` with ``values`` (CSR order) as a ``(num_dst * heads, num_src * heads)`` CSR tensor."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta state"
-            return torch.sparse_csr_tensor(self.crow, self.col, values,
-                                           (self.num_dst * self.heads, self.num_src * self.heads), check_invariants=False)
+        return _csr(self.crow, self.col, values, (self.num_dst * self.heads, self.num_src * self.heads))
 
     def matrix_t(self, values: Tensor) -> Tensor:
         """``A^T`` with ``A``'s ``values`` (CSR order of ``A``), as a CSR tensor."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.perm_t],
-                                           (self.num_src * self.heads, self.num_dst * self.heads), check_invariants=False)
+        return _csr(self.crow_t, self.col_t, values[self.perm_t], (self.num_src * self.heads, self.num_dst * self.heads))
 
     def segment_sum(self, x: Tensor) -> Tensor:
         """Sum of entry rows ``x`` ``(nnz, ...)`` over each row of ``A``: ``(num_dst * heads, ...)``."""
@@ -145,17 +146,11 @@ class EdgePattern:
 
     def matrix(self, values: Tensor) -> Tensor:
         """``B`` with ``values`` (``A``'s entry order), ``(num_dst * heads, E * attr_batch)``."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.sparse_csr_tensor(self.crow, self.col, values, (self.num_rows, self.num_attr_rows),
-                                           check_invariants=False)
+        return _csr(self.crow, self.col, values, (self.num_rows, self.num_attr_rows))
 
     def matrix_t(self, values: Tensor) -> Tensor:
         """``B^T`` with ``values`` in ``A``'s entry order, ``(E * attr_batch, num_dst * heads)``."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.sparse_csr_tensor(self.crow_t, self.col_t, values[self.perm_t],
-                                           (self.num_attr_rows, self.num_rows), check_invariants=False)
+        return _csr(self.crow_t, self.col_t, values[self.perm_t], (self.num_attr_rows, self.num_rows))
 
 
 def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch_geometric.data import HeteroData
 
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
-from stormshard.layers.gnn import GNNMapperBlock
+from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.models.config import ModelConfig
 from stormshard.models.processors import GraphProcessor, WindowTransformerProcessor
@@ -65,6 +65,9 @@ class EncoderProcessorDecoder(nn.Module):
         c, t = config.num_channels, config.trainable_size
         n_in, n_out = len(variables.input_names), len(variables.output_names)
         data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
+        # one pool of recycled buffers for every GNN block of the model (encoder, processor, decoder):
+        # a buffer freed by one layer serves the next (a plain attribute, not state)
+        self.edge_buffer_pool = EdgeBufferPool()
 
         self.register_buffer("data_coords", coordinate_features(graph["data"].x[data_slice].double()).float(),
                              persistent=False)
@@ -97,7 +100,8 @@ class EncoderProcessorDecoder(nn.Module):
     def build_processor(self, graph: HeteroData) -> nn.Module:
         """The processor named by the config, on this rank's hidden nodes."""
         if self.config.uses_graph_processor:
-            return GraphProcessor(self.config, self.plan, graph[PROCESSOR].edge_attr)
+            return GraphProcessor(self.config, self.plan, graph[PROCESSOR].edge_attr,
+                                  buffer_pool=self.edge_buffer_pool)
         return WindowTransformerProcessor(self.config, self.plan)
 
     def _mapper(self, cfg, edge_channels: int, plan: GraphShardPlan) -> nn.Module:  # noqa: ANN001
@@ -105,7 +109,8 @@ class EncoderProcessorDecoder(nn.Module):
         x_dst, edge_attr)`` returns the destination nodes."""
         c = self.config.num_channels
         if self.config.name == "gnn":
-            return GNNMapperBlock(c, c, edge_channels, plan, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks)
+            return GNNMapperBlock(c, c, edge_channels, plan, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks,
+                                  buffer_pool=self.edge_buffer_pool)
         return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, plan, mlp_ratio=cfg.mlp_ratio,
                                            num_chunks=cfg.num_chunks, self_projection=cfg.self_projection)
 

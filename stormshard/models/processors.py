@@ -12,7 +12,7 @@ from __future__ import annotations
 from einops import rearrange
 from torch import Tensor, nn
 
-from stormshard.layers.gnn import GNNProcessorBlock
+from stormshard.layers.gnn import EdgeBufferPool, GNNProcessorBlock
 from stormshard.layers.graph_transformer import GraphTransformerProcessorBlock
 from stormshard.layers.transformer import TransformerProcessor
 from stormshard.models.config import ModelConfig
@@ -56,11 +56,14 @@ class GraphProcessor(nn.Module):
     this rank's edges of the processor graph (``plan.processor.shard_edges``), held as a buffer;
     every block takes and returns ``(x, edge_attr)`` (GNN blocks update the edges, graph-transformer
     blocks pass them on). Each block exchanges one halo of hidden nodes over the model group.
+    GNN blocks share one :class:`~stormshard.layers.gnn.EdgeBufferPool` (``buffer_pool``: the
+    model's, or None for one of the processor's own), so that layers reuse each other's buffers.
     Activation checkpointing is not applied here: the parallelize step
     (:func:`stormshard.models.parallelize.parallelize`) wraps ``blocks`` once.
     """
 
-    def __init__(self, config: ModelConfig, plan: ModelShardPlan, edge_attr: Tensor) -> None:
+    def __init__(self, config: ModelConfig, plan: ModelShardPlan, edge_attr: Tensor, *,
+                 buffer_pool: EdgeBufferPool | None = None) -> None:
         super().__init__()
         if plan.processor is None:
             raise ValueError("a graph processor needs the processor plan: build ModelShardPlan with processor_graph=True")
@@ -69,8 +72,10 @@ class GraphProcessor(nn.Module):
         self.register_buffer("edge_attr", graph_plan.shard_edges(edge_attr), persistent=False)
         edge_channels = edge_attr.shape[1]
         if self.kind == "gnn":
+            pool = EdgeBufferPool() if buffer_pool is None else buffer_pool
             self.blocks = nn.ModuleList(
-                GNNProcessorBlock(c, edge_channels, graph_plan, mlp_ratio=p.mlp_ratio, num_chunks=p.num_chunks)
+                GNNProcessorBlock(c, edge_channels, graph_plan, mlp_ratio=p.mlp_ratio, num_chunks=p.num_chunks,
+                                  buffer_pool=pool)
                 for _ in range(p.num_layers)
             )
         else:
