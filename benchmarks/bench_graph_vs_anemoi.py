@@ -32,7 +32,7 @@ interpreter; it reuses the anemoi-bench graph builders and timing helpers).
 
     python benchmarks/bench_graph_vs_anemoi.py --component processor            # 1 process
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_graph_vs_anemoi.py --component processor
-    python benchmarks/bench_graph_vs_anemoi.py --compare [--layers 4] [--repeat 2]
+    python benchmarks/bench_graph_vs_anemoi.py --compare [--layers 4] [--repeat 2] [--floor]
     python benchmarks/bench_graph_vs_anemoi.py --compare --cases N1,N2 [--worlds 1,2]
 
 ``--compare`` runs, for each case of ``--cases`` (default G1, G2, N1, N2) at 1 and 2 processes,
@@ -44,6 +44,14 @@ anemoi's script (``$ANEMOI_BENCH/bench_graphtransformer.py`` for G1/G2,
 stormshard time, memory = stormshard peak RSS / anemoi peak RSS (max over ranks); also the
 ratio of process CPU seconds per step (summed over ranks), which a loaded machine disturbs less. Absolute times
 vary between machines and hours; only ratios from one run mean anything.
+
+Every stormshard run also times its dense matrix products (``mm``/``addmm``/``bmm`` forward and
+backward, :mod:`gemm_timer`) on two extra, untimed steps; ``--compare`` prints, per row, that
+dense-product time (max over ranks), the rest of stormshard's step, the rest a 1.5x speed-up
+would allow, and the speed-up ceiling ``anemoi time / stormshard dense-product time``: the
+largest speed-up any implementation doing these dense products could show on this machine.
+``--floor`` adds anemoi's dense FLOPs and dense-product time per rank (one more, untimed anemoi run
+per row under ``anemoi_side/gemm_floor.py``).
 
 ``--chunks`` is each library's own edge-chunk setting: anemoi's README commands use 2 for G1 and
 1 for G2 (anemoi loops over chunks without checkpointing); stormshard's default here is 1
@@ -74,7 +82,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gemm_timer import DenseGemmTimer  # noqa: E402
+from gemm_timer import DenseGemmTimer, peak_gemm_rate  # noqa: E402
 
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock, GNNProcessorBlock, gnn_mlp  # noqa: E402
 from stormshard.layers.graph_transformer import (  # noqa: E402
@@ -462,24 +470,29 @@ def compare(args: argparse.Namespace) -> None:
               f"{[int(h) for h in halo]} | {pa} / {ps} |")
     goal = all(r[4] >= 1.5 and r[7] <= 0.7 for r in rows)
     print(f"\ngoal (speed-up >= 1.5x and memory <= 0.7x in every row): {'met' if goal else 'NOT met'}")
-    _print_floors(floors)
+    torch.set_num_threads(args.threads)
+    _print_floors(floors, peak_gemm_rate())
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _print_floors(floors: list[dict]) -> None:
+def _print_floors(floors: list[dict], peak: float) -> None:
     """The dense-product floor of each row (:mod:`gemm_timer`): what stormshard's step spends in dense
     matrix products (median over its runs, max over ranks), the rest of its step, how much rest a
-    1.5x speed-up allows, and the largest speed-up any implementation of the same dense products
-    could reach (anemoi's time / stormshard's dense-product time)."""
+    1.5x speed-up allows, and the largest speed-up an implementation of the same dense products
+    could reach: anemoi's time / stormshard's dense-product time, and anemoi's time / (the dense
+    FLOPs at the ``peak`` rate of a linear layer's products measured in this process)."""
+    print(f"\npeak rate of a linear layer's products here (2048 x 256 -> 1024, fwd + both gradients): {peak:.1f} GFLOP/s")
     print("\n| case | processes | stormshard dense GFLOP/rank | stormshard dense-product s | anemoi dense GFLOP/rank | "
-          "anemoi dense-product s | stormshard other s (step - dense) | other s allowed at 1.5x | speed-up ceiling |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "anemoi dense-product s | stormshard other s (step - dense) | other s allowed at 1.5x | speed-up ceiling | "
+          "ceiling at peak rate |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for f in floors:
         an = f["anemoi"]
         an_flops, an_s = ("-", "-") if an is None else (f"{an['gemm_flops'] / 1e9:.1f}", f"{an['gemm_s']:.3f}")
+        at_peak = f["gemm_flops"] / 1e9 / peak
         print(f"| {f['name']} | {f['world']} | {f['gemm_flops'] / 1e9:.1f} | {f['gemm_s']:.3f} | {an_flops} | {an_s} | "
               f"{f['time'] - f['gemm_s']:.3f} | {f['anemoi_time'] / 1.5 - f['gemm_s']:.3f} | "
-              f"{f['anemoi_time'] / f['gemm_s']:.2f}x |")
+              f"{f['anemoi_time'] / f['gemm_s']:.2f}x | {f['anemoi_time'] / at_peak:.2f}x |")
 
 
 def main() -> None:

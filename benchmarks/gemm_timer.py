@@ -21,7 +21,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DenseGemmTimer"]
+__all__ = ["DenseGemmTimer", "peak_gemm_rate"]
 
 _aten = torch.ops.aten
 _PRODUCTS = {_aten.mm, _aten.addmm, _aten.addmm_, _aten.bmm, _aten.baddbmm, _aten.baddbmm_}
@@ -57,3 +57,25 @@ class DenseGemmTimer(TorchDispatchMode):
     @property
     def gflops_per_s(self) -> float:
         return self.flops / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def peak_gemm_rate(rows: int = 2048, channels: int = 256, hidden: int = 1024, seconds: float = 1.0) -> float:
+    """GFLOP/s of a linear layer's three products (forward, input and weight gradients) on
+    ``(rows, channels) -> (rows, hidden)`` float32 operands, repeated for about ``seconds`` in this
+    process (its threads): the rate the dense products of the benchmarked layers can reach at best."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, channels, generator=gen), torch.randn(hidden, channels, generator=gen)
+    b, g = torch.randn(hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+
+    def layer() -> None:
+        torch.addmm(b, x, w.t())
+        g.t() @ x
+        g @ w
+
+    for _ in range(3):
+        layer()
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        layer()
+        count += 1
+    return 3 * 2 * rows * channels * hidden * count / (time.perf_counter() - t0) / 1e9
