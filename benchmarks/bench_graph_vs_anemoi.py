@@ -363,6 +363,13 @@ def _launch(python: str, script: list[str], world: int) -> list[str]:
     return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), *script]
 
 
+def _check_run(command: list[str], env: dict, what: str) -> None:
+    """Run ``command``; a RuntimeError with the tail of its output if it fails."""
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
 def _anemoi_command(args, case: dict, world: int, steps: int, out_dir: str, floor_dir: str | None = None):  # noqa: ANN001, ANN202
     """anemoi's script for ``case`` (under ``anemoi_side/gemm_floor.py`` when ``floor_dir``) and its environment."""
     gnn = case["component"].startswith("gnn_")
@@ -382,9 +389,7 @@ def _anemoi_command(args, case: dict, world: int, steps: int, out_dir: str, floo
 def _run_anemoi(args, case: dict, world: int, steps: int, out_dir: str) -> dict:  # noqa: ANN001
     shutil.rmtree(out_dir, ignore_errors=True)
     command, env = _anemoi_command(args, case, world, steps, out_dir)
-    proc = subprocess.run(command, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"anemoi run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    _check_run(command, env, "anemoi run")
     (name,) = [f for f in os.listdir(out_dir) if f.endswith(".json")]
     with open(os.path.join(out_dir, name)) as fh:
         res = json.load(fh)
@@ -398,9 +403,7 @@ def _anemoi_dense_products(args, case: dict, world: int, out_dir: str) -> dict: 
     floor_dir = os.path.join(out_dir, "floor")
     shutil.rmtree(out_dir, ignore_errors=True)
     command, env = _anemoi_command(args, case, world, 1, out_dir, floor_dir)
-    proc = subprocess.run(command, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"anemoi dense-product run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    _check_run(command, env, "anemoi dense-product run")
     ranks = []
     for name in sorted(os.listdir(floor_dir)):
         with open(os.path.join(floor_dir, name)) as fh:
@@ -414,9 +417,7 @@ def _run_ours(args, case: dict, world: int, steps: int, out_json: str) -> dict: 
     root = os.path.dirname(HERE)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run(_launch(sys.executable, script, world), env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"stormshard run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    _check_run(_launch(sys.executable, script, world), env, "stormshard run")
     with open(out_json) as fh:
         res = json.load(fh)
     return dict(time=res["median_fwd_bwd_s_max_over_ranks"], cpu=res["median_cpu_s_sum_over_ranks"],
