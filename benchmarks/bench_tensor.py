@@ -33,12 +33,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from stormshard.layers.parallelize import build_transformer_processor  # noqa: E402
+from stormshard.models.parallelize import build_transformer_processor  # noqa: E402
 from stormshard.parallel.counter import CommCounter  # noqa: E402
 from stormshard.parallel.grads import reduce_model_parallel_gradients  # noqa: E402
+from stormshard.parallel.shard import SHARD_STRATEGIES as STRATEGIES  # noqa: E402
 from stormshard.parallel.shard import SequenceShard  # noqa: E402
 
-STRATEGIES = ("shard_sequence", "shard_heads", "tensor")
 WORLD = 2
 
 

@@ -1,10 +1,11 @@
-"""Convert training checkpoints: consolidate, reshard, export, inspect.
+"""Convert training checkpoints: consolidate, reshard, export, inspect, upgrade.
 
     python launch/convert_checkpoint.py inspect runs/quickstart/checkpoints [--json]
     python launch/convert_checkpoint.py consolidate runs/quickstart/checkpoints --out runs/quickstart/full
     python launch/convert_checkpoint.py reshard runs/quickstart/checkpoints --gpus-per-model 4 \\
         [--shard-strategy tensor] [--world-size N] --out runs/k4/checkpoints
     python launch/convert_checkpoint.py export runs/quickstart/checkpoints --out bundles/quickstart
+    python launch/convert_checkpoint.py upgrade runs/old/checkpoints   # pickled format 1 -> current, in place
 
 A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
 or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
@@ -17,16 +18,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stormshard.checkpoint.consolidate import consolidate_checkpoint, save_consolidated  # noqa: E402
+from stormshard.checkpoint.consolidate import (  # noqa: E402
+    check_output_path,
+    consolidate_checkpoint,
+    save_consolidated,
+)
 from stormshard.checkpoint.export import export_bundle  # noqa: E402
 from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint  # noqa: E402
-from stormshard.checkpoint.reshard import STRATEGIES, reshard_checkpoint  # noqa: E402
+from stormshard.checkpoint.reshard import reshard_checkpoint  # noqa: E402
+from stormshard.checkpoint.upgrade import upgrade_checkpoints  # noqa: E402
 from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
+from stormshard.parallel.shard import SHARD_STRATEGIES  # noqa: E402
+from stormshard.progress import reporting  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True, help="a checkpoints directory (e.g. runs/NEW/checkpoints)")
     p.add_argument("--gpus-per-model", type=int, required=True)
-    p.add_argument("--shard-strategy", choices=STRATEGIES, default=None)
+    p.add_argument("--shard-strategy", choices=SHARD_STRATEGIES, default=None)
     p.add_argument("--world-size", type=int, default=None, help="default: gpus-per-model x the source's replicas")
     p.add_argument("--dataset", default=None, help="the training dataset, if data.path has moved")
     p.add_argument("--graph", default=None, help="the training graph file (default: found next to the run)")
@@ -55,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None)
     p.add_argument("--graph", default=None)
     p.add_argument("--overwrite", action="store_true")
+    p = sub.add_parser("upgrade", help="rewrite checkpoints of the pickled format 1 in the current format, in place "
+                                       "(opens the pickles: only checkpoints you wrote yourself)")
+    p.add_argument("checkpoint", help="a run's checkpoints directory (every step in it), a step_NNNNNNNN "
+                                      "directory or a consolidated checkpoint")
     for sp in sub.choices.values():
         add_debug_flag(sp)
     return parser
@@ -62,7 +75,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return run_cli(lambda: _run(args), debug=args.debug)
+    # Conversion runs on the CPU. Reading DeepSpeed's optimizer state imports DeepSpeed (for its plain-data
+    # classes), whose accelerator detection would print "Setting accelerator to CPU. If you have GPU ..."
+    # on every convert; naming its (unused) accelerator up front keeps it quiet.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+    def body() -> None:
+        with reporting():  # a line per phase on standard error; standard output keeps the results (--json)
+            _run(args)
+
+    return run_cli(body, debug=args.debug)
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -70,7 +92,11 @@ def _run(args: argparse.Namespace) -> None:
     if args.command == "inspect":
         info = inspect_checkpoint(args.checkpoint)
         print(json.dumps(info, indent=1) if args.json else format_inspection(info, parameters=not args.brief))
+    elif args.command == "upgrade":
+        for path, what in upgrade_checkpoints(args.checkpoint):
+            print(f"{path}: {what}")
     elif args.command == "consolidate":
+        check_output_path(args.checkpoint, args.out, args.overwrite)
         ckpt = consolidate_checkpoint(args.checkpoint)
         out = save_consolidated(ckpt, args.out, overwrite=args.overwrite)
         print(f"consolidated step {ckpt.step} ({len(ckpt.model)} tensors) into {out}"

@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
     def body() -> None:
+        import torch
         import torch.distributed as dist
+
+        # a checkpoint's DeepSpeed optimizer state imports DeepSpeed (for its plain-data classes); on a
+        # machine without CUDA its accelerator detection would print "If you have GPU ..." on every run
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
         from stormshard.inference.forecast import run_forecast
         from stormshard.training.launch import detect_launch, init_distributed

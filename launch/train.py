@@ -3,8 +3,14 @@
     DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 launch/train.py --config configs/quickstart.json
     deepspeed launch/train.py --config configs/aifs_n320_o96.json         # GPUs (NCCL)
     torchrun --nproc_per_node 2 launch/train.py --config configs/quickstart.json
+    python launch/train.py --config configs/quickstart.json training.max_steps=50 parallel.gpus_per_model=1
     srun python launch/train.py --config configs/aifs_n320_o96.json       # SLURM, one task per GPU
     mpirun -n 2 python launch/train.py --config configs/quickstart.json   # OpenMPI / MPICH
+
+Positional ``dotted.key=value`` items after the options override the config (hydra / anemoi
+style): a value is JSON when it parses (``50``, ``1e-4``, ``true``, ``[0.9, 0.95]``) and a string
+otherwise; an unknown key is an error with a did-you-mean (``stormshard.training.config_file``). The
+resolved config is saved as ``<training.output_dir>/config.json``.
 
 Options: ``--resume`` continues from the newest checkpoint in ``training.output_dir`` (an error,
 raised before anything starts, when that directory holds none);
@@ -37,6 +43,8 @@ from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="experiment config (JSON)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. training.max_steps=50 training.lr=1e-4 (values are JSON or strings)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in training.output_dir (error if there is none)")
     parser.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON config replacing the deepspeed section (its batch, clipping and "
@@ -48,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
     def body() -> None:
+        # the config is read and validated before torch or DeepSpeed is imported: a bad one fails in a
+        # fraction of a second (stormshard.training.config imports neither)
         from stormshard.training.config import load_experiment_config
+
+        config = load_experiment_config(args.config, deepspeed_config=args.deepspeed_config,
+                                        cli_overrides=args.overrides)
         from stormshard.training.launch import run_training
 
-        config = load_experiment_config(args.config, deepspeed_config=args.deepspeed_config)
         run_training(config, resume=args.resume)
 
     return run_cli(body, debug=args.debug)

@@ -7,32 +7,44 @@
   ``FileExistsError``, ``NotADirectoryError``, ``IsADirectoryError``, ``PermissionError``) prints
   ``error: <message>`` on rank 0 only (every rank runs the same checks and reaches the same
   verdict) and exits with status 2.
-- **A rank that died** (:class:`~stormshard.training.watchdog.RankFailure`) is printed by the
-  lowest surviving rank; exit status 1. A failure of rank 0 in work the other ranks wait for
-  (:mod:`stormshard.training.rank_zero`) is printed by rank 0 alone.
+- **A failure one rank reports for the job** (:class:`~stormshard.errors.ReportedByRank`: a rank
+  that died, :class:`~stormshard.training.watchdog.RankFailure`, printed by the lowest surviving
+  rank; a failure of rank 0 in work the other ranks wait for, :mod:`stormshard.training.rank_zero`,
+  printed by rank 0 alone) is printed by its ``reporter`` only; exit status 1.
 - **Anything else** is a bug or a machine fault: ``error: <type>: <message>`` from every rank that
   hits it (prefixed with the rank in a multi-rank job), exit status 1.
 - A Python traceback is printed only with ``--debug``.
+- **Under torchrun** (``TORCHELASTIC_ERROR_FILE`` set), every failing rank also writes the message
+  (with ``--debug``, the traceback too) to torch elastic's error file, so that torchrun's failure
+  summary shows it as the root cause (its ``traceback :`` field) instead of a link to its docs
+  (:func:`write_elastic_error_file`). torchrun itself still prints a log line, its own traceback
+  and the summary after it, and exits with status 1 whatever the child's status (shown there as
+  ``exitcode``); see the README's "When something fails".
+
+The exit statuses, :data:`BAD_INPUT` and the failure classes live in :mod:`stormshard.errors`, which
+the library below the entry points uses too; this module imports nothing from training.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["BAD_INPUT", "EXIT_BAD_INPUT", "EXIT_FAILURE", "add_debug_flag", "process_rank", "report_failure",
-           "run_cli"]
-
-EXIT_BAD_INPUT = 2
-EXIT_FAILURE = 1
-
-BAD_INPUT: tuple[type[BaseException], ...] = (
-    ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+from stormshard.errors import (
+    BAD_INPUT,
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    ReportedByRank,
+    format_validation_errors,
 )
+
+__all__ = ["add_debug_flag", "process_rank", "report_failure", "run_cli", "write_elastic_error_file"]
 
 # rank variables of the launchers stormshard.training.launch knows, in its order
 _RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
@@ -45,14 +57,11 @@ def add_debug_flag(parser: argparse.ArgumentParser) -> None:
 
 def process_rank() -> int:
     """This process's global rank: the process group's when it exists, else the launcher's variable
-    (0 for a plain ``python`` start)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:
-        pass
+    (0 for a plain ``python`` start). A process that has not loaded torch has no process group: an
+    error found before torch loads (a bad config) is reported without loading it."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     for name in _RANK_VARIABLES:
         value = os.environ.get(name, "")
         if value.isdigit():
@@ -72,9 +81,7 @@ def _message(exc: BaseException) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        from stormshard.training.config import _format_errors
-
-        return _format_errors(exc, exc.title)
+        return format_validation_errors(exc, exc.title)
     if isinstance(exc, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
                         PermissionError)) and exc.filename is not None:
         reason = exc.strerror or type(exc).__name__
@@ -87,15 +94,10 @@ def _message(exc: BaseException) -> str:
 
 def report_failure(exc: BaseException, debug: bool = False, stream: TextIO | None = None) -> int:
     """Print ``exc`` by the rules of the module docstring; returns the exit status."""
-    from stormshard.training.rank_zero import RankZeroFailed
-    from stormshard.training.watchdog import RankFailure
-
     stream = stream or sys.stderr
     rank = process_rank()
-    if isinstance(exc, RankFailure):
+    if isinstance(exc, ReportedByRank):  # e.g. rank 0 prints its own exception, the others this one
         status, printer, text = EXIT_FAILURE, exc.reporter == rank, f"error: {exc}"
-    elif isinstance(exc, RankZeroFailed):  # rank 0 prints its own exception
-        status, printer, text = EXIT_FAILURE, False, f"error: {exc}"
     elif isinstance(exc, BAD_INPUT):
         status, printer, text = EXIT_BAD_INPUT, rank == 0, f"error: {_message(exc)}"
     else:
@@ -108,7 +110,27 @@ def report_failure(exc: BaseException, debug: bool = False, stream: TextIO | Non
         if debug:
             traceback.print_exception(exc, file=stream)
         print(text, file=stream, flush=True)
+    trace = "".join(traceback.format_exception(exc)) if debug else ""
+    write_elastic_error_file(trace + text)  # every failing rank: torchrun shows the first one's
     return status
+
+
+def write_elastic_error_file(text: str) -> bool:
+    """Under torchrun, write ``text`` to ``$TORCHELASTIC_ERROR_FILE`` in the JSON form of torch elastic's
+    ``ErrorHandler.record_exception``, so torchrun's failure summary shows ``text`` as the root cause.
+    Returns whether a file was written (False outside torchrun, or when it cannot be written)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path:
+        return False
+    lines = [line for line in text.splitlines() if line.strip()]
+    data = {"message": {"message": lines[-1] if lines else text,
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError:
+        return False
+    return True
 
 
 def run_cli(body: Callable[[], int | None], debug: bool = False) -> int:

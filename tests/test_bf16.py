@@ -68,18 +68,20 @@ def test_precision_is_one_setting():
     stage1 = EngineSettings(precision="bf16", deepspeed={"zero_optimization": {"stage": 1}})
     assert resolve_deepspeed_config(stage1, 1)["bf16"] == {"enabled": True}
     assert "bf16" not in resolve_deepspeed_config(EngineSettings(), 1)
-    # a deepspeed.bf16 that disagrees with training.precision names both places
+    # a deepspeed.bf16 (a deprecated spelling) that disagrees with training.precision names both places
     with pytest.raises(ConfigError, match=r"deepspeed.bf16.enabled=True but training.precision='fp32'"):
-        load_experiment_config({**base, "deepspeed": {"bf16": {"enabled": True}}})
+        load_experiment_config({**base, "training": {**base["training"], "precision": "fp32"},
+                                "deepspeed": {"bf16": {"enabled": True}}})
     agree = {**base, "training": {**base["training"], "precision": "bf16"}, "deepspeed": {"bf16": {"enabled": True}}}
     assert load_experiment_config(agree).training.precision == "bf16"
     # a DeepSpeed JSON file's bf16 moves to training.precision (and a conflicting value is an error)
     assert load_experiment_config(base, deepspeed_config={"bf16": {"enabled": True}}).training.precision == "bf16"
     with pytest.raises(ConfigError, match="training.precision"):
         merge_deepspeed_file({"training": {"precision": "fp32"}}, {"bf16": {"enabled": True}})
-    # EngineSettings built by hand from a DeepSpeed-style section derive it; a conflict is an error
-    assert EngineSettings(deepspeed={"bf16": {"enabled": True}}).precision == "bf16"
-    with pytest.raises(ValueError, match="deepspeed.bf16.enabled=False but precision='bf16'"):
+    # EngineSettings take the precision only from their precision field: a bf16.enabled is an error
+    with pytest.raises(ValueError, match="deepspeed.bf16.enabled=True is set next to precision='fp32'"):
+        EngineSettings(deepspeed={"bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match="deepspeed.bf16.enabled=False is set next to precision='bf16'"):
         EngineSettings(precision="bf16", deepspeed={"bf16": {"enabled": False}})
 
 

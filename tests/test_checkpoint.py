@@ -1,5 +1,8 @@
 """Checkpoints: resume equals the uninterrupted run (local engine; DeepSpeed ZeRO 0 / ZeRO 2 /
-PowerSGD on 2 ranks), a save killed midway leaves the previous one loadable, mismatches are named."""
+PowerSGD on 2 ranks), a save killed midway leaves the previous one loadable, mismatches are named,
+every file loads with ``torch.load(weights_only=True)`` (no pickled code), a checkpoint of the old
+pickled format is refused until ``convert_checkpoint.py upgrade`` rewrites it, and a damaged file is
+named with the previous complete checkpoint."""
 
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from stormshard.checkpoint.format import CheckpointError, latest_checkpoint, list_checkpoints  # noqa: E402
+from stormshard.checkpoint.state_codec import decode_state, encode_state, read_state_file  # noqa: E402
+from stormshard.checkpoint.upgrade import upgrade_checkpoints  # noqa: E402
 from stormshard.parallel.topology import ParallelLayout, build_process_groups  # noqa: E402
 from stormshard.training.checkpoint import (  # noqa: E402
-    CheckpointError,
     capture_rng_state,
-    latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
@@ -125,6 +128,41 @@ def _check_distributed_resume(rank: int, world: int, directory: str) -> None:
 
 def test_resume_deepspeed_two_ranks(tmp_path):
     run_distributed(_check_distributed_resume, 2, str(tmp_path), timeout=300)
+    files = sorted(tmp_path.rglob("step_*/*"))
+    assert {f.suffix for f in files} == {".pt", ".safetensors", ".json"}
+    assert_loads_without_pickle(files)
+
+
+def assert_loads_without_pickle(files) -> None:
+    """Every file of a checkpoint opens without unpickling code: ``.pt`` with ``torch.load(weights_only=True)``,
+    safetensors and JSON with their readers."""
+    from safetensors.torch import load_file
+
+    for f in files:
+        if f.suffix == ".pt":
+            torch.load(f, weights_only=True)
+        elif f.suffix == ".safetensors":
+            load_file(f)
+        elif f.suffix == ".json":
+            json.loads(f.read_text())
+        else:
+            raise AssertionError(f"unexpected file {f} in a checkpoint")
+
+
+def to_pickled_format(step_dir: Path) -> None:
+    """Rewrite ``step_dir`` as a checkpoint of the earlier release (format 1): rank files of pickled
+    python objects, no file records."""
+    meta = json.loads((step_dir / "metadata.json").read_text())
+    for f in sorted(step_dir.glob("rank_*.pt")):
+        payload = read_state_file(f)
+        torch.save({**payload, "format": 1}, f)
+    for f in sorted(step_dir.glob("rank_*.json")):
+        table = json.loads(f.read_text())
+        table.pop("files", None)
+        f.write_text(json.dumps(table))
+    meta["format"] = 1
+    meta.pop("files")
+    (step_dir / "metadata.json").write_text(json.dumps(meta))
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,3 +244,98 @@ def test_rng_capture_restore():
     restore_rng_state(state)
     b = (random.random(), np.random.rand(3), torch.rand(3), np.random.randn())
     assert a[0] == b[0] and np.array_equal(a[1], b[1]) and torch.equal(a[2], b[2]) and a[3] == b[3]
+
+
+# --------------------------------------------------------------------------------------------
+# no pickled code: tensors plus a JSON skeleton; the old pickled format behind `upgrade`
+# --------------------------------------------------------------------------------------------
+
+
+def test_state_codec_round_trip_is_exact():
+    from collections import OrderedDict
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    module = OrderedDict([("w", torch.randn(3, 2)), ("b", torch.zeros(2, dtype=torch.bfloat16))])
+    module._metadata = OrderedDict([("", {"version": 1})])
+    flat = torch.arange(10.0)
+    np.random.seed(3)
+    state = {
+        "module": module, "ints": {0: {"step": torch.tensor(3.0)}, 7: None}, "betas": (0.9, 0.999),
+        "odd": [float("nan"), float("inf"), -float("inf"), 1e-300, True, "x", None, 2**70],
+        "numpy": np.random.get_state(legacy=True), "np_scalar": np.float32(0.1), "dtype": torch.bfloat16,
+        "device": torch.device("cpu"), "size": torch.Size([2, 3]), "stage": ZeroStageEnum.gradients,
+        "scaler": DynamicLossScaler(init_scale=8.0, scale_window=10, dtype=torch.bfloat16),
+        "mapping": OrderedDict([("w", fragment_address(numel=4, start=2))]),
+        "views": [flat[:4], flat[4:]], "python": random.getstate(),
+    }
+    skeleton, tensors = encode_state(state)
+    json.loads(skeleton)  # plain JSON (no NaN tokens)
+    back = decode_state(skeleton, tensors)
+    assert list(back) == list(state) and type(back["module"]) is OrderedDict
+    assert back["module"]._metadata == module._metadata and list(back["module"]) == ["w", "b"]
+    assert all(torch.equal(back["module"][k], module[k]) and back["module"][k].dtype == module[k].dtype for k in module)
+    assert list(back["ints"]) == [0, 7] and back["betas"] == (0.9, 0.999)
+    assert np.isnan(back["odd"][0]) and back["odd"][1:] == state["odd"][1:]
+    assert back["numpy"][0] == "MT19937" and back["numpy"][1].dtype == np.uint32
+    assert all(np.array_equal(a, b) for a, b in zip(back["numpy"], state["numpy"], strict=True))
+    assert type(back["np_scalar"]) is np.float32 and back["np_scalar"] == state["np_scalar"]
+    assert (back["dtype"], back["device"], back["size"], back["stage"]) == (torch.bfloat16, torch.device("cpu"),
+                                                                            torch.Size([2, 3]), ZeroStageEnum.gradients)
+    assert type(back["scaler"]) is DynamicLossScaler and vars(back["scaler"]) == vars(state["scaler"])
+    assert back["mapping"]["w"] == fragment_address(numel=4, start=2)
+    assert back["python"] == state["python"]
+    random.setstate(back["python"])  # a valid python RNG state
+    # anything else is a developer error naming where it sits
+    with pytest.raises(TypeError, match=r"checkpoint state at /engine/hook: a builtins.function cannot be stored"):
+        encode_state({"engine": {"hook": len}})
+    with pytest.raises(TypeError, match="/opt/1: a collections.deque"):
+        from collections import deque
+
+        encode_state({"opt": [1, deque()]})
+
+
+def test_pickled_format_is_refused_until_upgraded(tmp_path, capsys):
+    """A checkpoint of the earlier release (pickled rank files) is an error naming the upgrade command;
+    `convert_checkpoint.py upgrade` rewrites it in place, after which it loads the same state."""
+    model = make_model(0)
+    state = {"engine": {"module": model.state_dict(), "counter": 5}, "data": {"position": 4}}
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, state, {"lr": 1}, {"world_size": 1}, 0, 1, model=model)
+    before = load_checkpoint(tmp_path, 0, restore_rng=False)
+    for step_dir in list_checkpoints(tmp_path):
+        to_pickled_format(step_dir)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path, 0)
+    msg = str(err.value)
+    assert "earlier stormshard (checkpoint format 1" in msg and f"convert_checkpoint.py upgrade {tmp_path}" in msg, msg
+
+    spec = __import__("importlib.util").util.spec_from_file_location("convert", ROOT / "launch" / "convert_checkpoint.py")
+    cli = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main(["upgrade", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("upgraded from format 1 to 2") == 2, out
+    after = load_checkpoint(tmp_path, 0, restore_rng=False)
+    assert after.step == 2 and after.state["data"] == before.state["data"] and after.state["engine"]["counter"] == 5
+    assert all(torch.equal(after.state["engine"]["module"][k], v) for k, v in before.state["engine"]["module"].items())
+    assert_loads_without_pickle(sorted(tmp_path.rglob("step_*/*")))
+    assert json.loads((tmp_path / "step_00000001" / "metadata.json").read_text())["upgraded_from"] == 1
+    assert upgrade_checkpoints(tmp_path)[0][1] == "already in the current format"
+
+
+def test_damaged_files_are_named_with_the_previous_checkpoint(tmp_path):
+    model = make_model(0)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"s": step}, {}, {"world_size": 1}, 0, 1, model=model)
+    rank_file = tmp_path / "step_00000002" / "rank_00000.pt"
+    size = rank_file.stat().st_size
+    rank_file.write_bytes(b"\0" * size)  # zeroed, same size: only the sha256 finds it
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path, 0)
+    msg = str(err.value)
+    assert f"{rank_file}: its contents differ from the sha256 recorded" in msg, msg
+    assert "the previous complete checkpoint is" in msg and "step_00000001 (step 1)" in msg, msg
+    assert "PytorchStreamReader" not in msg and "storages" not in msg

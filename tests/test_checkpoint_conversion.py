@@ -23,6 +23,8 @@ from stormshard.checkpoint.export import export_bundle, load_model
 from stormshard.checkpoint.inspect import inspect_checkpoint
 from stormshard.checkpoint.reshard import reshard_checkpoint
 from stormshard.checkpoint.sources import model_sources
+from stormshard.checkpoint.state_codec import read_state_file, write_state_file
+from stormshard.checkpoint.stored_config import stored_shard_strategy
 from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.models.registry import build_model
 from tests.distributed import run_distributed
@@ -50,8 +52,8 @@ def _forward(rank, world, step_dir, x):
     src = model_sources(meta["config"], step_dir)
     group = dist.group.WORLD if world > 1 else None
     torch.manual_seed(123)  # the weights come from the file, not from this
-    model = build_model(src.config.model, src.graph, src.variables, group)
-    payload = torch.load(Path(step_dir) / f"rank_{rank:05d}.pt", weights_only=False)
+    model = build_model(src.config.model, src.graph, src.variables, group, shard_strategy=src.config.shard_strategy)
+    payload = read_state_file(Path(step_dir) / f"rank_{rank:05d}.pt")
     model.load_state_dict(payload["state"]["engine"]["module"])
     with torch.no_grad():
         out = model.eval()(x[:, :, model.plan.data_slice])
@@ -223,7 +225,8 @@ def test_reshard_changes_strategy(runs, tmp_path):
     original = _stitch(run_distributed(_forward, 2, str(sharded_dir), x))
     step_dir = reshard_checkpoint(sharded_dir, tmp_path / "seq", 2, "shard_sequence")
     meta = json.loads((step_dir / "metadata.json").read_text())
-    assert meta["config"]["model"]["processor"]["shard_strategy"] == "shard_sequence"
+    assert meta["config"]["parallel"]["shard_strategy"] == "shard_sequence"
+    assert "shard_strategy" not in meta["config"]["model"]["processor"]
     assert not any(r["partition"] for r in meta["ranks"][0]["parameters"])
     torch.testing.assert_close(_stitch(run_distributed(_forward, 2, str(step_dir), x)), original,
                                rtol=1e-5, atol=1e-5)
@@ -299,12 +302,23 @@ def _copy(src: Path, dst: Path) -> Path:
 
 def _edit_rank(path: Path, rank: int, fn) -> None:
     """Edit the engine state of a rank; its weights file (optional) would then disagree with it, so
-    it goes: the check under test is the one on the engine state."""
+    it goes, and the file records of metadata.json follow the edit: the check under test is the one
+    on the engine state, not the checksum."""
     (path / f"rank_{rank:05d}.safetensors").unlink(missing_ok=True)
     f = path / f"rank_{rank:05d}.pt"
-    payload = torch.load(f, weights_only=False)
+    payload = read_state_file(f)
     fn(payload)
-    torch.save(payload, f)
+    write_state_file(payload, f)
+    _rerecord(path)
+
+
+def _rerecord(path: Path) -> None:
+    """metadata.json's file records as the files are now (an edit made on purpose, not damage)."""
+    from stormshard.checkpoint.integrity import record_files
+
+    meta = json.loads((path / "metadata.json").read_text())
+    meta["files"] = record_files(sorted(f for f in path.iterdir() if f.name != "metadata.json"))
+    (path / "metadata.json").write_text(json.dumps(meta))
 
 
 def _edit_meta(path: Path, fn) -> None:
@@ -336,19 +350,30 @@ def test_damaged_and_mismatched_checkpoints_fail_and_write_nothing(runs, tmp_pat
     p = _copy(good, tmp_path / "corrupted")
     data = (p / "rank_00000.pt").read_bytes()
     (p / "rank_00000.pt").write_bytes(data[: len(data) // 2])
-    _fails(p, "rank_00000.pt: unreadable", "corrupted or truncated", tmp=tmp_path)
+    _fails(p, f"rank_00000.pt: {len(data) // 2} bytes, {len(data)} when it was saved (truncated",
+           "rank_00000.pt: unreadable: cannot be read as a torch file", tmp=tmp_path)
+    _rerecord(p)  # a checkpoint without the records of this file: the reader still names it
+    _fails(p, "rank_00000.pt: unreadable: cannot be read as a torch file", "damaged (truncated", tmp=tmp_path)
 
     p = _copy(good, tmp_path / "corrupted_weights")
     data = bytearray((p / "rank_00001.safetensors").read_bytes())
     data[-8:] = b"\xff" * 8  # flip the last weights' bytes
     (p / "rank_00001.safetensors").write_bytes(bytes(data))
+    _fails(p, "rank_00001.safetensors: its contents differ from the sha256 recorded", tmp=tmp_path)
+    _rerecord(p)  # without the checksum, the comparison with the engine state finds it
     _fails(p, "rank_00001.safetensors: ", "differ from the engine state", tmp=tmp_path)
     (p / "rank_00001.safetensors").write_bytes(bytes(data[:100]))
+    _rerecord(p)
     _fails(p, "rank_00001.safetensors: unreadable", tmp=tmp_path)
 
     p = _copy(good, tmp_path / "extra_rank")
     shutil.copy(p / "rank_00001.pt", p / "rank_00002.pt")
     _fails(p, "rank_00002.pt: extra rank file", tmp=tmp_path)
+
+    p = _copy(good, tmp_path / "truncated_metadata")
+    text = (p / "metadata.json").read_text()
+    (p / "metadata.json").write_text(text[: len(text) // 2])
+    _fails(p, f"{p / 'metadata.json'} cannot be read", "the checkpoint is damaged", tmp=tmp_path)
 
     p = _copy(good, tmp_path / "missing_tensor")
     _edit_rank(p, 1, lambda pl: pl["state"]["engine"]["module"].pop(qkv))
@@ -392,3 +417,52 @@ def test_damaged_and_mismatched_checkpoints_fail_and_write_nothing(runs, tmp_pat
     p = _copy(zero_dir, tmp_path / "zero_partition")
     _edit_rank(p, 2, lambda pl: pl["state"]["engine"]["optimizer"]["partition_count"].__setitem__(0, 1))
     _fails(p, "data-parallel rank 1 has partition_count [1]", tmp=tmp_path)
+
+
+# ------------------------------------------------------------------------------ old spellings of the strategy
+
+
+@pytest.mark.parametrize("stored, expected", [
+    ({"parallel": {"shard_strategy": "shard_heads"}, "model": {"processor": {"shard_strategy": "tensor"}}}, "shard_heads"),
+    ({"parallel": {"shard_strategy": None}, "model": {"processor": {"shard_strategy": "shard_heads"}}}, "shard_heads"),
+    ({"parallel": {"tensor_model_parallel_size": 2}, "model": {"processor": {}}}, "tensor"),
+    ({"parallel": {"tensor_model_parallel_size": 1}}, "shard_sequence"),
+    ({}, "shard_sequence"),
+])
+def test_stored_shard_strategy_reads_the_old_spellings(stored, expected):
+    assert stored_shard_strategy(stored) == expected
+
+
+def test_old_checkpoints_with_the_strategy_under_model_still_convert(runs, tmp_path):
+    """A checkpoint whose stored config spells the strategy the old way (``model.processor.shard_strategy``,
+    or ``parallel.tensor_model_parallel_size`` alone) loads, inspects, reshards and exports with it."""
+    _, sharded_dir, _ = runs["tensor"]
+    x = _input(sharded_dir)
+    original = _stitch(run_distributed(_forward, 2, str(sharded_dir), x))
+
+    def model_key(config):
+        config["parallel"]["shard_strategy"] = None
+        config["model"]["processor"]["shard_strategy"] = "tensor"
+
+    def tp_size(config):
+        config["parallel"]["shard_strategy"] = None
+        config["parallel"]["tensor_model_parallel_size"] = 2
+
+    for name, to_old in (("model_key", model_key), ("tp_size", tp_size)):
+        old = _copy(sharded_dir, tmp_path / name)
+        _edit_meta(old, lambda meta, to_old=to_old: to_old(meta["config"]))
+        assert model_sources(json.loads((old / "metadata.json").read_text())["config"], old).config.shard_strategy \
+            == "tensor"
+        assert inspect_checkpoint(old)["model"]["shard_strategy"] == "tensor"
+        step_dir = reshard_checkpoint(old, tmp_path / f"{name}_k1" / "checkpoints", 1)
+        config = json.loads((step_dir / "metadata.json").read_text())["config"]
+        assert config["parallel"]["shard_strategy"] == "tensor" and config["parallel"]["gpus_per_model"] == 1
+        assert "shard_strategy" not in config["model"]["processor"]
+        assert "tensor_model_parallel_size" not in config["parallel"]
+        torch.testing.assert_close(_stitch([_forward(0, 1, str(step_dir), x)]), original, rtol=1e-5, atol=1e-5)
+    # the model key read from the old checkpoint itself, on its own 2 ranks, and from its bundle
+    old = tmp_path / "model_key"
+    torch.testing.assert_close(_stitch(run_distributed(_forward, 2, str(old), x)), original, rtol=1e-5, atol=1e-5)
+    loaded = load_model(export_bundle(old, tmp_path / "old_bundle"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x), original, rtol=1e-5, atol=1e-5)

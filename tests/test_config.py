@@ -5,17 +5,20 @@ the one PowerSGD schema."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
 from stormshard.parallel.compression import PowerSGDConfig
 from stormshard.training.config import (
+    ConfigDeprecationWarning,
     ConfigError,
     ExperimentConfig,
     load_experiment_config,
     merge_deepspeed_file,
 )
+from stormshard.training.engine import EngineSettings
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -114,8 +117,9 @@ def test_deepspeed_file_moves_the_engine_neutral_keys(tmp_path):
     t = cfg.training
     assert (t.micro_batch_size, t.gradient_accumulation_steps, t.gradient_clipping, t.lr) == (4, 3, 2.0, 5e-4)
     assert cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.weight_decay == 0.1 and cfg.optimizer.eps == 1e-8
-    # the file replaces the section; DeepSpeed's own keys stay
-    assert cfg.deepspeed == {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "train_batch_size": 24}
+    # the file replaces the section; DeepSpeed's own keys stay, bf16.enabled moves to training.precision
+    assert cfg.deepspeed == {"zero_optimization": {"stage": 1}, "train_batch_size": 24}
+    assert t.precision == "bf16"
     # equal values in both places are fine
     same = {"training": {"max_steps": 10, "micro_batch_size": 4}, "optimizer": {"weight_decay": 0.1}}
     assert load_experiment_config(same, deepspeed_config=ds_file).training.micro_batch_size == 4
@@ -157,6 +161,116 @@ def test_missing_deepspeed_file(tmp_path):
         load_experiment_config({}, deepspeed_config=tmp_path / "nope.json")
 
 
+# ------------------------------------------------------------------------------ old spellings: one home per choice
+
+TRAINING = {"max_steps": 10, "warmup_steps": 1}
+
+OLD_AND_NEW = {
+    "processor strategy": (
+        {"model": {"processor": {"num_heads": 4, "shard_strategy": "shard_heads"}}, "parallel": {"gpus_per_model": 2}},
+        {"model": {"processor": {"num_heads": 4}}, "parallel": {"gpus_per_model": 2, "shard_strategy": "shard_heads"}},
+        ["model.processor.shard_strategy='shard_heads'", "parallel.shard_strategy='shard_heads'"]),
+    "processor strategy, new key equal": (
+        {"model": {"processor": {"shard_strategy": "tensor"}}, "parallel": {"gpus_per_model": 2,
+                                                                           "shard_strategy": "tensor"}},
+        {"parallel": {"gpus_per_model": 2, "shard_strategy": "tensor"}},
+        ["model.processor.shard_strategy='tensor'", "parallel.shard_strategy='tensor'"]),
+    "tensor_model_parallel_size": (
+        {"parallel": {"tensor_model_parallel_size": 2}},
+        {"parallel": {"gpus_per_model": 2, "shard_strategy": "tensor"}},
+        ["parallel.tensor_model_parallel_size=2", "parallel.gpus_per_model=2 and parallel.shard_strategy='tensor'"]),
+    "tensor_model_parallel_size 1": (
+        {"parallel": {"tensor_model_parallel_size": 1, "shard_strategy": "shard_heads"}},
+        {"parallel": {"gpus_per_model": 1, "shard_strategy": "shard_heads"}},
+        ["parallel.tensor_model_parallel_size=1", "parallel.gpus_per_model=1"]),
+    "deepspeed.bf16": (
+        {"deepspeed": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}},
+        {"training": {**TRAINING, "precision": "bf16"}, "deepspeed": {"zero_optimization": {"stage": 1}}},
+        ["deepspeed.bf16.enabled=true", "training.precision='bf16'"]),
+    "deepspeed.bf16 disabled, DeepSpeed's own bf16 keys stay": (
+        {"deepspeed": {"bf16": {"enabled": False, "immediate_grad_update": True}}},
+        {"training": {**TRAINING, "precision": "fp32"}, "deepspeed": {"bf16": {"immediate_grad_update": True}}},
+        ["deepspeed.bf16.enabled=false", "training.precision='fp32'"]),
+    "deepspeed.fp16 disabled": (
+        {"deepspeed": {"fp16": {"enabled": False, "loss_scale": 0}, "zero_optimization": {"stage": 1}}},
+        {"deepspeed": {"zero_optimization": {"stage": 1}}},
+        ["deepspeed.fp16 (disabled)", "training.precision"]),
+}
+
+
+@pytest.mark.parametrize("old, new, names", OLD_AND_NEW.values(), ids=OLD_AND_NEW.keys())
+def test_old_spelling_is_read_once_with_a_message_as_the_new_one(old, new, names):
+    old = {"training": dict(TRAINING), **old}
+    new = {"training": dict(TRAINING), **new}
+    with pytest.warns(ConfigDeprecationWarning) as caught:
+        from_old = load_experiment_config(old)
+    assert len(caught) == 1, [str(w.message) for w in caught]  # read once: one message
+    for name in names:  # the message names the old key and the new one
+        assert name in str(caught[0].message), str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigDeprecationWarning)
+        from_new = load_experiment_config(new)
+        # the validated config holds the new spelling only: its dump loads back without a message
+        assert ExperimentConfig(**from_old.model_dump(mode="json")) == from_old
+    assert from_old == from_new
+    assert from_old.model_dump(mode="json") == from_new.model_dump(mode="json")
+    assert "shard_strategy" not in from_old.model_dump()["model"]["processor"]
+    assert "tensor_model_parallel_size" not in from_old.model_dump()["parallel"]
+    assert "enabled" not in from_old.deepspeed.get("bf16", {})
+
+
+def test_shard_strategy_is_always_concrete():
+    assert load_experiment_config({}).parallel.shard_strategy == "shard_sequence"
+    stored = {"parallel": {"gpus_per_model": 2, "shard_strategy": None}}  # how older versions stored "unset"
+    assert load_experiment_config(stored).parallel.shard_strategy == "shard_sequence"
+    with pytest.raises(ConfigError, match="parallel.shard_strategy"):
+        load_experiment_config({"parallel": {"shard_strategy": "shard_rows"}})
+
+
+CONFLICTS = [
+    ({"model": {"processor": {"shard_strategy": "shard_heads"}}, "parallel": {"shard_strategy": "tensor"}},
+     ["model.processor.shard_strategy='shard_heads'", "parallel.shard_strategy='tensor'"]),
+    ({"model": {"processor": {"shard_strategy": "shard_heads"}}, "parallel": {"tensor_model_parallel_size": 2}},
+     ["model.processor.shard_strategy='shard_heads'", "parallel.tensor_model_parallel_size=2"]),
+    ({"parallel": {"tensor_model_parallel_size": 2, "shard_strategy": "shard_sequence"}},
+     ["parallel.tensor_model_parallel_size=2", "parallel.shard_strategy='shard_sequence'"]),
+    ({"parallel": {"tensor_model_parallel_size": 2, "gpus_per_model": 4}},
+     ["parallel.tensor_model_parallel_size=2", "parallel.gpus_per_model=4"]),
+    ({"training": {**TRAINING, "precision": "fp32"}, "deepspeed": {"bf16": {"enabled": True}}},
+     ["deepspeed.bf16.enabled=True", "training.precision='fp32'"]),
+    ({"training": {**TRAINING, "precision": "bf16"}, "deepspeed": {"bf16": {"enabled": False}}},
+     ["deepspeed.bf16.enabled=False", "training.precision='bf16'"]),
+    ({"deepspeed": {"fp16": {"enabled": True}}}, ["deepspeed.fp16.enabled=True", "training.precision='bf16'"]),
+    ({"engine": "ddp", "deepspeed": {"bf16": {"enabled": True}}},
+     ["deepspeed.bf16.enabled=True", "engine='ddp'", "training.precision='bf16'"]),
+]
+
+
+@pytest.mark.parametrize("config, names", CONFLICTS, ids=[c[1][0] + " / " + c[1][1] for c in CONFLICTS])
+def test_old_and_new_spellings_that_disagree_name_both_keys(config, names):
+    with pytest.raises(ConfigError) as err:
+        load_experiment_config(config)
+    for name in names:
+        assert name in str(err.value), str(err.value)
+
+
+def test_deepspeed_precision_one_reader_for_the_section_and_the_file():
+    """deepspeed.bf16 in the config's section (deprecated: a message) and in a --deepspeed_config file
+    (DeepSpeed's format: no message) go through the same function and give the same config."""
+    with pytest.warns(ConfigDeprecationWarning, match="deepspeed.bf16.enabled=true"):
+        from_section = load_experiment_config({"training": TRAINING, "deepspeed": {"bf16": {"enabled": True}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigDeprecationWarning)
+        from_file = load_experiment_config({"training": TRAINING}, deepspeed_config={"bf16": {"enabled": True}})
+    assert from_section == from_file and from_file.training.precision == "bf16" and from_file.deepspeed == {}
+    # the same rule for a disagreement, named with the file
+    with pytest.raises(ConfigError, match=r"bf16.enabled of --deepspeed_config=True but training.precision='fp32'"):
+        merge_deepspeed_file({"training": {"precision": "fp32"}}, {"bf16": {"enabled": True}})
+    # EngineSettings, built by hand, take the precision from their one field only
+    with pytest.raises(ValueError, match="deepspeed.bf16.enabled=True is set next to precision"):
+        EngineSettings(deepspeed={"bf16": {"enabled": True}})
+
+
 # ------------------------------------------------------------------------------ compression
 
 
@@ -183,7 +297,9 @@ def test_shipped_configs_use_the_engine_neutral_fields():
     paths = sorted(CONFIGS.glob("*.json"))
     assert len(paths) >= 8, f"expected the shipped configs in {CONFIGS}"
     for path in paths:
-        cfg = load_experiment_config(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ConfigDeprecationWarning)  # no shipped config uses an old spelling
+            cfg = load_experiment_config(path)
         raw = json.loads(path.read_text())
         assert "micro_batch_size" in raw["training"], path.name
         if cfg.engine != "deepspeed":

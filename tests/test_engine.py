@@ -59,34 +59,36 @@ class NodeModel(nn.Module):
         self.gain = nn.Parameter(torch.ones(nodes, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.lin1.weight.dtype)  # like stormshard's models: DeepSpeed's bf16 mode makes the weights bf16
         h = self.drop(F.gelu(self.norm(self.lin1(x))))
         return self.lin2(h) * self.gain[:, None]
 
 
-def make_model(seed: int, dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> NodeModel:
+def make_model(seed: int, dropout: float = 0.0, dtype: torch.dtype = torch.float32, nodes: int = NODES) -> NodeModel:
     torch.manual_seed(seed)
-    model = NodeModel(NODES, dropout, dtype)
+    model = NodeModel(nodes, dropout, dtype)
     with torch.no_grad():
-        model.gain.copy_(1 + 0.5 * torch.randn(NODES, dtype=dtype))
+        model.gain.copy_(1 + 0.5 * torch.randn(nodes, dtype=dtype))
         model.norm.weight.add_(0.3 * torch.randn(HIDDEN, dtype=dtype))
     return model
 
 
 def shard_model(full: NodeModel, parts: int, index: int) -> NodeModel:
     """This model-group rank's copy: all weights replicated, the gain sliced (with Partition)."""
-    sizes = balanced_sizes(NODES, parts)
+    nodes = full.gain.numel()
+    sizes = balanced_sizes(nodes, parts)
     start = sum(sizes[:index])
     local = NodeModel(sizes[index], full.drop.p, full.gain.dtype)
     state = {k: v.clone() for k, v in full.state_dict().items()}
     state["gain"] = state["gain"][start : start + sizes[index]].clone()
     local.load_state_dict(state)
     if parts > 1:
-        set_partition(local.gain, Partition(dim=0, parts=parts, index=index, full_size=NODES))
+        set_partition(local.gain, Partition(dim=0, parts=parts, index=index, full_size=nodes))
     return local
 
 
 def node_slice(x: torch.Tensor, parts: int, index: int) -> torch.Tensor:
-    sizes = balanced_sizes(NODES, parts)
+    sizes = balanced_sizes(x.shape[1], parts)
     return x[:, sum(sizes[:index]) : sum(sizes[: index + 1])]
 
 
@@ -94,13 +96,14 @@ def sharded_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, groups
     """Mean squared error over the full batch and all nodes; each model rank sees its node slice."""
     k, r = groups.layout.gpus_per_model, groups.model_rank
     out = model(node_slice(x, k, r))
-    local = (out - node_slice(target, k, r)).pow(2).sum() / (x.shape[0] * NODES * CHANNELS)
+    local = (out - node_slice(target, k, r)).pow(2).sum() / (x.shape[0] * x.shape[1] * CHANNELS)
     return reduce_tensor(local, groups.model_group)
 
 
-def batch(step: int, size: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, size: int, dtype: torch.dtype = torch.float32, nodes: int = NODES
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(size, NODES, CHANNELS, generator=g, dtype=dtype)
+    x = torch.randn(size, nodes, CHANNELS, generator=g, dtype=dtype)
     return x, torch.sin(x) + 0.1 * torch.randn(x.shape, generator=g, dtype=dtype)
 
 
@@ -188,7 +191,9 @@ SCHEDULE = {"lr": 0.02, "lr_min": 0.001, "warmup_steps": 1, "total_steps": 3}
 
 
 def _settings(engine: str, stage: int = 0, accumulation: int = 2, powersgd: bool = False,
-              mode: str = "hooks", clip: float = 0.05, broadcast_buffers: bool = True) -> EngineSettings:
+              mode: str | None = None, clip: float = 0.05, broadcast_buffers: bool = True,
+              precision: str = "fp32") -> EngineSettings:
+    """The engine's settings; ``mode`` None: the default ``model_parallel_grad_reduction``."""
     return EngineSettings(
         engine=engine,
         micro_batch_size=MICRO,
@@ -200,13 +205,14 @@ def _settings(engine: str, stage: int = 0, accumulation: int = 2, powersgd: bool
         bucket_cap_mb=1.0,
         broadcast_buffers=broadcast_buffers,
         compression=({"rank": 1, "start_iter": 0, "min_numel": 0, "min_compression_rate": 0.0} if powersgd else None),
-        model_parallel_grad_reduction=mode,
+        precision=precision,
+        **({} if mode is None else {"model_parallel_grad_reduction": mode}),
     )
 
 
-def _reference(settings: EngineSettings, data_parallel: int) -> tuple[NodeModel, list[float]]:
-    """Single process, the whole effective batch per step; PowerSGD (if any) on the mean gradient."""
-    model = make_model(7)
+def _reference(settings: EngineSettings, data_parallel: int, nodes: int = NODES) -> tuple[NodeModel, list[float]]:
+    """Single process, fp32, the whole effective batch per step; PowerSGD (if any) on the mean gradient."""
+    model = make_model(7, nodes=nodes)
     opt = torch.optim.AdamW(model.parameters(), **settings.adamw_kwargs())
     sched = build_scheduler(opt, settings.schedule)
     compressor = None
@@ -215,7 +221,7 @@ def _reference(settings: EngineSettings, data_parallel: int) -> tuple[NodeModel,
     effective = MICRO * settings.accumulation * data_parallel
     lrs = []
     for step in range(STEPS):
-        x, target = batch(step, effective)
+        x, target = batch(step, effective, nodes=nodes)
         ((model(x) - target).pow(2).sum() / x.numel()).backward()
         if compressor is not None:
             compressor.reduce_gradients()
@@ -227,12 +233,12 @@ def _reference(settings: EngineSettings, data_parallel: int) -> tuple[NodeModel,
     return model, lrs
 
 
-def _train(engine, groups: ProcessGroups, settings: EngineSettings) -> list[float]:
+def _train(engine, groups: ProcessGroups, settings: EngineSettings, nodes: int = NODES) -> list[float]:
     """STEPS optimizer steps; replica d takes its consecutive micro-batches of each effective batch."""
     acc, dp = settings.accumulation, groups.layout.data_parallel_size
     lrs = []
     for step in range(STEPS):
-        x, target = batch(step, MICRO * acc * dp)
+        x, target = batch(step, MICRO * acc * dp, nodes=nodes)
         lrs.append(engine.lr)
         for micro in range(acc):
             start = (groups.data_parallel_rank * acc + micro) * MICRO
@@ -244,36 +250,61 @@ def _train(engine, groups: ProcessGroups, settings: EngineSettings) -> list[floa
     return lrs
 
 
+# cases without "mode" run the default model_parallel_grad_reduction ("auto"); "hooks" / "bucketed" the old modes
 CASES = [
     ("local", {"engine": "local"}),
-    ("local bucketed", {"engine": "local", "mode": "bucketed"}),
+    ("local hooks", {"engine": "local", "mode": "hooks"}),
     ("ddp", {"engine": "ddp"}),
+    ("ddp hooks", {"engine": "ddp", "mode": "hooks"}),
     ("ddp bucketed", {"engine": "ddp", "mode": "bucketed", "broadcast_buffers": False}),
     ("ddp powersgd", {"engine": "ddp", "powersgd": True, "accumulation": 1}),
+    ("ddp powersgd hooks", {"engine": "ddp", "powersgd": True, "accumulation": 1, "mode": "hooks"}),
     ("zero0", {"engine": "deepspeed", "stage": 0}),
-    ("zero0 bucketed", {"engine": "deepspeed", "stage": 0, "mode": "bucketed"}),
+    ("zero0 hooks", {"engine": "deepspeed", "stage": 0, "mode": "hooks"}),
     ("zero1", {"engine": "deepspeed", "stage": 1}),
+    ("zero1 hooks", {"engine": "deepspeed", "stage": 1, "mode": "hooks"}),
     ("zero2", {"engine": "deepspeed", "stage": 2}),
+    ("zero2 hooks", {"engine": "deepspeed", "stage": 2, "mode": "hooks"}),
     ("zero0 powersgd", {"engine": "deepspeed", "stage": 0, "powersgd": True, "accumulation": 1}),
-    ("zero0 powersgd bucketed", {"engine": "deepspeed", "stage": 0, "powersgd": True, "accumulation": 1,
-                                 "mode": "bucketed"}),
+    ("zero0 powersgd hooks", {"engine": "deepspeed", "stage": 0, "powersgd": True, "accumulation": 1,
+                              "mode": "hooks"}),
 ]
 
 
-def _check_engines(rank: int, world: int, layouts: list[int]) -> list[str]:
+def _expected_placement(kwargs: dict, gpus_per_model: int, dp: int, nodes: int) -> str:
+    """Where the engine of a CASES entry sums over the model group (grad_sum's table)."""
+    mode = kwargs.get("mode", "auto")
+    if gpus_per_model == 1:
+        return "none"
+    if mode != "auto":
+        return {"hooks": "hooks", "bucketed": "after_backward"}[mode]
+    if kwargs["engine"] == "deepspeed" and kwargs.get("stage", 0) > 0:
+        # the gain (the partitioned parameter) splits unevenly over 7 nodes: with data parallelism the ZeRO
+        # partitions of the two model ranks differ, and the engine falls back to hooks
+        return "zero_partition" if dp == 1 or nodes % gpus_per_model == 0 else "hooks"
+    if kwargs["engine"] == "ddp" and kwargs.get("powersgd"):
+        return "compression_hook"
+    return "after_backward"
+
+
+def _check_engines(rank: int, world: int, layouts: list[int], names: list[str] | None = None,
+                   nodes: int = NODES) -> list[str]:
     done = []
     for gpus_per_model in layouts:
         groups = groups_for(world, gpus_per_model)
         dp = groups.layout.data_parallel_size
         for name, kwargs in CASES:
-            if kwargs["engine"] == "local" and dp > 1:
+            if (kwargs["engine"] == "local" and dp > 1) or (names is not None and name not in names):
                 continue
             settings = _settings(**kwargs)
-            ref, ref_lrs = _reference(settings, dp)
-            local = shard_model(make_model(7), gpus_per_model, groups.model_rank)
+            ref, ref_lrs = _reference(settings, dp, nodes)
+            local = shard_model(make_model(7, nodes=nodes), gpus_per_model, groups.model_rank)
             engine = build_engine(local, groups, settings)
-            lrs = _train(engine, groups, settings)
+            assert engine.grad_sum_placement == _expected_placement(kwargs, gpus_per_model, dp, nodes), name
+            lrs = _train(engine, groups, settings, nodes)
             assert lrs == pytest.approx(ref_lrs, rel=1e-12), (name, lrs, ref_lrs)
+            if engine.grad_sum_placement == "zero_partition":
+                assert engine._zero_sum.calls_last_step == 1, name  # one flat all-reduce per step
             for pname, p in engine.module.named_parameters():
                 want = ref.get_parameter(pname).detach()
                 if pname == "gain":
@@ -285,7 +316,8 @@ def _check_engines(rank: int, world: int, layouts: list[int]) -> list[str]:
 
 
 def test_engines_match_single_process_world2():
-    """(world 2, data-parallel 2) and (world 2, gpus_per_model 2)."""
+    """(world 2, data-parallel 2) and (world 2, gpus_per_model 2), every engine with the default
+    model-group sum and the old modes."""
     done = run_distributed(_check_engines, 2, [1, 2], timeout=300)[0]
     assert len(done) == 2 * len(CASES) - 2
 
@@ -294,6 +326,54 @@ def test_engines_match_single_process_world4():
     """(world 4, gpus_per_model 2): data-parallel 2 over model groups of 2."""
     done = run_distributed(_check_engines, 4, [2], timeout=300)[0]
     assert len(done) == len(CASES) - 2
+
+
+def test_zero_partition_sum_with_data_parallelism():
+    """ZeRO 1/2 at (world 4, gpus_per_model 2) with an evenly split partitioned parameter (8 nodes): the
+    model-group sum runs on DeepSpeed's gradient partition (one flat all-reduce), the gain untouched."""
+    names = ["zero1", "zero2"]
+    assert run_distributed(_check_engines, 4, [2], names, 8, timeout=300)[0] == ["2:zero1", "2:zero2"]
+
+
+BF16_CASES = [(n, kw) for n, kw in CASES if n in ("local", "ddp", "zero0", "zero1", "zero2")]
+
+
+def _check_bf16_engines(rank: int, world: int, layouts: list[int], nodes: int) -> list[str]:
+    """bf16 (DeepSpeed's bf16 mode at ZeRO 1/2, autocast elsewhere) with the default model-group sum: the
+    update of every parameter after STEPS steps against the fp32 single-process one, within bf16 accuracy.
+    A missing or doubled model-group sum, or a summed partitioned gain, turns AdamW's update around."""
+    done = []
+    for gpus_per_model in layouts:
+        groups = groups_for(world, gpus_per_model)
+        dp = groups.layout.data_parallel_size
+        for name, kwargs in BF16_CASES:
+            if kwargs["engine"] == "local" and dp > 1:
+                continue
+            settings = _settings(**kwargs, precision="bf16")
+            ref, _ = _reference(settings, dp, nodes)
+            start = make_model(7, nodes=nodes)
+            local = shard_model(start, gpus_per_model, groups.model_rank)
+            before = {n: q.detach().clone() for n, q in local.named_parameters()}
+            engine = build_engine(local, groups, settings)
+            assert engine.grad_sum_placement == _expected_placement(kwargs, gpus_per_model, dp, nodes), name
+            _train(engine, groups, settings, nodes)
+            for pname, p in engine.module.named_parameters():
+                want = ref.get_parameter(pname).detach() - start.get_parameter(pname).detach()
+                if pname == "gain":
+                    want = node_slice(want[None, :, None], gpus_per_model, groups.model_rank)[0, :, 0]
+                got = p.detach().float() - before[pname]
+                # updates are ~lr x steps = 4e-2; bf16 parameters round at 2^-9 relative (4e-3 near 2)
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-2,
+                                           msg=lambda m, n=name, q=pname, k=gpus_per_model: f"bf16 {n} gpus_per_model={k} {q}: {m}")
+            done.append(f"{gpus_per_model}:{name}")
+    return done
+
+
+@pytest.mark.parametrize("world, layouts, nodes", [(2, [2], 7), (4, [2], 8)])
+def test_bf16_engines_match_single_process(world, layouts, nodes):
+    """bf16 with the default model-group sum at (world 2, gpus_per_model 2) and (world 4, gpus_per_model 2)."""
+    done = run_distributed(_check_bf16_engines, world, layouts, nodes, timeout=300)[0]
+    assert len(done) == len(BF16_CASES) - (1 if world > 2 else 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +391,9 @@ def test_engines_match_single_process_world4():
         ({"deepspeed": {"fp16": {"enabled": True}}}, "fp16"),
         ({"deepspeed": {"zero_optimization": {"stage": 2}}, "compression": {}}, "needs deepspeed.zero_optimization.stage=0"),
         ({"deepspeed": {"communication_data_type": "bf16"}, "compression": {}}, "choose one"),
-        ({"deepspeed": {"bf16": {"enabled": True}}, "compression": {}}, "bf16 optimizer copies gradients"),
+        ({"precision": "bf16", "compression": {}}, "bf16 optimizer copies gradients"),
+        # the precision is one field: DeepSpeed's bf16.enabled is generated from it, never given
+        ({"deepspeed": {"bf16": {"enabled": True}}}, "deepspeed.bf16.enabled=True is set next to precision='fp32'"),
         ({"engine": "local", "compression": {}}, "no data parallelism"),
         ({"compression": {"rank": 0}}, "rank must be at least 1"),
         ({"compression": {"ranks": 2}}, "ranks"),
@@ -360,10 +442,10 @@ KNOBS = dict(micro_batch_size=3, gradient_accumulation_steps=2, gradient_clippin
 def test_generated_deepspeed_config():
     """DeepSpeed's batch, clipping and optimizer keys come from the engine-neutral fields; the section
     keeps DeepSpeed's own keys."""
-    own = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "communication_data_type": "bf16"}
-    settings = EngineSettings(deepspeed=own, **KNOBS)
-    params = {"lr": 0.02, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2, "torch_adam": True}
-    expected = {**own, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+    own = {"bf16": {"immediate_grad_update": True}, "zero_optimization": {"stage": 1}, "communication_data_type": "bf16"}
+    settings = EngineSettings(deepspeed=own, precision="bf16", **KNOBS)
+    params = {"lr": 0.02, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2, "torch_adam": True, "foreach": True}
+    expected = {**own, "bf16": {"immediate_grad_update": True, "enabled": True}, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
                 "gradient_clipping": 0.5, "train_batch_size": 3 * 2 * 4,
                 "optimizer": {"type": "AdamW", "params": params}}
     # torch's AdamW on every accelerator (no JIT build of DeepSpeed's fused Adam)
@@ -372,7 +454,8 @@ def test_generated_deepspeed_config():
     # an explicit train_batch_size is a cross-check; zero_optimization defaults to stage 0
     plain = EngineSettings(deepspeed={"train_batch_size": 6}, **KNOBS)
     assert resolve_deepspeed_config(plain, 1)["zero_optimization"] == {"stage": 0}
-    with pytest.raises(EngineError, match="train_batch_size=6 but micro batch 3 x accumulation 2 x data-parallel size 2"):
+    with pytest.raises(EngineError, match="train_batch_size=6 but training.micro_batch_size 3 x training.gradient_accumulation_steps 2 x "
+                                         "data-parallel size 2"):
         resolve_deepspeed_config(plain, 2)
 
 
@@ -408,13 +491,12 @@ def _check_layout_errors(rank: int, world: int) -> None:
     sharded = groups_for(world, world)
     with pytest.raises(EngineError, match="engine='local' has no data parallelism"):
         build_engine(make_model(0), data_parallel, EngineSettings(engine="local"))
-    with pytest.raises(EngineError, match="use 'hooks'"):
+    with pytest.raises(EngineError, match=r"use 'auto' \(the default"):
         build_engine(make_model(0), sharded, EngineSettings(deepspeed={"zero_optimization": {"stage": 1}},
                                                            model_parallel_grad_reduction="bucketed"))
     with pytest.raises(EngineError, match="bf16 optimizer takes the gradients inside backward"):
-        build_engine(make_model(0), sharded, EngineSettings(deepspeed={"bf16": {"enabled": True}},
-                                                           model_parallel_grad_reduction="bucketed"))
-    with pytest.raises(EngineError, match="use 'hooks'"):
+        build_engine(make_model(0), sharded, EngineSettings(precision="bf16", model_parallel_grad_reduction="bucketed"))
+    with pytest.raises(EngineError, match=r"use 'auto' \(the default"):
         build_engine(make_model(0), sharded, EngineSettings(engine="ddp", compression={},
                                                            model_parallel_grad_reduction="bucketed"))
     with pytest.raises(EngineError, match="train_batch_size=5"):

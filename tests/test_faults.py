@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stormshard.training.checkpoint import latest_checkpoint, list_checkpoints
+from stormshard.checkpoint.format import latest_checkpoint, list_checkpoints
 from stormshard.training.diskspace import DiskSpaceError
 from stormshard.training.launch import run_training
 from tests.test_launch import ROOT, dataset, finish, start_ranks, write_config  # noqa: F401 - dataset is a fixture

@@ -1,7 +1,7 @@
 """GNN block options for anemoi-models' GNN architecture, in float64: ``mlp_hidden_layers`` (MLP
 depth), ``edge_in_channels`` (an MLP embedding of the raw edge attributes) and
 ``aggregate_updated_edges`` (sum of ``e_ji + m_ji``); and the fused, edge-blocked edge MLP
-(``gnn._FusedEdgeMLP``, CPU float32/64) against the plain autograd path it replaced.
+(``gnn_kernels.fused_edge_mlp``, CPU float32/64) against the plain autograd path it replaced.
 
 - the defaults build the same modules (names, shapes) as before the options;
 - each option combination equals its math written out (edge MLP on concatenated ``[x_j, x_i,

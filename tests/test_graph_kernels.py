@@ -230,13 +230,13 @@ def test_gnn_blocks_match_scatter_path(kind, num_chunks, monkeypatch):
 
 
 def test_structure_cache_drops_dead_edge_indices():
-    from stormshard.layers import graph_kernels
+    from stormshard.layers.graph_kernels import cached_structures
 
     edge_index = torch.stack([torch.arange(6) % 4, torch.arange(6) % 3])
     csr_structure(edge_index, 4, 3, 2)
-    key_count = len(graph_kernels._CACHE)
+    key_count = cached_structures()
     del edge_index
-    assert len(graph_kernels._CACHE) == key_count - 1
+    assert cached_structures() == key_count - 1
 
 
 def _gnn_reference(block, x_src, x_dst, attr, edge_index):  # noqa: ANN001

@@ -118,10 +118,10 @@ def test_plan_reproduces_graph(world):
             remote = srcs[(srcs < p.src_offset) | (srcs >= p.src_offset + p.num_src_local)]
             assert torch.equal(p.halo_ids, remote)
             for q, other in enumerate(plans):  # q sends r exactly what r expects from q, in order
-                lo = sum(other.send_splits[:r])
-                sent = other.send_index[lo : lo + other.send_splits[r]] + other.src_offset
-                lo = sum(p.recv_splits[:q])
-                assert torch.equal(sent, p.halo_ids[lo : lo + p.recv_splits[q]])
+                lo = sum(other.send_counts[:r])
+                sent = other.send_index[lo : lo + other.send_counts[r]] + other.src_offset
+                lo = sum(p.recv_counts[:q])
+                assert torch.equal(sent, p.halo_ids[lo : lo + p.recv_counts[q]])
         if world == 1:
             assert plans[0].num_halo == 0 and torch.equal(plans[0].edge_index, edge_index[:, plans[0].edge_ids])
 

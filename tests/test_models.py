@@ -20,10 +20,10 @@ from tests.distributed import run_distributed
 
 VARIABLES = VariableIndex.build(["u", "v", "t", "insolation", "precip"], forcing=["insolation"], diagnostic=["precip"])
 
-CASES = {
-    "transformer-shard_sequence": dict(name="transformer", processor=dict(shard_strategy="shard_sequence")),
-    "transformer-shard_heads": dict(name="transformer", processor=dict(shard_strategy="shard_heads")),
-    "transformer-tensor": dict(name="transformer", processor=dict(shard_strategy="tensor")),
+CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy (parallel.shard_strategy)
+    "transformer-shard_sequence": dict(name="transformer", strategy="shard_sequence"),
+    "transformer-shard_heads": dict(name="transformer", strategy="shard_heads"),
+    "transformer-tensor": dict(name="transformer", strategy="tensor"),
     "graphtransformer": dict(name="graphtransformer", processor=dict(num_chunks=2)),
     "gnn": dict(name="gnn"),
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=3)),
@@ -41,12 +41,15 @@ def _graph(graph_processor: bool):
     return build_graph(cfg)
 
 
-def _config(case: str) -> ModelConfig:
+def _config(case: str) -> tuple[ModelConfig, str]:
+    """The case's model config and shard strategy."""
     spec = dict(CASES[case])
+    strategy = spec.pop("strategy", "shard_sequence")
     proc = dict(num_layers=2, num_heads=12, window_size=9, mlp_ratio=2)
     proc.update(spec.pop("processor", {}))
-    return ModelConfig(num_channels=24, multistep_input=2, trainable_size=3, processor=proc,
-                       encoder=dict(num_heads=2, mlp_ratio=2.0), decoder=dict(num_heads=2, mlp_ratio=1.0), **spec)
+    config = ModelConfig(num_channels=24, multistep_input=2, trainable_size=3, processor=proc,
+                         encoder=dict(num_heads=2, mlp_ratio=2.0), decoder=dict(num_heads=2, mlp_ratio=1.0), **spec)
+    return config, strategy
 
 
 def _run(model, x, noise):
@@ -57,27 +60,29 @@ def _run(model, x, noise):
 # checkpointing, one edge chunk, and the shard_sequence processor in place of shard_heads / tensor
 # (all strategies share parameter names, shapes and initialisation). Cases that are already that
 # reference have no world-1 test: their reference is what the 2-4 rank tests compare against.
-def _reference_case(config: ModelConfig, world: int) -> ModelConfig:
+def _reference_case(config: ModelConfig, strategy: str, world: int) -> tuple[ModelConfig, str]:
     if world > 1:
-        return config
-    processor = config.processor.model_copy(update={"num_chunks": 1, "shard_strategy": "shard_sequence"})
+        return config, strategy
+    processor = config.processor.model_copy(update={"num_chunks": 1})
     return ModelConfig(**{**config.model_dump(), "activation_checkpointing": False,
-                          "processor": processor.model_dump()})
+                          "processor": processor.model_dump()}), "shard_sequence"
 
 
 def _world_one_differs(case: str) -> bool:
-    config = _config(case)
-    return _reference_case(config, 1).model_dump() != config.model_dump()
+    config, strategy = _config(case)
+    ref_config, ref_strategy = _reference_case(config, strategy, 1)
+    return (ref_config.model_dump(), ref_strategy) != (config.model_dump(), strategy)
 
 
 def _check_model(rank, world, case):
-    config = _config(case)
+    config, strategy = _config(case)
     graph = _graph(config.uses_graph_processor)
     group = dist.group.WORLD if world > 1 else None
+    ref_config, ref_strategy = _reference_case(config, strategy, world)
     torch.manual_seed(7)
-    reference = build_model(_reference_case(config, world), graph, VARIABLES, None).double()
+    reference = build_model(ref_config, graph, VARIABLES, None, shard_strategy=ref_strategy).double()
     torch.manual_seed(7)
-    sharded = build_model(config, graph, VARIABLES, group).double()
+    sharded = build_model(config, graph, VARIABLES, group, shard_strategy=strategy).double()
 
     g = torch.Generator().manual_seed(3)
     n_data = graph["data"].num_nodes
@@ -140,14 +145,67 @@ def test_config_errors():
         ModelConfig(num_channels=10, processor=dict(num_heads=4))
     with pytest.raises(ValueError, match="extra_forbidden|Extra inputs"):
         ModelConfig(num_chanels=16)
-    with pytest.raises(ValueError, match="shard_strategy='tensor' applies to the transformer"):
-        ModelConfig(name="gnn", processor=dict(shard_strategy="tensor"))
+    with pytest.raises(ValueError, match="extra_forbidden|Extra inputs"):  # a parallel setting, not a model one
+        ModelConfig(processor=dict(shard_strategy="tensor"))
     with pytest.raises(ValueError, match="forcing variables \\['w'\\] are not in"):
         VariableIndex.build(["u"], forcing=["w"])
 
 
 def test_bad_input_shape():
-    config = _config("transformer-shard_sequence")
+    config, _ = _config("transformer-shard_sequence")
     model = build_model(config, _graph(False), VARIABLES)
     with pytest.raises(ValueError, match="model input has shape"):
         model(torch.zeros(1, 3, 208, 4))
+
+
+# ------------------------------------------------------------------------------------------
+# model.name: built-ins, registered names, "package.module:attribute" builders; model.options
+# ------------------------------------------------------------------------------------------
+
+
+def test_model_name_errors_name_the_field_value_and_fix():
+    cases = [
+        ("transfomer", r"model.name='transfomer' is unknown: name a registered model \(\['ensemble', 'gnn', "
+                       r"'graphtransformer', 'transformer'.*'package.module:function'"),
+        ("no_such_pkg.models:build", r"model.name='no_such_pkg.models:build': module 'no_such_pkg.models' cannot "
+                                     r"be imported \(No module named 'no_such_pkg'\): put it on PYTHONPATH"),
+        ("examples.custom_architecture:buld", "module 'examples.custom_architecture' has no attribute 'buld'"),
+        ("examples.custom_architecture:WORLD", "names a value of type int, not a callable"),
+        ("examples.custom_architecture:GridOptions.from_config", r"cannot be called as builder\(config, graph, "
+                                                                  r"variables, plan\)"),
+        (":build", "is not 'package.module:attribute'"),
+    ]
+    for name, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(name=name)
+
+
+def test_custom_builder_from_config_and_options():
+    from stormshard.models.registry import MODEL_REGISTRY, register_model, resolve_builder
+
+    config = ModelConfig(name="examples.custom_architecture:build", num_channels=8,
+                         options={"num_layers": 1, "num_heads": 2, "window_size": 3})
+    assert config.options == {"num_layers": 1, "num_heads": 2, "window_size": 3} and not config.is_builtin
+    assert ModelConfig(**config.model_dump()) == config  # round-trips (checkpoints store model_dump())
+    model = build_model(config, _graph(False), VARIABLES)
+    assert model.plan.shard_strategy == "shard_sequence" and model.plan.world == 1
+    n = _graph(False)["data"].num_nodes
+    assert model(torch.zeros(2, 2, n, len(VARIABLES.input_names))).shape == (2, n, len(VARIABLES.output_names))
+    with pytest.raises(ValueError, match=r"model.options has unknown keys \['depth'\]"):
+        build_model(ModelConfig(name=config.name, options={"depth": 2}), _graph(False), VARIABLES)
+    # a built-in's size checks do not apply to a custom builder (10 channels, 4 default processor heads)
+    ModelConfig(name=config.name, num_channels=10)
+    with pytest.raises(ValueError, match=r"model.options=\{'num_layers': 1\} is given but model.name='gnn' is a "
+                                         "built-in model"):
+        ModelConfig(name="gnn", options={"num_layers": 1})
+    with pytest.raises(ValueError, match="model.options must be JSON-serialisable"):
+        ModelConfig(name=config.name, options={"x": float("nan")})
+
+    name = "test_models_registered"
+    if name not in MODEL_REGISTRY:
+        register_model(name)(resolve_builder(config.name))
+    assert ModelConfig(name=name).name == name
+    with pytest.raises(ValueError, match="is registered already"):
+        register_model(name)(resolve_builder(config.name))
+    with pytest.raises(ValueError, match="contains ':'"):
+        register_model("a:b")

@@ -21,13 +21,17 @@ from torch import nn
 from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
 from stormshard.layers.checkpointing import ActivationCheckpoint, checkpoint_blocks, unwrap_block
 from stormshard.layers.gnn import GNNProcessorBlock
-from stormshard.layers.parallelize import build_transformer_processor, parallelize_processor
 from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
-from stormshard.models.config import ModelConfig
+from stormshard.models.config import ModelConfig, ProcessorConfig
 from stormshard.models.encoder_processor_decoder import EncoderProcessorDecoder
 from stormshard.models.ensemble import EnsembleEncoderProcessorDecoder
-from stormshard.models.parallelize import check_parallel_strategy, parallelize
+from stormshard.models.parallelize import (
+    build_transformer_processor,
+    check_parallel_strategy,
+    parallelize,
+    parallelize_processor,
+)
 from stormshard.models.registry import build_model
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.models.variables import VariableIndex
@@ -45,16 +49,17 @@ def _graph(graph_processor: bool):
     return build_graph(GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4)))
 
 
-def _config(name: str, strategy: str = "shard_sequence", checkpointing: bool = True, heads: int = 6) -> ModelConfig:
+def _config(name: str, checkpointing: bool = True, heads: int = 6) -> ModelConfig:
     return ModelConfig(name=name, num_channels=12, multistep_input=1, trainable_size=2,
-                       processor=dict(num_layers=2, num_heads=heads, window_size=5, mlp_ratio=2,
-                                      shard_strategy=strategy),
+                       processor=dict(num_layers=2, num_heads=heads, window_size=5, mlp_ratio=2),
                        encoder=dict(num_heads=2), decoder=dict(num_heads=2), activation_checkpointing=checkpointing)
 
 
-def _unparallelized(config: ModelConfig, group) -> nn.Module:  # noqa: ANN001
+def _unparallelized(config: ModelConfig, strategy: str, group) -> nn.Module:  # noqa: ANN001
     cls = EnsembleEncoderProcessorDecoder if config.name == "ensemble" else EncoderProcessorDecoder
-    return cls(config, _graph(config.uses_graph_processor), VARIABLES, group)
+    graph = _graph(config.uses_graph_processor)
+    plan = ModelShardPlan.build(graph, group, processor_graph=config.uses_graph_processor, shard_strategy=strategy)
+    return cls(config, graph, VARIABLES, plan)
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,11 +159,12 @@ def test_parallelize_processor_order_and_idempotence():
                                            ("graphtransformer", "shard_sequence"), ("gnn", "shard_sequence"),
                                            ("ensemble", "shard_sequence")])
 def test_build_model_keeps_state_dict_keys(name, strategy):
-    config = _config(name, strategy)
+    config = _config(name)
     torch.manual_seed(5)
-    before = _unparallelized(config, None)
+    before = _unparallelized(config, strategy, None)
     torch.manual_seed(5)
-    after = build_model(config, _graph(config.uses_graph_processor), VARIABLES)
+    after = build_model(config, _graph(config.uses_graph_processor), VARIABLES, shard_strategy=strategy)
+    assert after.plan.shard_strategy == strategy
     assert list(after.state_dict()) == list(before.state_dict())
     assert [n for n, _ in after.named_parameters()] == [n for n, _ in before.named_parameters()]
     for key, value in before.state_dict().items():
@@ -177,11 +183,11 @@ def test_build_model_keeps_state_dict_keys(name, strategy):
 
 def _sliced_state_dict_equals_full(rank, world):
     group = dist.group.WORLD
-    config = _config("transformer", "tensor", heads=world * 2)
+    config = _config("transformer", heads=world * 2)
     torch.manual_seed(5)
-    before = _unparallelized(config, group)
+    before = _unparallelized(config, "tensor", group)
     torch.manual_seed(5)
-    after = build_model(config, _graph(False), VARIABLES, group)
+    after = build_model(config, _graph(False), VARIABLES, group, shard_strategy="tensor")
     assert list(after.state_dict()) == list(before.state_dict())
     full = full_state_dict(after, group)
     for key, value in before.state_dict().items():
@@ -198,17 +204,38 @@ def test_tensor_parallelize_slices_the_same_model(world):
 
 def _strategy_errors(rank, world):
     group = dist.group.WORLD
-    plan = ModelShardPlan.build(_graph(False), group, processor_graph=False)
-    for strategy in ("tensor", "shard_heads"):
-        with pytest.raises(ValueError, match=rf"model.processor.shard_strategy='{strategy}' over a model group of 3 "
-                                             r"ranks: .*num_heads=4 .*divisible by the .*group size 3"):
-            check_parallel_strategy(_config("transformer", strategy, heads=4), plan)
-    check_parallel_strategy(_config("transformer", "shard_sequence", heads=4), plan)  # any head count
+    for strategy in ("tensor", "shard_heads"):  # raised by build_model before anything is built
+        with pytest.raises(ValueError, match=r"model.processor.num_heads=4 is not divisible by "
+                                             rf"parallel.gpus_per_model=3: parallel.shard_strategy='{strategy}' splits"):
+            build_model(_config("transformer", heads=4), _graph(False), VARIABLES, group, shard_strategy=strategy)
+    plan = ModelShardPlan.build(_graph(False), group, processor_graph=False, shard_strategy="shard_heads")
+    with pytest.raises(ValueError, match="model.processor.num_heads=4 is not divisible"):  # parallelize checks too
+        parallelize(nn.Module(), _config("transformer", heads=4), plan)
+    build_model(_config("transformer", heads=4), _graph(False), VARIABLES, group)  # shard_sequence: any head count
     return True
 
 
 def test_strategy_errors():
-    with pytest.raises(ValueError, match="model.name='ensemble' supports processor.shard_strategy 'shard_sequence' or "
-                                         "'shard_heads', not 'tensor'"):
-        build_model(_config("ensemble", "tensor"), _graph(False), VARIABLES)
+    """One check (plan-free: no process group needed), naming parallel.shard_strategy, the value and the fix."""
+    cases = [
+        (_config("ensemble"), "tensor", 1, "parallel.shard_strategy='tensor' does not apply to model.name='ensemble'"),
+        (_config("gnn"), "shard_heads", 1, "parallel.shard_strategy='shard_heads' applies to the sliding-window "
+                                           "transformer processor only; model.name='gnn'"),
+        (_config("graphtransformer"), "tensor", 2, "set parallel.shard_strategy='shard_sequence'"),
+        (_config("transformer"), "ring", 1, r"parallel.shard_strategy='ring' is unknown: choose one of "
+                                            r"\('shard_sequence', 'shard_heads', 'tensor'\)"),
+        (_config("transformer", heads=4), "shard_heads", 3, "model.processor.num_heads=4 is not divisible by "
+                                                             "parallel.gpus_per_model=3"),
+        # unreachable through a validated config (heads divide the channels): built unvalidated
+        (ModelConfig.model_construct(num_channels=9, processor=ProcessorConfig(num_heads=2, mlp_ratio=1)), "tensor",
+         2, r"model.processor.mlp_ratio \* model.num_channels = 9 is not divisible by parallel.gpus_per_model=2"),
+    ]
+    for config, strategy, k, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_parallel_strategy(config, strategy, k)
+    for strategy in ("shard_sequence", "shard_heads", "tensor"):
+        check_parallel_strategy(_config("transformer"), strategy, 3)  # 6 heads, 24 MLP channels
+    check_parallel_strategy(_config("gnn"), "shard_sequence", 5)
+    with pytest.raises(ValueError, match="parallel.shard_strategy='tensor' does not apply to model.name='ensemble'"):
+        build_model(_config("ensemble"), _graph(False), VARIABLES, shard_strategy="tensor")
     assert all(run_distributed(_strategy_errors, 3))

@@ -92,7 +92,7 @@ def test_quickstart_loss_curve_unchanged(name, datasets, tmp_path):
     if machine() == golden["machine"]:
         assert [x.hex() for x in got] == golden["losses"][name], (got, expected)
     else:
-        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, expected)), (got, expected)
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, expected, strict=True)), (got, expected)
 
 
 if __name__ == "__main__" and "--record" in sys.argv:

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from stormshard.layers.checkpointing import ActivationCheckpoint, checkpoint_blocks
-from stormshard.layers.parallelize import build_transformer_processor
 from stormshard.layers.tensor_parallel import (
     TensorParallelMLP,
     TensorParallelSlidingWindowAttention,
     TensorParallelTransformerBlock,
 )
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
+from stormshard.models.parallelize import build_transformer_processor
 from stormshard.parallel.comm import all_gather_along
 from stormshard.parallel.counter import CommCounter
 from stormshard.parallel.grads import reduce_model_parallel_gradients

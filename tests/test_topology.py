@@ -91,7 +91,7 @@ def test_bad_layouts(kwargs, fragment):
 def test_bad_batch_arithmetic():
     with pytest.raises(LayoutError, match="micro_batch must be a positive integer"):
         batch_arithmetic(micro_batch=0, world_size=2)
-    with pytest.raises(LayoutError, match="world_size=6 is not a multiple of the model-parallel size 4"):
+    with pytest.raises(LayoutError, match="world_size=6 is not a multiple of gpus_per_model=4"):  # ParallelLayout's rule
         batch_arithmetic(micro_batch=1, world_size=6, gpus_per_model=4)
 
 

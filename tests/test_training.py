@@ -85,6 +85,19 @@ def test_resume_equals_uninterrupted(dataset, tmp_path):
                     resumed_dir / "checkpoints" / "step_00000002")
     resumed = run_distributed(_train, 2, _config(dataset, resumed_dir, **changes), True)[0][0]
     assert resumed == full[2:]
+    # a checkpoint of an earlier release stores the old spellings of the strategy and precision:
+    # --resume reads them into their one home and resumes the same curve
+    old_dir = tmp_path / "old_spellings"
+    step = old_dir / "checkpoints" / "step_00000002"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_00000002", step)
+    metadata = json.loads((step / "metadata.json").read_text())
+    stored = metadata["config"]
+    stored["parallel"]["shard_strategy"] = None
+    stored["model"]["processor"]["shard_strategy"] = "shard_sequence"
+    stored["deepspeed"]["bf16"] = {"enabled": False}
+    (step / "metadata.json").write_text(json.dumps(metadata))
+    old = run_distributed(_train, 2, _config(dataset, old_dir, **changes), True)[0][0]
+    assert old == full[2:]
 
 
 def test_resume_without_checkpoint_fails_before_anything_is_created(dataset, tmp_path):
@@ -186,7 +199,8 @@ BAD = [
     ({"graph.hidden": "cube7"}, "hidden='cube7'"),
     ({"engine": "horovod"}, "engine"),
     ({"model.name": "ensemble"}, "at least 2 members"),
-    ({"parallel.shard_strategy": "tensor", "model.processor.shard_strategy": "shard_heads"}, "disagree"),
+    ({"parallel.shard_strategy": "tensor", "model.processor.shard_strategy": "shard_heads"},
+     "model.processor.shard_strategy='shard_heads' (deprecated) and parallel.shard_strategy='tensor' disagree"),
 ]
 
 

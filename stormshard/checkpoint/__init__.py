@@ -1,4 +1,6 @@
-"""Checkpoint conversion driven by partition metadata: consolidate, reshard, export, inspect."""
+"""Checkpoints below training: the on-disk format (:mod:`stormshard.checkpoint.format`), the stored
+config's sections (:mod:`stormshard.checkpoint.stored_config`), and conversion driven by partition
+metadata: consolidate, reshard, export, inspect. Nothing here imports :mod:`stormshard.training`."""
 
 from __future__ import annotations
 

@@ -28,10 +28,19 @@ refuses it with an error naming the stage and the fix.
 
 The consolidated checkpoint on disk (:func:`save_consolidated`)::
 
-    <out>/metadata.json     format "stormshard-consolidated", step, config, source layout, parameters
+    <out>/metadata.json     format "stormshard-consolidated", version 2, step, config, source layout,
+                            parameters, files (size and sha256 of the others)
     <out>/model.safetensors full tensors, the keys and shapes of the single-process model
     <out>/optimizer.pt      {"param_groups": [...], "state": {name: {"step", "exp_avg", ...}}} (if any)
     <out>/trainer.pt        scheduler, engine counters, per-replica data position and RNG states
+
+``optimizer.pt`` and ``trainer.pt`` hold tensors plus a JSON skeleton
+(:mod:`stormshard.checkpoint.state_codec`, ``torch.load(weights_only=True)``); version 1 pickled
+them and is read only by ``convert_checkpoint.py upgrade``.
+
+Conversion never writes into its source: ``--out`` equal to or inside the source, or (with
+``--overwrite``) a source inside ``--out``, is refused before anything is read or written
+(:func:`check_output_path`).
 """
 
 from __future__ import annotations
@@ -49,6 +58,18 @@ import torch
 from torch import Tensor
 
 from stormshard.checkpoint.errors import ConversionError, check_metadata
+from stormshard.checkpoint.format import FORMAT_VERSION as TRAINING_FORMAT
+from stormshard.checkpoint.format import (
+    METADATA,
+    PICKLED_FORMAT,
+    CheckpointError,
+    latest_checkpoint,
+    pickled_format_error,
+    rank_name,
+    read_metadata,
+)
+from stormshard.checkpoint.integrity import FILES, checkpoint_problems, file_problems, record_files
+from stormshard.checkpoint.state_codec import read_state_file, write_state_file
 from stormshard.checkpoint.zero import (
     flat_master_extras,
     is_flat_master_state,
@@ -59,23 +80,25 @@ from stormshard.checkpoint.zero import (
 )
 from stormshard.parallel.partition import Partition
 from stormshard.parallel.topology import ParallelLayout
-from stormshard.training.checkpoint import FORMAT_VERSION as TRAINING_FORMAT
-from stormshard.training.checkpoint import METADATA, latest_checkpoint
+from stormshard.progress import note as progress_note
+from stormshard.progress import phase
 
 __all__ = [
     "CONSOLIDATED_FORMAT",
     "ConsolidatedCheckpoint",
     "resolve_checkpoint",
-    "read_metadata",
+    "checked_metadata",
     "load_rank_payloads",
     "consolidate_checkpoint",
     "save_consolidated",
     "load_consolidated",
     "load_any",
     "atomic_directory",
+    "check_output_path",
 ]
 
 CONSOLIDATED_FORMAT = "stormshard-consolidated"
+CONSOLIDATED_VERSION = 2  # 1: optimizer.pt / trainer.pt pickled (read only by `convert_checkpoint.py upgrade`)
 _ZERO_FIX = ("re-run (or resume) the source for one step with deepspeed.zero_optimization.stage=0 to get a "
              "convertible optimizer state, or use `consolidate`/`export`, which keep the weights")
 
@@ -113,17 +136,21 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
                           fix="pass a step_NNNNNNNN directory or the run's checkpoints directory")
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
+def checked_metadata(path: Path) -> dict[str, Any]:
+    """The ``metadata.json`` of a training or consolidated checkpoint; foreign, missing or mistyped keys
+    are named here (:func:`~stormshard.checkpoint.errors.check_metadata`), not met later as KeyError."""
     try:
-        meta = json.loads((path / METADATA).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{path / METADATA} cannot be read: {exc}", fix="the checkpoint is damaged") from None
-    # foreign, missing or mistyped keys are named here, not met later as KeyError / TypeError
+        meta = read_metadata(path)
+    except CheckpointError as exc:
+        raise ConversionError(str(exc)) from None
+    if isinstance(meta, dict) and (meta.get("format") == PICKLED_FORMAT or meta.get("format") ==
+                                   CONSOLIDATED_FORMAT and meta.get("version") == 1):
+        raise ConversionError(str(pickled_format_error(path)))
     return check_metadata(meta, str(path / METADATA), CONSOLIDATED_FORMAT, TRAINING_FORMAT)
 
 
 def _rank_file(path: Path, rank: int) -> Path:
-    return path / f"rank_{rank:05d}.pt"
+    return path / f"{rank_name(rank)}.pt"
 
 
 def load_rank_payloads(path: Path, metadata: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -136,15 +163,19 @@ def load_rank_payloads(path: Path, metadata: Mapping[str, Any]) -> list[dict[str
     expected = {_rank_file(path, r).name for r in range(world)}
     problems += [f"{name}: missing (world_size {world})" for name in sorted(expected - present)]
     problems += [f"{name}: extra rank file (world_size is {world})" for name in sorted(present - expected)]
+    recorded = checkpoint_problems(path, contents=True) if isinstance(metadata.get(FILES), dict) else []
+    missing = {str(path / name) for name in expected - present}  # listed above
+    problems += [p.removeprefix(f"{path}/") for p in recorded if p.split(": ")[0] not in missing]
     payloads: list[dict[str, Any]] = []
     for r in range(world):
         f = _rank_file(path, r)
         if not f.is_file():
             continue
+        progress_note(f"checkpoint: reading {f.name} ({r + 1}/{world})", throttle=True)
         try:
-            payload = torch.load(f, map_location="cpu", weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
-            problems.append(f"{f.name}: unreadable ({type(exc).__name__}: {str(exc)[:120]}): corrupted or truncated")
+            payload = read_state_file(f)
+        except CheckpointError as exc:
+            problems.append(f"{f.name}: unreadable: {str(exc).removeprefix(str(f)).strip()}")
             continue
         if not isinstance(payload, dict) or payload.get("rank") != r or payload.get("step") != metadata["step"]:
             got = (payload.get("rank"), payload.get("step")) if isinstance(payload, dict) else type(payload).__name__
@@ -244,17 +275,18 @@ def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
     replicas that disagree); nothing is written.
     """
     src = resolve_checkpoint(path)
-    metadata = read_metadata(src)
+    metadata = checked_metadata(src)
     if metadata.get("format") == CONSOLIDATED_FORMAT:
         raise ConversionError(f"{src} is already consolidated", fix="pass it to reshard or export directly")
-    payloads = load_rank_payloads(src, metadata)
+    with phase(f"checkpoint: read {metadata['world_size']} rank file(s) of {src}"):
+        payloads = load_rank_payloads(src, metadata)
     layout = ParallelLayout(**metadata["layout"])
     tables = [{row["name"]: row for row in rank["parameters"]} for rank in metadata["ranks"]]
     engines = [p["state"]["engine"] for p in payloads]
     problems: list[str] = []
     for r, (table, eng) in enumerate(zip(tables, engines, strict=True)):
         _check_local(r, table, eng["module"], problems)
-        _check_safetensors(src / f"rank_{r:05d}.safetensors", eng["module"], problems)
+        _check_safetensors(src / f"{rank_name(r)}.safetensors", eng["module"], problems)
     if problems:
         raise ConversionError(f"checkpoint {src} does not match its own metadata:", problems,
                               fix="the checkpoint is damaged: convert an intact one")
@@ -414,6 +446,27 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
 # --------------------------------------------------------------------------------------------
 
 
+def check_output_path(source: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> None:
+    """Conversion never writes into its source: ``out`` equal to or inside ``source`` (the path given
+    and the checkpoint it resolves to), or with ``overwrite`` a ``source`` inside ``out``, is a
+    :class:`ConversionError` before anything is read or written."""
+    target = Path(out).resolve()
+    given = Path(source).resolve()
+    sources = {given}
+    try:
+        sources.add(resolve_checkpoint(given).resolve())
+    except ConversionError:
+        pass
+    for src in sorted(sources):
+        if target == src or src in target.parents:
+            raise ConversionError(f"--out {out} is {'the source' if target == src else 'inside the source'} "
+                                  f"{src}: conversion never writes into its source",
+                                  fix="choose an --out outside the checkpoint being converted")
+        if overwrite and target in src.parents:
+            raise ConversionError(f"--out {out} holds the source {src}, and --overwrite would replace it",
+                                  fix="choose an --out that does not contain the checkpoint being converted")
+
+
 class atomic_directory:  # noqa: N801 - used as a context manager
     """``with atomic_directory(out) as tmp:`` write into ``tmp``; on success it is renamed to
     ``out`` (which must not exist unless ``overwrite``); on an exception it is deleted."""
@@ -460,7 +513,7 @@ def save_safetensors(tensors: Mapping[str, Tensor], path: Path, metadata: Mappin
 def save_consolidated(ckpt: ConsolidatedCheckpoint, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Write ``ckpt`` as a consolidated checkpoint directory (atomically: temp dir, then rename)."""
     meta = {
-        "format": CONSOLIDATED_FORMAT, "version": 1, "step": ckpt.step, "time": time.time(),
+        "format": CONSOLIDATED_FORMAT, "version": CONSOLIDATED_VERSION, "step": ckpt.step, "time": time.time(),
         "config": ckpt.config, "source_layout": ckpt.source_layout,
         "parameters": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                        for n, t in ckpt.model.items()],
@@ -469,8 +522,9 @@ def save_consolidated(ckpt: ConsolidatedCheckpoint, out: str | os.PathLike, over
     with atomic_directory(out, overwrite) as tmp:
         save_safetensors(ckpt.model, tmp / "model.safetensors", {"step": str(ckpt.step)})
         if ckpt.optimizer is not None:
-            torch.save(ckpt.optimizer, tmp / "optimizer.pt")
-        torch.save({"engine": ckpt.engine, "replicas": ckpt.replicas}, tmp / "trainer.pt")
+            write_state_file(ckpt.optimizer, tmp / "optimizer.pt")
+        write_state_file({"engine": ckpt.engine, "replicas": ckpt.replicas}, tmp / "trainer.pt")
+        meta[FILES] = record_files(sorted(tmp.iterdir()))
         (tmp / METADATA).write_text(json.dumps(meta, indent=1))
     return Path(out)
 
@@ -480,15 +534,19 @@ def load_consolidated(path: str | os.PathLike) -> ConsolidatedCheckpoint:
     from safetensors.torch import load_file
 
     p = Path(path)
-    meta = read_metadata(p)
+    meta = checked_metadata(p)
     if meta.get("format") != CONSOLIDATED_FORMAT:
         raise ConversionError(f"{p} is not a consolidated checkpoint (format {meta.get('format')!r})")
+    damaged = file_problems(p, meta[FILES]) if isinstance(meta.get(FILES), dict) else []
+    if damaged:
+        raise ConversionError(f"the consolidated checkpoint {p} is damaged:", damaged,
+                              fix="consolidate the training checkpoint again")
     try:
         model = load_file(str(p / "model.safetensors"))
-        optimizer = torch.load(p / "optimizer.pt", weights_only=False) if meta["optimizer"] else None
-        trainer = torch.load(p / "trainer.pt", weights_only=False)
-    except Exception as exc:  # noqa: BLE001
-        raise ConversionError(f"{p}: a file cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
+        optimizer = read_state_file(p / "optimizer.pt") if meta["optimizer"] else None
+        trainer = read_state_file(p / "trainer.pt")
+    except Exception as exc:  # noqa: BLE001 - a damaged file, named by the reader or here
+        raise ConversionError(f"{p}: a file cannot be read ({type(exc).__name__}: {str(exc)[:240]})",
                               fix="the consolidated checkpoint is damaged: consolidate again") from None
     problems = []
     want = {row["name"]: row["shape"] for row in meta["parameters"]}
@@ -505,6 +563,6 @@ def load_consolidated(path: str | os.PathLike) -> ConsolidatedCheckpoint:
 def load_any(path: str | os.PathLike) -> ConsolidatedCheckpoint:
     """A consolidated checkpoint, or a training checkpoint consolidated on the fly."""
     src = resolve_checkpoint(path)
-    if read_metadata(src).get("format") == CONSOLIDATED_FORMAT:
+    if checked_metadata(src).get("format") == CONSOLIDATED_FORMAT:
         return load_consolidated(src)
     return consolidate_checkpoint(src)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stormshard.training.checkpoint import CheckpointError
+from stormshard.checkpoint.format import CheckpointError
 
 __all__ = ["ConversionError", "check_metadata"]
 

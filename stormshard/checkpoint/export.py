@@ -4,8 +4,9 @@ Layout of a bundle directory (written atomically: temp dir, then rename)::
 
     <bundle>/
       metadata.json      format "stormshard-bundle"; step; the model config; the experiment config
-                         it was trained with; variable roles (dataset order, forcing, diagnostic);
-                         normalisation methods; timestep; the parameter table
+                         it was trained with (as stored in the checkpoint: its parallel section holds
+                         the processor shard strategy); variable roles (dataset order, forcing,
+                         diagnostic); normalisation methods; timestep; the parameter table
       model.safetensors  full (single-process) weights
       statistics.json    per dataset variable: mean, stdev, minimum, maximum
       graph.pt           the graph (stormshard.graphs.builder.save_graph format)
@@ -27,20 +28,28 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch_geometric.data import HeteroData
 
-from stormshard.checkpoint.consolidate import atomic_directory, load_any, resolve_checkpoint, save_safetensors
+from stormshard.checkpoint.consolidate import (
+    atomic_directory,
+    check_output_path,
+    load_any,
+    resolve_checkpoint,
+    save_safetensors,
+)
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.groups import model_on_meta
 from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
+from stormshard.checkpoint.stored_config import stored_model_config, stored_shard_strategy
 from stormshard.data.anemoi_layout import Statistics
 from stormshard.data.normalisation import Normaliser
 from stormshard.graphs.builder import load_graph
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
-__all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model", "build_normalisers"]
+__all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model", "build_normalisers",
+           "bundle_shard_strategy"]
 
 BUNDLE_FORMAT = "stormshard-bundle"
 _STATS = ("mean", "stdev", "minimum", "maximum")
@@ -56,7 +65,7 @@ class InferenceModel:
     normaliser: Normaliser  # over variables.input_names
     output_normaliser: Normaliser  # over variables.output_names
     variables: VariableIndex
-    graph: HeteroData
+    graph: HeteroGraph
     config: ModelConfig
     timestep: str | None
     metadata: dict[str, Any]
@@ -75,18 +84,21 @@ class InferenceModel:
 
 def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
                   graph: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
-    """Write an inference bundle from a training or consolidated checkpoint (any layout)."""
+    """Write an inference bundle from a training or consolidated checkpoint (any layout); never into
+    the source (:func:`~stormshard.checkpoint.consolidate.check_output_path`)."""
+    check_output_path(source, out, overwrite)
     ckpt = load_any(source)
     src = model_sources(ckpt.config, resolve_checkpoint(source), dataset, graph)
     cfg = src.config
-    problems = state_differences(ckpt.model, full_shapes(model_on_meta(cfg.model, src.graph, src.variables, 0, 1)))
+    target = model_on_meta(cfg.model, cfg.shard_strategy, src.graph, src.variables, 0, 1)
+    problems = state_differences(ckpt.model, full_shapes(target))
     if problems:
         raise ConversionError(f"{source} does not match the model of its config:", problems,
                               fix="export with the config, dataset and graph the checkpoint was trained with")
     ds, v = src.dataset, src.variables
     meta = {
         "format": BUNDLE_FORMAT, "version": 1, "step": ckpt.step, "time": time.time(), "source": str(source),
-        "model": cfg.model.model_dump(mode="json"), "experiment": cfg.model_dump(mode="json"),
+        "model": cfg.model.model_dump(mode="json"), "experiment": cfg.raw,
         "variables": {"dataset": list(v.variables), "forcing": list(v.forcing), "diagnostic": list(v.diagnostic)},
         "normalisation": {"default": cfg.data.normalisation, "methods": dict(cfg.data.normalisation_methods)},
         "timestep": cfg.data.timestep, "dataset": {"path": str(ds.path), "resolution": ds.resolution},
@@ -121,10 +133,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> I
     except Exception as exc:  # noqa: BLE001
         raise ConversionError(f"{p}: a bundle file cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
                               fix="the bundle is damaged: export it again") from None
-    config = ModelConfig(**meta["model"])
+    config = stored_model_config(meta["model"])
     roles = meta["variables"]
     variables = VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"])
-    model = build_model(config, graph, variables, None)
+    model = build_model(config, graph, variables, None, shard_strategy=bundle_shard_strategy(meta))
     problems = state_differences(weights, full_shapes(model))
     if problems:
         raise ConversionError(f"{p}/model.safetensors does not match the model:", problems)
@@ -136,6 +148,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> I
         model=model, normaliser=normaliser, output_normaliser=output_normaliser,
         variables=variables, graph=graph, config=config, timestep=meta.get("timestep"), metadata=meta,
     )
+
+
+def bundle_shard_strategy(meta: dict[str, Any]) -> str:
+    """The processor shard strategy a bundle's model trained with (its stored experiment config)."""
+    return stored_shard_strategy(meta.get("experiment") or {"model": meta["model"]})
 
 
 def build_normalisers(statistics: Statistics, variables: VariableIndex,

@@ -3,7 +3,8 @@
 
 Which parameters are sliced, and how, is decided by the model's own layers (they attach a
 :class:`~stormshard.parallel.partition.Partition`); building the target model is the only way to
-learn it that does not guess from parameter names.
+learn it that does not guess from parameter names. The processor shard strategy is passed next to
+the :class:`~stormshard.models.config.ModelConfig` (a parallel setting, stored apart from it).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch_geometric.data import HeteroData
 
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.format import parameter_table
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
-from stormshard.training.checkpoint import parameter_table
 
 __all__ = ["fake_model_group", "model_on_meta", "target_tables"]
 
@@ -46,13 +47,15 @@ def fake_model_group(rank: int, size: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def model_on_meta(config: ModelConfig, graph: HeteroData, variables: VariableIndex, rank: int, size: int) -> nn.Module:
+def model_on_meta(config: ModelConfig, shard_strategy: str, graph: HeteroGraph, variables: VariableIndex, rank: int,
+                  size: int) -> nn.Module:
     """Rank ``rank``'s shard of the model for a model group of ``size`` ranks, on the meta device."""
     with fake_model_group(rank, size) as group, torch.device("meta"):
-        return build_model(config, graph, variables, group)
+        return build_model(config, graph, variables, group, shard_strategy=shard_strategy)
 
 
-def target_tables(config: ModelConfig, graph: HeteroData, variables: VariableIndex, size: int) -> list[list[dict]]:
-    """Parameter tables (see :func:`~stormshard.training.checkpoint.parameter_table`) of the ``size``
+def target_tables(config: ModelConfig, shard_strategy: str, graph: HeteroGraph, variables: VariableIndex,
+                  size: int) -> list[list[dict]]:
+    """Parameter tables (see :func:`~stormshard.checkpoint.format.parameter_table`) of the ``size``
     ranks of one model group."""
-    return [parameter_table(model_on_meta(config, graph, variables, r, size)) for r in range(size)]
+    return [parameter_table(model_on_meta(config, shard_strategy, graph, variables, r, size)) for r in range(size)]

@@ -8,8 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stormshard.checkpoint.consolidate import CONSOLIDATED_FORMAT, read_metadata, resolve_checkpoint
+from stormshard.checkpoint.consolidate import CONSOLIDATED_FORMAT, checked_metadata, resolve_checkpoint
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.stored_config import stored_shard_strategy
 
 __all__ = ["inspect_checkpoint", "format_inspection", "human_bytes"]
 
@@ -46,11 +47,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         params = [{"name": r["name"], "shape": r["shape"], "full_shape": r["shape"], "partition": None}
                   for r in meta["parameters"]]
         kind, layout, world = "inference bundle", {"world_size": 1, "gpus_per_model": 1}, 1
-        model = meta["model"]
+        model, experiment = meta["model"], meta.get("experiment") or {"model": meta["model"]}
     else:
         p = resolve_checkpoint(p)
-        meta = read_metadata(p)
-        model = meta.get("config", {}).get("model", {})
+        meta = checked_metadata(p)
+        experiment = meta.get("config", {})
+        model = experiment.get("model", {})
         if meta.get("format") == CONSOLIDATED_FORMAT:
             kind, layout, world = "consolidated", {"world_size": 1, "gpus_per_model": 1}, 1
             params = [{"name": r["name"], "shape": r["shape"], "full_shape": r["shape"], "partition": None,
@@ -65,7 +67,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     files = _files(p)
     return {
         "path": str(p), "kind": kind, "step": meta.get("step"), "world_size": world, "layout": layout,
-        "model": {"name": model.get("name"), "shard_strategy": (model.get("processor") or {}).get("shard_strategy"),
+        "model": {"name": model.get("name"), "shard_strategy": stored_shard_strategy(experiment),
                   "num_channels": model.get("num_channels")},
         "engine": meta.get("config", {}).get("engine") if kind == "training" else None,
         "zero_stage": ((meta.get("config", {}).get("deepspeed") or {}).get("zero_optimization") or {}).get("stage")

@@ -1,14 +1,17 @@
 """Reshard a checkpoint to another layout (``gpus_per_model`` K, shard strategy S): a training
 checkpoint from which ``launch/train.py --resume`` continues on ``K x replicas`` processes.
 
-Steps: consolidate (or read a consolidated checkpoint), rewrite the config's ``parallel`` section
-(and ``model.processor.shard_strategy``), lay out the target model rank by rank on the meta device
-(the layers say which parameters they slice, see :mod:`stormshard.checkpoint.groups`), check the
-full tensors against it (missing, extra, wrong shapes: one error lists them), slice weights and
-AdamW moments along each target partition, and write the per-rank files of
-:mod:`stormshard.training.checkpoint` (``rank_NNNNN.pt`` with the engine state, data position
-and RNG; ``rank_NNNNN.safetensors``; ``metadata.json``; ``latest``) into a temporary directory that
-is renamed at the end: nothing is written on failure.
+Steps: consolidate (or read a consolidated checkpoint), rewrite the stored config's ``parallel``
+section (:func:`retarget_config`: plain JSON, checked below training: the model and graph sections,
+the strategy over the new model group, the layout), lay out the target model rank by rank on the
+meta device (the layers say which parameters they slice, see :mod:`stormshard.checkpoint.groups`),
+check the full tensors against it (missing, extra, wrong shapes: one error lists them), slice
+weights and AdamW moments along each target partition, and write the per-rank files of the
+checkpoint format (:mod:`stormshard.checkpoint.format`: ``rank_NNNNN.pt`` with the engine state,
+data position and RNG, as tensors plus JSON; ``rank_NNNNN.safetensors``; ``metadata.json`` with
+each file's sha256; ``latest``) into a temporary
+directory that is renamed at the end: nothing is written on failure. The written config holds the
+strategy as ``parallel.shard_strategy`` (an old ``model.processor.shard_strategy`` is dropped).
 
 The number of data-parallel replicas stays the same (the data position is per replica); the
 engine and its precision stay the same. Supported engine states: ``local`` and ``ddp`` (fp32 or
@@ -26,54 +29,71 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from stormshard.checkpoint.consolidate import (
     ConsolidatedCheckpoint,
     atomic_directory,
+    check_output_path,
     load_any,
     resolve_checkpoint,
     save_safetensors,
 )
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.format import (
+    FORMAT_VERSION,
+    LATEST,
+    METADATA,
+    parameter_table,
+    rank_name,
+    step_name,
+)
 from stormshard.checkpoint.groups import model_on_meta
+from stormshard.checkpoint.integrity import FILES, record_files
 from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
+from stormshard.checkpoint.state_codec import write_state_file
+from stormshard.checkpoint.stored_config import StoredConfig, stored_layout, stored_shard_strategy
 from stormshard.checkpoint.zero import flatten_flat_master, flatten_zero
+from stormshard.models.parallelize import check_parallel_strategy
 from stormshard.parallel.partition import Partition, get_partition
+from stormshard.parallel.shard import SHARD_STRATEGIES
 from stormshard.parallel.tensor import slice_partition
-from stormshard.parallel.topology import LayoutError
-from stormshard.training.checkpoint import FORMAT_VERSION, LATEST, METADATA, parameter_table
-from stormshard.training.config import ExperimentConfig
+from stormshard.progress import note
 
-__all__ = ["retarget_config", "reshard_checkpoint", "STRATEGIES"]
-
-STRATEGIES = ("shard_sequence", "shard_heads", "tensor")
+__all__ = ["retarget_config", "reshard_checkpoint"]
 
 
-def retarget_config(config: dict[str, Any], gpus_per_model: int, shard_strategy: str | None) -> ExperimentConfig:
-    """The stored config with ``parallel.gpus_per_model`` (and the strategy) replaced, validated."""
+def retarget_config(config: Mapping[str, Any], gpus_per_model: int, shard_strategy: str | None) -> StoredConfig:
+    """The stored experiment config ``config`` for ``gpus_per_model`` ranks per model and processor
+    strategy ``shard_strategy`` (None: the stored one), written as ``parallel.gpus_per_model`` and
+    ``parallel.shard_strategy``; validated: its sections, and the strategy over the new group size."""
     if isinstance(gpus_per_model, bool) or not isinstance(gpus_per_model, int) or gpus_per_model < 1:
         raise ConversionError(f"--gpus-per-model must be a positive integer, got {gpus_per_model!r}")
-    if shard_strategy is not None and shard_strategy not in STRATEGIES:
-        raise ConversionError(f"--shard-strategy {shard_strategy!r} is unknown: use one of {STRATEGIES}")
-    raw = json.loads(json.dumps(config))
-    par = dict(raw.get("parallel", {}))
+    if shard_strategy is not None and shard_strategy not in SHARD_STRATEGIES:
+        raise ConversionError(f"--shard-strategy {shard_strategy!r} is unknown: use one of {SHARD_STRATEGIES}")
+    raw = json.loads(json.dumps(dict(config)))
+    strategy = shard_strategy or stored_shard_strategy(raw)
+    par = dict(raw.get("parallel") or {})
     par["gpus_per_model"] = gpus_per_model
-    par["tensor_model_parallel_size"] = None
+    par.pop("tensor_model_parallel_size", None)  # an old spelling of gpus_per_model (and "tensor")
     if par.get("read_group_size") is not None and gpus_per_model % par["read_group_size"]:
         par["read_group_size"] = None
-    if shard_strategy is not None:
-        par["shard_strategy"] = shard_strategy
-        raw["model"]["processor"]["shard_strategy"] = shard_strategy
+    par["shard_strategy"] = strategy
     raw["parallel"] = par
+    processor = (raw.get("model") or {}).get("processor")
+    if isinstance(processor, dict):
+        processor.pop("shard_strategy", None)  # the old spelling; parallel.shard_strategy holds it now
+    stored = StoredConfig.read(raw)
     try:
-        return ExperimentConfig(**raw)
+        check_parallel_strategy(stored.model, strategy, gpus_per_model)
     except ValueError as exc:
-        raise ConversionError(f"the target layout is not valid for this model: {exc}") from None
+        raise ConversionError(f"the target layout is not valid for this model: {exc}",
+                              fix="choose --gpus-per-model / --shard-strategy the model can be split into") from None
+    return stored
 
 
 def _slice(full: Tensor, part: Partition | None) -> Tensor:
@@ -101,7 +121,7 @@ def _optimizer_for_rank(opt: dict[str, Any], names: list[str], parts: dict[str, 
     return {"state": state, "param_groups": groups}
 
 
-def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: ExperimentConfig) -> None:
+def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: StoredConfig) -> None:
     engine = ckpt.engine.get("engine")
     if ckpt.optimizer is None:
         stage = ckpt.engine.get("zero_stage")
@@ -117,7 +137,7 @@ def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: ExperimentConfig) -> None:
         raise ConversionError(
             "the checkpoint holds PowerSGD compressor state (error feedback per data-parallel rank): reshard does "
             "not convert it", fix="reshard a checkpoint of a run without compression")
-    if engine == "deepspeed" and cfg.engine != "deepspeed" or engine not in ("deepspeed", "local", "ddp"):
+    if engine == "deepspeed" and cfg.raw.get("engine") != "deepspeed" or engine not in ("deepspeed", "local", "ddp"):
         raise ConversionError(f"unknown engine state {engine!r} in the checkpoint")
 
 
@@ -129,15 +149,13 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
     checkpoints directory ``out`` (``out/step_NNNNNNNN``, ``out/latest`` and
     ``out/resume_config.json``, the config to resume with). ``world_size`` defaults to
     ``gpus_per_model x`` the source's replicas, which it must keep. Returns the step directory."""
+    check_output_path(source, out, overwrite)
     ckpt = load_any(source)
     cfg = retarget_config(ckpt.config, gpus_per_model, shard_strategy)
     _check_engine(ckpt, cfg)
     replicas = len(ckpt.replicas)
     world = gpus_per_model * replicas if world_size is None else world_size
-    try:
-        layout = cfg.parallel.layout(world)
-    except (LayoutError, ValueError) as exc:
-        raise ConversionError(f"target layout: {exc}") from None
+    layout = stored_layout(cfg.raw, world)
     if layout.data_parallel_size != replicas:
         raise ConversionError(
             f"the target world {world} / gpus_per_model {gpus_per_model} gives {layout.data_parallel_size} "
@@ -146,7 +164,8 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
     src = model_sources(cfg, resolve_checkpoint(source), dataset, graph)
 
     # ---- lay out the target, check the tensors against it (before anything is written)
-    targets = [model_on_meta(cfg.model, src.graph, src.variables, r, gpus_per_model) for r in range(gpus_per_model)]
+    targets = [model_on_meta(cfg.model, cfg.shard_strategy, src.graph, src.variables, r, gpus_per_model)
+               for r in range(gpus_per_model)]
     shapes = full_shapes(targets[0])
     problems = state_differences(ckpt.model, shapes)
     if ckpt.optimizer is not None:
@@ -158,13 +177,13 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
                               fix="convert with the config, dataset and graph the checkpoint was trained with")
 
     step = ckpt.step
-    config_json = cfg.model_dump(mode="json")
+    config_json = cfg.raw
     layout_json = dataclasses.asdict(layout)
     tables = [parameter_table(t) for t in targets]
     out = Path(out)
-    step_name = f"step_{step:08d}"
-    with atomic_directory(out / step_name, overwrite) as tmp:
+    with atomic_directory(out / step_name(step), overwrite) as tmp:
         for rank in range(world):
+            note(f"checkpoint: writing rank {rank + 1}/{world} of {out / step_name(step)}", throttle=rank > 0)
             model_rank, replica = rank % gpus_per_model, rank // gpus_per_model
             target = targets[model_rank]
             names = [n for n, _ in target.named_parameters()]
@@ -193,18 +212,20 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
             rep = ckpt.replicas[replica]
             payload = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world,
                        "state": {"engine": engine, "data": rep["data"], "step": step}, "rng": rep["rng"]}
-            torch.save(payload, tmp / f"rank_{rank:05d}.pt")
-            save_safetensors(module, tmp / f"rank_{rank:05d}.safetensors", {"step": str(step), "rank": str(rank)})
-            (tmp / f"rank_{rank:05d}.json").write_text(json.dumps({"rank": rank, "parameters": tables[model_rank]}))
+            name = rank_name(rank)
+            write_state_file(payload, tmp / f"{name}.pt")
+            save_safetensors(module, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
+            (tmp / f"{name}.json").write_text(json.dumps({"rank": rank, "parameters": tables[model_rank]}))
         metadata = {"format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
                     "layout": layout_json, "config": config_json,
                     "ranks": [{"rank": r, "parameters": tables[r % gpus_per_model]} for r in range(world)],
                     "resharded_from": {"layout": ckpt.source_layout, "path": str(source)}}
+        metadata[FILES] = record_files(sorted(tmp.iterdir()))
         (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
-    (out / f"{LATEST}.part").write_text(step_name + "\n")
+    (out / f"{LATEST}.part").write_text(step_name(step) + "\n")
     os.replace(out / f"{LATEST}.part", out / LATEST)
     resume = dict(config_json)
     if out.name == "checkpoints":
         resume["training"] = {**resume["training"], "output_dir": str(out.parent)}
     (out / "resume_config.json").write_text(json.dumps(resume, indent=1))
-    return out / step_name
+    return out / step_name(step)

@@ -1,5 +1,6 @@
-"""What conversion needs besides the tensors: the validated config, the dataset's variables and
-the graph the model was trained on, and a check of a full state dict against the model."""
+"""What conversion needs besides the tensors: the stored config's sections (validated, see
+:mod:`stormshard.checkpoint.stored_config`), the dataset's variables and the graph the model was
+trained on, and a check of a full state dict against the model."""
 
 from __future__ import annotations
 
@@ -10,45 +11,46 @@ from pathlib import Path
 from typing import Any
 
 from torch import Tensor
-from torch_geometric.data import HeteroData
 
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.stored_config import StoredConfig
 from stormshard.data.anemoi_layout import AnemoiDataset
 from stormshard.graphs.builder import graph_hash, load_graph, load_or_build_graph
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.models.variables import VariableIndex
 from stormshard.parallel.partition import full_shape
-from stormshard.training.config import ExperimentConfig
 
 __all__ = ["ModelSources", "model_sources", "state_differences", "full_shapes"]
 
 
 @dataclass(frozen=True)
 class ModelSources:
-    """The validated experiment config, the dataset it trained on, its variables and graph."""
+    """The stored config's validated sections, the dataset it trained on, its variables and graph."""
 
-    config: ExperimentConfig
+    config: StoredConfig
     dataset: AnemoiDataset
     variables: VariableIndex
-    graph: HeteroData
+    graph: HeteroGraph
     graph_path: Path
 
 
-def _candidates(config: ExperimentConfig, checkpoint: Path) -> list[Path]:
+def _candidates(config: StoredConfig, checkpoint: Path) -> list[Path]:
     out = []
     if config.data.graph_cache:
         out.append(Path(config.data.graph_cache))
-    out.append(Path(config.training.output_dir) / "graph.pt")
+    out.append(Path(config.output_dir) / "graph.pt")
     for parent in checkpoint.resolve().parents[:3]:  # run/checkpoints/step_X -> run/graph.pt
         out.append(parent / "graph.pt")
     return out
 
 
-def model_sources(config: Mapping[str, Any] | ExperimentConfig, checkpoint: str | os.PathLike,
+def model_sources(config: Mapping[str, Any] | StoredConfig, checkpoint: str | os.PathLike,
                   dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None) -> ModelSources:
-    """Validate ``config``, open its dataset (or ``dataset``) and find its graph: ``graph`` if
-    given, else the graph cache / ``<run>/graph.pt`` next to ``checkpoint``, else rebuilt from the
-    config (the rebuild is deterministic). A graph built from other settings is an error."""
-    cfg = config if isinstance(config, ExperimentConfig) else ExperimentConfig(**dict(config))
+    """Open the dataset of ``config`` (a stored experiment config, plain or read; or ``dataset``) and
+    find its graph: ``graph`` if given, else the graph cache / ``<run>/graph.pt`` next to
+    ``checkpoint``, else rebuilt from the config (the rebuild is deterministic). A graph built from
+    other settings is an error."""
+    cfg = config if isinstance(config, StoredConfig) else StoredConfig.read(config)
     data_path = Path(dataset) if dataset is not None else Path(cfg.data.path)
     if not data_path.exists():
         raise ConversionError(f"the dataset {data_path} (data.path of the checkpoint's config) does not exist",

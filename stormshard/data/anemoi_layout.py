@@ -24,6 +24,9 @@ extra attributes are kept and ignored.
 
 We write zarr format 2, as anemoi-datasets does, and read formats 2 and 3. A malformed store
 raises :class:`AnemoiLayoutError` (a ValueError) naming the array or attribute that is wrong.
+Dates and frequencies (:mod:`stormshard.data.dates`) and the statistics
+(:mod:`stormshard.data.statistics`) have modules of their own; their public names are importable
+from here too.
 """
 
 from __future__ import annotations
@@ -31,13 +34,20 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zarr
+
+from stormshard.data.dates import as_datetime64, frequency_to_string, parse_frequency
+from stormshard.data.statistics import (
+    STATISTICS_OPTIONAL,
+    STATISTICS_REQUIRED,
+    Statistics,
+    compute_statistics,
+)
 
 __all__ = [
     "AnemoiLayoutError",
@@ -54,147 +64,9 @@ __all__ = [
 LAYOUT_VERSION = "0.30"
 """The ``version`` attribute we write (anemoi-datasets' own layout version at the time of writing)."""
 
-STATISTICS_REQUIRED = ("mean", "stdev", "minimum", "maximum")
-STATISTICS_OPTIONAL = ("sums", "squares", "count", "has_nans")
-
 
 class AnemoiLayoutError(ValueError):
     """A store does not follow the anemoi-datasets layout; the message names what is wrong."""
-
-
-# --------------------------------------------------------------------------------------------
-# dates and frequencies
-# --------------------------------------------------------------------------------------------
-
-_FREQ = re.compile(r"^\s*(\d+)\s*([smhdSMHD]?)\s*$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "": 3600}
-
-
-def parse_frequency(value: str | int | datetime.timedelta | np.timedelta64) -> datetime.timedelta:
-    """A frequency as a timedelta: ``"6h"``, ``"30m"``, ``"1d"``, ``"3600s"``, ``6`` (hours) or ``"06:00:00"``."""
-    if isinstance(value, datetime.timedelta):
-        td = value
-    elif isinstance(value, np.timedelta64):
-        td = datetime.timedelta(seconds=float(value / np.timedelta64(1, "s")))
-    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        td = datetime.timedelta(hours=int(value))
-    elif isinstance(value, str):
-        m = _FREQ.match(value)
-        if m:
-            td = datetime.timedelta(seconds=int(m.group(1)) * _UNIT_SECONDS[m.group(2).lower()])
-        elif re.fullmatch(r"\d+:\d\d(:\d\d)?", value.strip()):
-            parts = [int(p) for p in value.strip().split(":")] + [0]
-            td = datetime.timedelta(hours=parts[0], minutes=parts[1], seconds=parts[2])
-        else:
-            raise ValueError(
-                f"frequency {value!r} is not understood: use a number and a unit such as '6h', '30m', '1d', "
-                "'3600s', or hours as an integer"
-            )
-    else:
-        raise TypeError(f"frequency must be a string, an int (hours) or a timedelta, got {type(value).__name__}")
-    if td.total_seconds() <= 0 or td.total_seconds() != int(td.total_seconds()):
-        raise ValueError(f"frequency {value!r} must be a positive whole number of seconds")
-    return td
-
-
-def frequency_to_string(td: datetime.timedelta) -> str:
-    """``6h``, ``1d``, ``30m`` or ``90s``: the largest unit that divides the frequency (anemoi's spelling)."""
-    seconds = int(parse_frequency(td).total_seconds())
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
-
-
-def as_datetime64(value: Any, what: str = "date") -> np.datetime64:
-    """A date (ISO string, datetime, np.datetime64, or an int year) as ``datetime64[s]``."""
-    try:
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-            return np.datetime64(f"{int(value):04d}-01-01T00:00:00", "s")
-        return np.datetime64(value, "s")
-    except (ValueError, TypeError):
-        raise ValueError(
-            f"{what} {value!r} is not a date: give an ISO string such as '2020-01-01T06:00', a datetime, "
-            "a numpy datetime64 or a year"
-        ) from None
-
-
-# --------------------------------------------------------------------------------------------
-# statistics
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Statistics:
-    """Per-variable statistics, each of shape ``(variables,)`` in the dataset's variable order."""
-
-    mean: np.ndarray
-    stdev: np.ndarray
-    minimum: np.ndarray
-    maximum: np.ndarray
-    sums: np.ndarray | None = None
-    squares: np.ndarray | None = None
-    count: np.ndarray | None = None
-    has_nans: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        n = None
-        for name in STATISTICS_REQUIRED + STATISTICS_OPTIONAL:
-            value = getattr(self, name)
-            if value is None:
-                continue
-            value = np.asarray(value)
-            if value.ndim != 1:
-                raise ValueError(f"statistics '{name}' must be 1-d (one value per variable), got shape {value.shape}")
-            if n is None:
-                n = len(value)
-            elif len(value) != n:
-                raise ValueError(f"statistics '{name}' has {len(value)} values but 'mean' has {n}")
-            object.__setattr__(self, name, value)
-
-    def __len__(self) -> int:
-        return len(self.mean)
-
-    def as_dict(self) -> dict[str, np.ndarray]:
-        """The arrays that are present, by their anemoi names."""
-        return {k: getattr(self, k) for k in STATISTICS_REQUIRED + STATISTICS_OPTIONAL if getattr(self, k) is not None}
-
-
-def compute_statistics(data: np.ndarray) -> Statistics:
-    """Statistics per variable over dates, members and cells of ``data`` ``(dates, variables, ensemble, cells)``.
-
-    NaNs are skipped (and flagged in ``has_nans``); computed in float64 as anemoi-datasets does
-    (``stdev = sqrt(squares / count - mean**2)``, clipped at zero).
-    """
-    if data.ndim != 4:
-        raise ValueError(f"data must be (dates, variables, ensemble, cells), got shape {data.shape}")
-    n_vars = data.shape[1]
-    count = np.zeros(n_vars, dtype=np.int64)
-    sums, squares = np.zeros(n_vars), np.zeros(n_vars)
-    minimum, maximum = np.full(n_vars, np.nan), np.full(n_vars, np.nan)
-    has_nans = np.zeros(n_vars, dtype=bool)
-    for v in range(n_vars):
-        x = np.asarray(data[:, v], dtype=np.float64)
-        finite = ~np.isnan(x)
-        count[v] = int(finite.sum())
-        if count[v] == 0:
-            raise ValueError(f"variable index {v} has no values that are not NaN: cannot compute its statistics")
-        has_nans[v] = count[v] < x.size
-        xz = np.where(finite, x, 0.0) if has_nans[v] else x
-        sums[v], squares[v] = xz.sum(), (xz * xz).sum()
-        minimum[v], maximum[v] = np.nanmin(x), np.nanmax(x)
-    mean = sums / count
-    variance = np.maximum(squares / count - mean * mean, 0.0)
-    return Statistics(
-        mean=mean,
-        stdev=np.sqrt(variance),
-        minimum=minimum,
-        maximum=maximum,
-        sums=sums,
-        squares=squares,
-        count=count,
-        has_nans=has_nans,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,9 +327,19 @@ class AnemoiDataset:
             name = next((n for n in names if n in arrays), None)
             if name is None:
                 raise err(f"missing the array '{names[0]}'")
-            values = np.asarray(root[name][:], dtype=np.float64)
+            array = root[name]
+            if array.nchunks_initialized == 0 and array.size:  # listed, but no value was ever written
+                raise err(f"array '{name}' holds no values (its chunks are missing; reading it would give "
+                          f"{array.fill_value} everywhere): the store is incomplete; copy or rewrite it with its "
+                          "coordinates")
+            values = np.asarray(array[:], dtype=np.float64)
             if values.shape != (n_cells,):
                 raise err(f"array '{name}' has shape {values.shape} but 'data' has {n_cells} cells")
+            bad = np.flatnonzero(~np.isfinite(values) | (np.abs(values) > (90.0 if name.startswith("lat") else 360.0)))
+            if bad.size:
+                raise err(f"array '{name}' has {bad.size} of {n_cells} values that are not "
+                          f"{'latitudes in [-90, 90]' if name.startswith('lat') else 'longitudes in [-360, 360]'} "
+                          f"degrees (first: cell {bad[0]} = {values[bad[0]]}): fix the dataset's coordinates")
             coords.append(values)
 
         stats: dict[str, np.ndarray] = {}

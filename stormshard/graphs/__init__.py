@@ -1,26 +1,41 @@
 """Grids (octahedral/Gaussian, regular, limited area), icosahedral meshes, edge builders, edge
-attributes, area weights and the encoder-processor-decoder graph."""
+attributes, area weights and the encoder-processor-decoder graph (a :class:`HeteroGraph`)."""
 
 from __future__ import annotations
 
-from stormshard.graphs.attributes import area_weights, edge_attributes
-from stormshard.graphs.builder import (
-    DECODER,
-    ENCODER,
-    PROCESSOR,
-    CutoffEdges,
-    GraphConfig,
-    KNNEdges,
-    MultimeshEdges,
-    build_graph,
-    load_or_build_graph,
-)
-from stormshard.graphs.edges import cutoff_edges, knn_edges
-from stormshard.graphs.grids import grid_from_name, octahedral_grid, regular_latlon_grid
-from stormshard.graphs.icosahedral import icosahedral_mesh
+import importlib
+from typing import Any
 
+# name -> module, loaded on first use: importing the package (e.g. the torch-free graph config, read by
+# the experiment config) does not load torch
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("area_weights", "edge_attributes"), "attributes"),
+    **dict.fromkeys(("DECODER", "ENCODER", "PROCESSOR", "CutoffEdges", "GraphConfig", "KNNEdges",
+                     "MultimeshEdges", "build_graph", "load_or_build_graph"),
+                    "builder"),
+    **dict.fromkeys(("cutoff_edges", "knn_edges"), "edges"),
+    **dict.fromkeys(("grid_from_name", "octahedral_grid", "regular_latlon_grid"), "grids"),
+    "HeteroGraph": "hetero",
+    "icosahedral_mesh": "icosahedral",
+}
 __all__ = [
     "GraphConfig", "KNNEdges", "CutoffEdges", "MultimeshEdges", "build_graph", "load_or_build_graph",
     "ENCODER", "PROCESSOR", "DECODER", "grid_from_name", "octahedral_grid", "regular_latlon_grid",
-    "icosahedral_mesh", "knn_edges", "cutoff_edges", "edge_attributes", "area_weights",
+    "icosahedral_mesh", "knn_edges", "cutoff_edges", "edge_attributes", "area_weights", "HeteroGraph",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """An exported name (imported from its module on first use) or a submodule."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,6 +1,7 @@
 """The graph of an encoder-processor-decoder model, built from a small config, cached in a file.
 
-``build_graph(config, data_latlon)`` returns a ``torch_geometric.data.HeteroData`` with
+``build_graph(config, data_latlon)`` returns a :class:`~stormshard.graphs.hetero.HeteroGraph` (the part of
+torch-geometric's ``HeteroGraph`` interface stormshard uses, without importing torch-geometric) with
 
 - node types ``"data"`` and ``"hidden"``: ``x`` ``(nodes, 2)`` float32 (lat, lon) in radians and
   ``area_weight`` ``(nodes,)`` float32 (spherical Voronoi areas, mean 1). Data nodes keep the order of
@@ -22,17 +23,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
+import time
 from pathlib import Path
-from typing import Annotated, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from torch_geometric.data import HeteroData
 
 from stormshard.graphs.attributes import area_weights, edge_attributes
+from stormshard.graphs.config import (  # the graph's config, torch-free (re-exported here)
+    CutoffEdges,
+    GraphConfig,
+    KNNEdges,
+    MultimeshEdges,
+)
 from stormshard.graphs.edges import (
     cover_destinations,
     cover_sources,
@@ -41,8 +45,10 @@ from stormshard.graphs.edges import (
     sort_unique_edges,
 )
 from stormshard.graphs.grids import grid_from_name
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.graphs.icosahedral import icosahedral_mesh, multimesh_edges
 from stormshard.graphs.sphere import check_latlon_degrees, latlon_to_xyz
+from stormshard.progress import format_duration, note, phase, reporting
 
 __all__ = [
     "KNNEdges",
@@ -63,95 +69,6 @@ GRAPH_FORMAT_VERSION = 2
 ENCODER = ("data", "to", "hidden")
 PROCESSOR = ("hidden", "to", "hidden")
 DECODER = ("hidden", "to", "data")
-_ICO = re.compile(r"ico(\d+)")
-
-
-class KNNEdges(BaseModel):
-    """Every destination node receives from its ``num_neighbours`` nearest source nodes."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Literal["knn"] = "knn"
-    num_neighbours: int = Field(3, ge=1)
-
-
-class CutoffEdges(BaseModel):
-    """Every destination receives from all sources within ``factor`` * (largest nearest-neighbour
-    distance among the destination nodes); AIFS uses 0.6 for the encoder."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Literal["cutoff"] = "cutoff"
-    factor: float = Field(0.6, gt=0)
-
-
-class MultimeshEdges(BaseModel):
-    """The union of the triangle edges of every icosahedral refinement level (icosahedral hidden only)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Literal["multimesh"] = "multimesh"
-
-
-MapperEdges = Annotated[KNNEdges | CutoffEdges, Field(discriminator="kind")]
-ProcessorEdges = Annotated[MultimeshEdges | KNNEdges, Field(discriminator="kind")]
-
-
-class GraphConfig(BaseModel):
-    """What the encoder-processor-decoder graph is built from.
-
-    ``data_grid``: a grid name (``"o96"``, ``"1.0"``, see ``grid_from_name``), or None when the data
-    coordinates are passed to ``build_graph`` (a dataset's own lat/lon, possibly a limited area).
-    ``hidden``: ``"ico<r>"`` (refined icosahedral mesh, 10 * 4**r + 2 nodes) or a grid name (``"o48"``).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    data_grid: str | None = None
-    hidden: str = "ico5"
-    encoder: MapperEdges = CutoffEdges(factor=0.6)
-    processor: ProcessorEdges = MultimeshEdges()
-    decoder: MapperEdges = KNNEdges(num_neighbours=3)
-    area_clip_factor: float | None = Field(4.0, gt=1)
-
-    @field_validator("data_grid")
-    @classmethod
-    def _check_data_grid(cls, value: str | None) -> str | None:
-        if value is not None:
-            grid_from_name(value)  # raises a ValueError naming the accepted forms
-        return value
-
-    @field_validator("hidden")
-    @classmethod
-    def _check_hidden(cls, value: str) -> str:
-        m = _ICO.fullmatch(value.strip().lower())
-        if m:
-            level = int(m.group(1))
-            if level > 8:
-                raise ValueError(
-                    f"hidden={value!r}: icosahedral levels above 8 (2.6M nodes) are not supported"
-                )
-            return f"ico{level}"
-        try:
-            grid_from_name(value)
-        except ValueError:
-            raise ValueError(
-                f"hidden={value!r} is neither 'ico<r>' (icosahedral mesh of level r, e.g. 'ico5') nor a grid "
-                "name ('o48', '2.0')"
-            ) from None
-        return value
-
-    @model_validator(mode="after")
-    def _check_processor(self) -> GraphConfig:
-        if isinstance(self.processor, MultimeshEdges) and not self.hidden.startswith("ico"):
-            raise ValueError(
-                f"processor multimesh edges need an icosahedral hidden mesh, but hidden={self.hidden!r}; "
-                "use hidden='ico<r>' or processor={'kind': 'knn', 'num_neighbours': ...}"
-            )
-        return self
-
-    @property
-    def icosahedral_level(self) -> int | None:
-        m = _ICO.fullmatch(self.hidden)
-        return int(m.group(1)) if m else None
-
-
 def _data_coordinates(config: GraphConfig, data_latlon: tuple | None) -> tuple[np.ndarray, np.ndarray]:
     """Data lat/lon in degrees, from exactly one of ``config.data_grid`` and ``data_latlon``."""
     if data_latlon is None and config.data_grid is None:
@@ -194,14 +111,58 @@ def _mapper_edges(spec: KNNEdges | CutoffEdges, src_xyz: np.ndarray, dst_xyz: np
     return cutoff_edges(src_xyz, dst_xyz, spec.factor)[0]
 
 
-def build_graph(config: GraphConfig, data_latlon: tuple | None = None) -> HeteroData:
-    """Build the data/hidden graph; ``data_latlon`` = (lat, lon) in degrees when ``config.data_grid`` is None."""
+def build_graph(config: GraphConfig, data_latlon: tuple | None = None, progress: bool = False) -> HeteroGraph:
+    """Build the data/hidden graph; ``data_latlon`` = (lat, lon) in degrees when ``config.data_grid`` is None.
+    ``progress``: a line per phase with its time on standard error (:mod:`stormshard.progress`)."""
+    with reporting(progress):
+        return _build_graph(config, data_latlon)
+
+
+def _build_graph(config: GraphConfig, data_latlon: tuple | None) -> HeteroGraph:
+    start = time.perf_counter()
     lat_deg, lon_deg = _data_coordinates(config, data_latlon)
     digest = graph_hash(config, data_latlon)
     data_lat, data_lon = np.radians(lat_deg), np.radians(lon_deg)
     data_xyz = latlon_to_xyz(data_lat, data_lon)
+    note(f"graph: building ({data_lat.size:,} data cells, hidden {config.hidden})")
 
     level = config.icosahedral_level
+    with phase(f"graph: hidden nodes ({config.hidden})", lambda: f"{hid_lat.size:,}"):
+        hid_xyz, hid_lat, hid_lon, mesh, rank_of = _hidden_nodes(config, level)
+
+    with phase("graph: encoder edges", lambda: f"{enc.shape[1]:,}"):
+        enc = _mapper_edges(config.encoder, data_xyz, hid_xyz)
+        enc, enc_added = cover_sources(enc, data_xyz, hid_xyz)
+    with phase("graph: decoder edges", lambda: f"{dec.shape[1]:,}"):
+        dec = _mapper_edges(config.decoder, hid_xyz, data_xyz)
+        dec, dec_added = cover_destinations(dec, hid_xyz, data_xyz)
+    with phase("graph: processor edges", lambda: f"{proc.shape[1]:,}"):
+        if isinstance(config.processor, MultimeshEdges):
+            proc = sort_unique_edges(rank_of[multimesh_edges(mesh)], hid_xyz.shape[0])
+        else:
+            proc = knn_edges(hid_xyz, hid_xyz, config.processor.num_neighbours, exclude_self=True)
+
+    graph = HeteroGraph()
+    with phase("graph: node areas and edge attributes"):
+        for name, lat, lon in (("data", data_lat, data_lon), ("hidden", hid_lat, hid_lon)):
+            graph[name].x = torch.from_numpy(np.stack([lat, lon], axis=1)).float()
+            graph[name].area_weight = torch.from_numpy(area_weights(lat, lon, config.area_clip_factor)).float()
+        latlon = {"data": (data_lat, data_lon), "hidden": (hid_lat, hid_lon)}
+        for edge_type, edges in ((ENCODER, enc), (PROCESSOR, proc), (DECODER, dec)):
+            src, _, dst = edge_type
+            graph[edge_type].edge_index = torch.from_numpy(np.ascontiguousarray(edges, dtype=np.int64))
+            graph[edge_type].edge_attr = torch.from_numpy(
+                edge_attributes(edges, latlon[src], latlon[dst])
+            ).float()
+    graph.config_hash = digest
+    graph.coverage_edges = {"encoder": enc_added, "decoder": dec_added}
+    note(f"graph: built in {format_duration(time.perf_counter() - start)}")
+    return graph
+
+
+def _hidden_nodes(config: GraphConfig, level: int | None) -> tuple:
+    """``(xyz, lat, lon, mesh, rank_of)`` of the hidden nodes (``mesh``, ``rank_of``: None unless icosahedral)."""
+    mesh = rank_of = None
     if level is not None:
         mesh = icosahedral_mesh(level)
         # hidden nodes north to south, then by longitude: contiguous rank slices are then compact
@@ -217,33 +178,10 @@ def build_graph(config: GraphConfig, data_latlon: tuple | None = None) -> Hetero
         hlat, hlon = grid_from_name(config.hidden)
         hid_lat, hid_lon = np.radians(hlat), np.radians(hlon)
         hid_xyz = latlon_to_xyz(hid_lat, hid_lon)
-
-    enc = _mapper_edges(config.encoder, data_xyz, hid_xyz)
-    enc, enc_added = cover_sources(enc, data_xyz, hid_xyz)
-    dec = _mapper_edges(config.decoder, hid_xyz, data_xyz)
-    dec, dec_added = cover_destinations(dec, hid_xyz, data_xyz)
-    if isinstance(config.processor, MultimeshEdges):
-        proc = sort_unique_edges(rank_of[multimesh_edges(mesh)], hid_xyz.shape[0])
-    else:
-        proc = knn_edges(hid_xyz, hid_xyz, config.processor.num_neighbours, exclude_self=True)
-
-    graph = HeteroData()
-    for name, lat, lon in (("data", data_lat, data_lon), ("hidden", hid_lat, hid_lon)):
-        graph[name].x = torch.from_numpy(np.stack([lat, lon], axis=1)).float()
-        graph[name].area_weight = torch.from_numpy(area_weights(lat, lon, config.area_clip_factor)).float()
-    latlon = {"data": (data_lat, data_lon), "hidden": (hid_lat, hid_lon)}
-    for edge_type, edges in ((ENCODER, enc), (PROCESSOR, proc), (DECODER, dec)):
-        src, _, dst = edge_type
-        graph[edge_type].edge_index = torch.from_numpy(np.ascontiguousarray(edges, dtype=np.int64))
-        graph[edge_type].edge_attr = torch.from_numpy(
-            edge_attributes(edges, latlon[src], latlon[dst])
-        ).float()
-    graph.config_hash = digest
-    graph.coverage_edges = {"encoder": enc_added, "decoder": dec_added}
-    return graph
+    return hid_xyz, hid_lat, hid_lon, mesh, rank_of
 
 
-def save_graph(graph: HeteroData, path: str | os.PathLike, config: GraphConfig | None = None) -> None:
+def save_graph(graph: HeteroGraph, path: str | os.PathLike, config: GraphConfig | None = None) -> None:
     """Write ``graph`` as a dict of tensors and strings (atomically: temp file, then rename)."""
     path = Path(path)
     payload = {
@@ -265,14 +203,14 @@ def save_graph(graph: HeteroData, path: str | os.PathLike, config: GraphConfig |
             os.remove(tmp)
 
 
-def load_graph(path: str | os.PathLike) -> HeteroData:
+def load_graph(path: str | os.PathLike) -> HeteroGraph:
     """Read a graph written by ``save_graph``."""
     payload = torch.load(path, weights_only=True)
     if not isinstance(payload, dict) or payload.get("format") != GRAPH_FORMAT_VERSION:
         raise ValueError(
             f"{path} is not a stormshard graph file of format {GRAPH_FORMAT_VERSION}; delete it to rebuild"
         )
-    graph = HeteroData()
+    graph = HeteroGraph()
     for node_type, store in payload["nodes"].items():
         for key, value in store.items():
             graph[node_type][key] = value
@@ -285,18 +223,22 @@ def load_graph(path: str | os.PathLike) -> HeteroData:
 
 
 def load_or_build_graph(
-    config: GraphConfig, path: str | os.PathLike, data_latlon: tuple | None = None
-) -> HeteroData:
-    """Load the graph at ``path`` if it was built from this config and these coordinates, else build and save."""
+    config: GraphConfig, path: str | os.PathLike, data_latlon: tuple | None = None, progress: bool = False
+) -> HeteroGraph:
+    """Load the graph at ``path`` if it was built from this config and these coordinates, else build and save.
+    ``progress``: say which, and a line per phase of a build, on standard error (:mod:`stormshard.progress`)."""
     digest = graph_hash(config, data_latlon)
     path = Path(path)
-    if path.exists():
-        try:
-            graph = load_graph(path)
-        except Exception:  # unreadable or foreign file: rebuild below, overwriting it
-            graph = None
-        if graph is not None and graph.config_hash == digest:
-            return graph
-    graph = build_graph(config, data_latlon)
-    save_graph(graph, path, config)
+    with reporting(progress):
+        if path.exists():
+            try:
+                graph = load_graph(path)
+            except Exception:  # unreadable or foreign file: rebuild below, overwriting it
+                graph = None
+            if graph is not None and graph.config_hash == digest:
+                note(f"graph: loaded {path} (built from this config)")
+                return graph
+        graph = _build_graph(config, data_latlon)
+        save_graph(graph, path, config)
+        note(f"graph: saved {path}")
     return graph

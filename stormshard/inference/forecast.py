@@ -52,6 +52,7 @@ from stormshard.inference.request import ForecastRequest, check_request, default
 from stormshard.inference.runner import member_generator, member_noise, replica_tasks, rollout_steps
 from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
 from stormshard.parallel.topology import ParallelLayout, build_process_groups
+from stormshard.progress import format_duration, note, phase, reporting
 
 __all__ = ["ForecastResult", "run_forecast", "format_scores"]
 
@@ -122,11 +123,28 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
     ``members``: ensemble members per date (None: the ensemble size the model trained with; 1 for
     deterministic models); ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp64`` (None: the
     training precision); ``formats``: ``zarr`` (always written) and ``netcdf``; ``cells_per_chunk``:
-    cells per zarr chunk (None: the largest grid slice); ``verify``: scores and plots.
+    cells per zarr chunk (None: the largest grid slice); ``verify``: scores and plots; ``verbose``:
+    rank 0 prints its progress (a line per phase, per forecast step at most every few seconds, on
+    standard error) and the scores table.
     """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with reporting(verbose and rank == 0):
+        return _run_forecast(source, dataset, dates, steps, out, gpus_per_model=gpus_per_model, members=members,
+                             seed=seed, precision=precision, formats=formats, plot_variables=plot_variables,
+                             plot_steps=plot_steps, verify=verify, cells_per_chunk=cells_per_chunk, graph=graph,
+                             overwrite=overwrite, verbose=verbose)
+
+
+def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.PathLike,
+                  dates: Any | Sequence[Any], steps: int, out: str | os.PathLike, *, gpus_per_model: int,
+                  members: int | None, seed: int, precision: str | None, formats: Sequence[str],
+                  plot_variables: Sequence[str] | None, plot_steps: Sequence[int] | None, verify: bool,
+                  cells_per_chunk: int | None, graph: str | os.PathLike | None, overwrite: bool, verbose: bool
+                  ) -> ForecastResult:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    info = _describe(source, dataset, graph)
+    with phase(f"forecast: opened the model {source if not isinstance(source, InferenceModel) else '(loaded)'}"):
+        info = _describe(source, dataset, graph)
     ds = AnemoiDataset.open(dataset)
     date_list = [dates] if isinstance(dates, (str, np.datetime64)) or not isinstance(dates, Sequence) else list(dates)
     if info.prebuilt is not None and (world > 1 or gpus_per_model != 1 or precision not in (None, info.precision)):
@@ -144,7 +162,9 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
 
     layout = ParallelLayout(world_size=world, gpus_per_model=req.gpus_per_model)
     groups = build_process_groups(layout)
-    forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision])
+    with phase(f"forecast: built the model ({req.gpus_per_model} rank(s) per model, {world // req.gpus_per_model} "
+               f"replica(s), {req.precision})"):
+        forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision])
     plan = forecaster.model.plan
     exchange = ChunkExchange(plan.data_sizes, req.cells_per_chunk or max(plan.data_sizes), groups.model_group)
     v = forecaster.variables
@@ -182,6 +202,9 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
             device = next(forecaster.model.parameters()).device
             gens = [member_generator(req.seed, req.init_dates[d], m, device) for m in member_ids]
             noise = member_noise(forecaster.model, gens)
+        task = f"forecast {req.init_dates[d]}" + (f" members {member_ids[0]}-{member_ids[-1]}" if len(member_ids) > 1
+                                                  else f" member {member_ids[0]}" if req.members > 1 else "")
+        tic = time.perf_counter()
         for k, pred in enumerate(rollout_steps(forecaster, states.to(device=_device(forecaster)),
                                                forcings.to(device=_device(forecaster)), noise)):
             owned = exchange.exchange(rearrange(pred.float(), "b c v -> c b v")).cpu().numpy()  # (owned, b, v)
@@ -189,8 +212,13 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                 values = owned[:, j].T  # (variables, owned cells)
                 handles[d].write(k, m, exchange.owned, values)
                 stats[d].add(values)
+            last = k + 1 == req.steps
+            note(f"{task}: step {k + 1}/{req.steps} ({format_duration(time.perf_counter() - tic)})", throttle=not last)
     _barrier()
     rollout_s = time.perf_counter() - start
+    note(f"forecast: rollout of {len(stores)} date(s) x {req.members} member(s) x {req.steps} step(s) done in "
+         f"{format_duration(rollout_s)}" + (f" (replica 0 of {layout.data_parallel_size} shown)"
+                                             if layout.data_parallel_size > 1 else ""))
     reduce_statistics(stats)
     for i, h in enumerate(handles):
         if i % world == rank:
@@ -216,7 +244,8 @@ def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecast
     clim_path = req.out / "climatology.npz"
     if req.verify:
         if rank == 0:
-            compute_climatology(ds, names, *info.train_range).save(clim_path)
+            with phase(f"forecast: climatology of the training period {clim_path}"):
+                compute_climatology(ds, names, *info.train_range).save(clim_path)
         _barrier()
         clim = Climatology.load(clim_path)
     units = variable_units(ds)
@@ -227,9 +256,11 @@ def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecast
         if i % world != rank:
             continue
         directory = req.date_dirs[i]
+        when = req.init_dates[i]
         if "netcdf" in req.formats:
-            files["netcdf"].append(write_netcdf(path, directory / "forecast.nc", init_date=req.init_dates[i],
-                                                units=units, attributes={"members": req.members}))
+            with phase(f"forecast {when}: wrote {directory / 'forecast.nc'}"):
+                files["netcdf"].append(write_netcdf(path, directory / "forecast.nc", init_date=when,
+                                                    units=units, attributes={"members": req.members}))
         if not (req.verify or req.plot_variables):
             continue
         members = result.read(i)
@@ -237,15 +268,18 @@ def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecast
         obs = rearrange(ds.read(idx[req.multistep - 1:])[:, out_cols, 0].astype(np.float64), "t v c -> t c v")
         truth, persistence = obs[1:], obs[0]
         if req.verify:
-            scores = score_forecast(members.astype(np.float64), truth, persistence, clim.at(valid[i]), weights, names)
-            result.per_date[str(req.init_dates[i])] = scores
-            (directory / "scores.json").write_text(json.dumps(
-                _report(req, [req.init_dates[i]], valid[i], result.lead_hours, scores, clim), indent=1))
-            files["scores"].append(directory / "scores.json")
+            with phase(f"forecast {when}: scored, {directory / 'scores.json'}"):
+                scores = score_forecast(members.astype(np.float64), truth, persistence, clim.at(valid[i]), weights,
+                                        names)
+                result.per_date[str(when)] = scores
+                (directory / "scores.json").write_text(json.dumps(
+                    _report(req, [when], valid[i], result.lead_hours, scores, clim), indent=1))
+                files["scores"].append(directory / "scores.json")
         if req.plot_variables:
-            files["maps"] += plot_maps(members.mean(axis=0), truth, names, list(req.plot_variables),
-                                       list(req.plot_steps), ds.latitudes, ds.longitudes, req.init_dates[i],
-                                       valid[i], directory / "maps")
+            with phase(f"forecast {when}: maps in {directory / 'maps'}"):
+                files["maps"] += plot_maps(members.mean(axis=0), truth, names, list(req.plot_variables),
+                                           list(req.plot_steps), ds.latitudes, ds.longitudes, when,
+                                           valid[i], directory / "maps")
     _barrier()
     if req.verify and rank == 0:
         per_date = [json.loads((d / "scores.json").read_text())["scores"] for d in req.date_dirs]
@@ -256,7 +290,8 @@ def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecast
         if len(req.date_dirs) > 1:
             (req.out / "scores.json").write_text(json.dumps(report, indent=1))
         title = f"{len(req.init_dates)} initial date(s), {req.members} member(s)"
-        files["plots"] = plot_scores(result.scores, result.lead_hours, req.out / "plots", title)
+        with phase(f"forecast: score plots in {req.out / 'plots'}"):
+            files["plots"] = plot_scores(result.scores, result.lead_hours, req.out / "plots", title)
         files["summary"] = req.out / "scores.json"
         if verbose:
             print(format_scores(report))

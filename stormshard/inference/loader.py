@@ -7,12 +7,14 @@ Two steps, so that every request can be checked before any process group or mode
    normalisation statistics, the precision it trained in) and where its full weights are: a
    bundle's ``model.safetensors`` (read lazily), or a checkpoint consolidated from its partition
    metadata (:func:`stormshard.checkpoint.consolidate.load_any`; any ``gpus_per_model``, shard
-   strategy and ZeRO stage).
+   strategy and ZeRO stage). The stored config's sections are read and validated by
+   :class:`~stormshard.checkpoint.stored_config.StoredConfig`; nothing here needs training.
 2. :func:`build_forecaster` builds the model with a
    :class:`~stormshard.models.sharding.ModelShardPlan` over ``model_group`` (K ranks, unrelated
    to the layout it trained at) and loads this rank's slice of every parameter: the full tensor
    for replicated ones, ``slice_partition`` along its :class:`~stormshard.parallel.partition.Partition`
-   for tensor-parallel ones (a bundle reads only that slice from disk). Nothing is communicated.
+   for tensor-parallel ones (a bundle reads only that slice from disk), with the processor shard
+   strategy the model trained with. Nothing is communicated.
 """
 
 from __future__ import annotations
@@ -28,13 +30,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch_geometric.data import HeteroData
 
 from stormshard.checkpoint.errors import ConversionError
-from stormshard.checkpoint.export import BUNDLE_FORMAT, InferenceModel, build_normalisers
+from stormshard.checkpoint.export import (
+    BUNDLE_FORMAT,
+    InferenceModel,
+    build_normalisers,
+    bundle_shard_strategy,
+)
 from stormshard.checkpoint.sources import full_shapes, state_differences
+from stormshard.checkpoint.stored_config import stored_model_config
 from stormshard.data.anemoi_layout import Statistics
 from stormshard.graphs.builder import load_graph
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
@@ -52,14 +60,16 @@ class ModelSource:
 
     ``read_slice(name, partition)`` returns the full tensor ``name`` (``partition`` None) or the
     slice a partition describes. ``train_range``: the ``(start, end)`` of the training period
-    (None ends: the dataset's); ``precision``: the precision it trained in (``training.precision``).
+    (None ends: the dataset's); ``precision``: the precision it trained in (``training.precision``);
+    ``shard_strategy``: the processor shard strategy it trained with (used at any model group size).
     """
 
     path: Path
     kind: str  # "bundle" or "checkpoint"
     config: ModelConfig
+    shard_strategy: str
     variables: VariableIndex
-    graph: HeteroData
+    graph: HeteroGraph
     statistics: dict[str, dict[str, float]]  # per dataset variable: mean, stdev, minimum, maximum
     normalisation: dict[str, Any]  # {"default": ..., "methods": {...}}
     timestep: str | None
@@ -110,7 +120,7 @@ def _open_bundle(p: Path, meta: dict[str, Any]) -> ModelSource:
 
     roles = meta["variables"]
     experiment = meta.get("experiment", {})
-    return ModelSource(p, "bundle", ModelConfig(**meta["model"]),
+    return ModelSource(p, "bundle", stored_model_config(meta["model"]), bundle_shard_strategy(meta),
                        VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"]), graph, statistics,
                        meta["normalisation"], meta.get("timestep"), _train_range(experiment),
                        _precision_of(experiment), meta.get("step"), meta, read_slice, names, shapes)
@@ -131,10 +141,10 @@ def _open_checkpoint(path: Path, dataset: str | os.PathLike | None, graph: str |
     def read_slice(name: str, part: Any) -> Tensor:
         return full[name] if part is None else slice_partition(full[name], part)
 
-    experiment = cfg.model_dump(mode="json")
+    experiment = cfg.raw
     meta = {"format": "stormshard-checkpoint", "step": ckpt.step, "source": str(path), "experiment": experiment,
             "source_layout": ckpt.source_layout}
-    return ModelSource(path, "checkpoint", cfg.model, src.variables, src.graph, stats,
+    return ModelSource(path, "checkpoint", cfg.model, cfg.shard_strategy, src.variables, src.graph, stats,
                        {"default": cfg.data.normalisation, "methods": dict(cfg.data.normalisation_methods)},
                        cfg.data.timestep, _train_range(experiment), _precision_of(experiment), ckpt.step, meta,
                        read_slice, tuple(full), {n: tuple(t.shape) for n, t in full.items()})
@@ -164,7 +174,8 @@ def build_forecaster(source: ModelSource, model_group: dist.ProcessGroup | None 
                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> InferenceModel:
     """This rank's shard of the model (``model_group``: the K ranks that hold one model; None:
     the whole model here), in eval mode and ``dtype``, with this rank's slice of the weights."""
-    model = build_model(source.config, source.graph, source.variables, model_group)
+    model = build_model(source.config, source.graph, source.variables, model_group,
+                        shard_strategy=source.shard_strategy)
     problems = state_differences({n: torch.empty(s, device="meta") for n, s in source.shapes.items()}, full_shapes(model))
     if problems:
         raise ConversionError(f"the weights of {source.path} do not match the model of its config:", problems,

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch_geometric.data import HeteroData
 
 from stormshard.data.anemoi_layout import AnemoiDataset, as_datetime64, frequency_to_string, parse_frequency
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.inference.loader import PRECISIONS
 from stormshard.inference.outputs import netcdf_engine
 from stormshard.models.variables import VariableIndex
@@ -82,7 +82,7 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _check_grid(ds: AnemoiDataset, graph: HeteroData, dataset: Any) -> None:
+def _check_grid(ds: AnemoiDataset, graph: HeteroGraph, dataset: Any) -> None:
     n_model = graph["data"].num_nodes
     if ds.num_cells != n_model:
         raise ValueError(f"the dataset {dataset} has {ds.num_cells} grid cells, the model's graph {n_model}: "
@@ -110,7 +110,7 @@ def _stride(timestep: str | None, ds: AnemoiDataset) -> tuple[int, str]:
     return int(ratio), f"{step.total_seconds() / 3600:g}h"
 
 
-def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: HeteroData, variables: VariableIndex,
+def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: HeteroGraph, variables: VariableIndex,
                   timestep: str | None, multistep: int, ensemble: bool, default_member_count: int,
                   dates: Sequence[Any], steps: int, out: str | os.PathLike, members: int | None, world_size: int,
                   gpus_per_model: int, precision: str, formats: Sequence[str], plot_variables: Sequence[str],

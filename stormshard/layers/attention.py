@@ -15,35 +15,22 @@ Two strategies give the same numbers (and share parameter names and shapes):
 - ``"shard_heads"``: project locally, one all-to-all to head-sharded q, k, v over the whole
   sequence, attend, one all-to-all back (anemoi's original strategy). Communicates: 3/w of the
   local q, k, v out and the attention output back (per rank ``(w-1)/w`` of each).
+
+These are ``ATTENTION_STRATEGIES`` (:mod:`stormshard.parallel.shard`); the third processor
+strategy, ``"tensor"``, swaps whole blocks (:mod:`stormshard.layers.tensor_parallel`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import einops
 from torch import Tensor, nn
 
+from stormshard.layers.strategy import check_split, check_strategy_name
 from stormshard.layers.window import sliding_window_attention
 from stormshard.parallel.sequence import add_halos, remove_halos, shard_heads, shard_sequence
-from stormshard.parallel.shard import SequenceShard
+from stormshard.parallel.shard import ATTENTION_STRATEGIES, SequenceShard, ShardStrategy
 
-__all__ = ["SlidingWindowAttention", "ShardStrategy", "SHARD_STRATEGIES", "check_shard_strategy"]
-
-ShardStrategy = Literal["shard_sequence", "shard_heads"]
-SHARD_STRATEGIES: tuple[str, ...] = ("shard_sequence", "shard_heads")
-
-
-def check_shard_strategy(shard_strategy: str, num_heads: int, shard: SequenceShard | None) -> None:
-    """Raise unless ``shard_strategy`` is known and, for ``"shard_heads"``, the heads split over the shard's group."""
-    if shard_strategy not in SHARD_STRATEGIES:
-        raise ValueError(f"shard_strategy must be one of {SHARD_STRATEGIES}, got {shard_strategy!r}")
-    world = 1 if shard is None else shard.world
-    if shard_strategy == "shard_heads" and num_heads % world != 0:
-        raise ValueError(
-            f"shard_strategy='shard_heads' needs num_heads={num_heads} divisible by the group size "
-            f"{world}; use a multiple of {world} heads or shard_strategy='shard_sequence'"
-        )
+__all__ = ["SlidingWindowAttention"]
 
 
 def _check_shard(shard: object) -> None:
@@ -70,7 +57,8 @@ class SlidingWindowAttention(nn.Module):
         if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 0:
             raise ValueError(f"window_size must be a non-negative int (tokens each side), got {window_size!r}")
         _check_shard(shard)
-        check_shard_strategy(shard_strategy, num_heads, shard)
+        check_strategy_name(shard_strategy, ATTENTION_STRATEGIES)
+        check_split(shard_strategy, 1 if shard is None else shard.world, num_heads=num_heads)
         self.num_channels, self.num_heads, self.window_size = num_channels, num_heads, window_size
         self.head_dim = num_channels // num_heads
         self.shard_strategy = shard_strategy

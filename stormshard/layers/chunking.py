@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from stormshard.parallel.graph import destination_chunks
+from stormshard.parallel.graph_edges import destination_chunks
 
 __all__ = ["map_destination_chunks", "check_num_chunks"]
 

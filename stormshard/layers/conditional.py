@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from stormshard.layers.attention import ShardStrategy, SlidingWindowAttention
+from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
-from stormshard.parallel.shard import SequenceShard
+from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
 __all__ = ["ConditionalLayerNorm", "ConditionalTransformerBlock"]
 

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "CsrStructure"]
+__all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "cached_structures", "CsrStructure"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +225,12 @@ def csr_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) ->
     # the entry goes when the edge index tensor goes (per-call index tensors, e.g. edge chunks)
     _CACHE[key] = (weakref.ref(edge_index, lambda _ref, key=key: _CACHE.pop(key, None)), structure)
     return structure
+
+
+def cached_structures() -> int:
+    """How many :class:`CsrStructure` the cache of :func:`csr_structure` holds (an entry goes with
+    its edge index tensor)."""
+    return len(_CACHE)
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,6 +48,12 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.graph_inputs import (
+    check_local_rows,
+    check_node_and_edge_shapes,
+    check_plan,
+    check_positive_int,
+)
 from stormshard.layers.graph_kernels import fused_graph_attention
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
@@ -85,62 +91,9 @@ def graph_attention(
     return out.to(v_j.dtype)
 
 
-def check_node_and_edge_shapes(
-    x_src: Tensor, x_dst: Tensor, edge_attr: Tensor, src_channels: int, dst_channels: int, edge_channels: int
-) -> None:
-    """Node tensors ``(rows, *batch, channels)`` with the same batch dims; edges ``(E, [*batch,] channels)``."""
-    for name, t, want in (("x_src", x_src, src_channels), ("x_dst", x_dst, dst_channels),
-                          ("edge_attr", edge_attr, edge_channels)):
-        if t.dim() < 2 or t.shape[-1] != want:
-            raise ValueError(f"{name} must be (rows, [*batch,] {want}), got {tuple(t.shape)}")
-    batch = tuple(x_dst.shape[1:-1])
-    if tuple(x_src.shape[1:-1]) != batch:
-        raise ValueError(
-            f"x_src has batch dims {tuple(x_src.shape[1:-1])} but x_dst has {batch}: node tensors are (rows, *batch, C)"
-        )
-    if edge_attr.dim() > 2 and tuple(edge_attr.shape[1:-1]) != batch:
-        raise ValueError(f"edge_attr has batch dims {tuple(edge_attr.shape[1:-1])} but the nodes have {batch}")
-
-
 def _mlp(channels: int, ratio: float) -> nn.Sequential:
     hidden = max(1, int(round(channels * ratio)))
     return nn.Sequential(nn.Linear(channels, hidden), nn.GELU(), nn.Linear(hidden, channels))
-
-
-def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def check_plan(plan: object, processor: bool) -> GraphShardPlan:
-    """``plan`` if it is a :class:`GraphShardPlan` (on one node set for a ``processor``), else an error."""
-    if not isinstance(plan, GraphShardPlan):
-        raise TypeError(
-            f"plan must be a GraphShardPlan, got {type(plan).__name__}: build one with "
-            "GraphShardPlan.build(edge_index, num_nodes, group) (group None for one process)"
-        )
-    if processor and plan.num_src != plan.num_dst:
-        raise ValueError(
-            f"a processor plan must be built on one node set, got {plan.num_src} sources and "
-            f"{plan.num_dst} destinations: build it with num_nodes=<int>"
-        )
-    return plan
-
-
-def check_local_rows(plan: GraphShardPlan, x_src_rows: int, x_dst_rows: int, edge_attr: Tensor) -> None:
-    """Raise unless the node and edge inputs are this rank's rows of the plan's graph."""
-    if x_src_rows != plan.num_src_local or x_dst_rows != plan.num_dst_local:
-        raise ValueError(
-            f"node inputs have {x_src_rows} source and {x_dst_rows} destination rows but rank "
-            f"{plan.rank}'s plan owns {plan.num_src_local} and {plan.num_dst_local}: pass this "
-            "rank's node slices (plan.shard_src / plan.shard_dst)"
-        )
-    if edge_attr.shape[0] != plan.num_edges_local:
-        raise ValueError(
-            f"edge_attr must be (num_edges, edge_channels) with num_edges = {plan.num_edges_local} (rank "
-            f"{plan.rank}'s edges in the plan), got {tuple(edge_attr.shape)}: pass plan.shard_edges(edge_attr)"
-        )
 
 
 class _GraphTransformerBase(nn.Module):
@@ -160,8 +113,8 @@ class _GraphTransformerBase(nn.Module):
         super().__init__()
         for name, value in (("src_channels", src_channels), ("dst_channels", dst_channels),
                             ("edge_channels", edge_channels), ("num_heads", num_heads)):
-            _check_positive(name, value)
-        hidden_dim = dst_channels if hidden_dim is None else _check_positive("hidden_dim", hidden_dim)
+            check_positive_int(name, value)
+        hidden_dim = dst_channels if hidden_dim is None else check_positive_int("hidden_dim", hidden_dim)
         if hidden_dim % num_heads:
             raise ValueError(
                 f"hidden_dim {hidden_dim} is not divisible by num_heads {num_heads}: choose heads "

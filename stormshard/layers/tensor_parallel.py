@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from stormshard.layers.mlp import MLP
+from stormshard.layers.strategy import check_split
 from stormshard.layers.transformer import TransformerBlock
 from stormshard.layers.window import sliding_window_attention
 from stormshard.parallel.shapes import group_size
@@ -44,27 +45,9 @@ __all__ = [
     "TensorParallelSlidingWindowAttention",
     "TensorParallelMLP",
     "TensorParallelTransformerBlock",
-    "check_tensor_parallel_sizes",
 ]
 
 ProcessGroup = dist.ProcessGroup
-
-
-def check_tensor_parallel_sizes(num_heads: int | None, mlp_hidden: int | None, world: int) -> None:
-    """Raise unless the heads (``num_heads``) and MLP hidden channels (``mlp_hidden``) split whole over ``world`` ranks.
-
-    None skips that size (an attention alone has no MLP).
-    """
-    if num_heads is not None and num_heads % world != 0:
-        raise ValueError(
-            f"num_heads={num_heads} is not divisible by the tensor-parallel group size {world}: heads are "
-            f"split whole over the ranks; use a multiple of {world} heads or a group whose size divides {num_heads}"
-        )
-    if mlp_hidden is not None and mlp_hidden % world != 0:
-        raise ValueError(
-            f"the MLP hidden size mlp_ratio * num_channels = {mlp_hidden} is not divisible by the tensor-parallel "
-            f"group size {world}: choose mlp_ratio or num_channels so that it is"
-        )
 
 
 def _tensor_group(shard: SequenceShard | None, group: ProcessGroup | None) -> ProcessGroup | None:
@@ -94,7 +77,7 @@ class TensorParallelSlidingWindowAttention(nn.Module):
                  shard: SequenceShard | None = None, *, group: ProcessGroup | None = None) -> None:
         super().__init__()
         group = _tensor_group(shard, group)
-        check_tensor_parallel_sizes(num_heads, None, group_size(group))
+        check_split("tensor", group_size(group), num_heads=num_heads)
         self.num_heads, self.window_size = num_heads, window_size
         self.shard, self.group = shard, group
         self.local_heads = num_heads // group_size(group)
@@ -128,7 +111,7 @@ class TensorParallelMLP(nn.Module):
                  group: ProcessGroup | None = None) -> None:
         super().__init__()
         group = _tensor_group(shard, group)
-        check_tensor_parallel_sizes(None, fc1.out_features, group_size(group))
+        check_split("tensor", group_size(group), mlp_hidden=fc1.out_features)
         self.shard, self.group = shard, group
         self.fc1 = ColumnParallelLinear.from_linear(fc1, group, sequence_shard=shard)
         self.activation = nn.GELU()
@@ -157,7 +140,8 @@ class TensorParallelTransformerBlock(nn.Module):
     def __init__(self, num_channels: int, num_heads: int, window_size: int, mlp_ratio: int = 4,
                  shard: SequenceShard | None = None, *, group: ProcessGroup | None = None) -> None:
         super().__init__()
-        check_tensor_parallel_sizes(num_heads, mlp_ratio * num_channels, group_size(_tensor_group(shard, group)))
+        world = group_size(_tensor_group(shard, group))  # checked before the full block is drawn
+        check_split("tensor", world, num_heads=num_heads, mlp_hidden=mlp_ratio * num_channels)
         self._setup(TransformerBlock(num_channels, num_heads, window_size, mlp_ratio), shard, group)
 
     @classmethod
@@ -166,8 +150,6 @@ class TensorParallelTransformerBlock(nn.Module):
         """This rank's tensor-parallel slice of the full ``block`` (no communication)."""
         if not isinstance(block, TransformerBlock):
             raise TypeError(f"block must be a TransformerBlock, got {type(block).__name__}")
-        world = group_size(_tensor_group(shard, group))
-        check_tensor_parallel_sizes(block.attention.num_heads, block.mlp.fc1.out_features, world)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._setup(block, shard, group)

@@ -6,8 +6,8 @@ unsharded). Each block computes ``x = x + attention(norm_attention(x)); x = x + 
 
 This module builds the single-device-looking processor only. Tensor parallelism (swapping in
 :class:`~stormshard.layers.tensor_parallel.TensorParallelTransformerBlock`) and activation
-checkpointing are applied afterwards, in one place: :func:`stormshard.layers.parallelize.parallelize_processor`
-(or :func:`~stormshard.layers.parallelize.build_transformer_processor`, which builds and
+checkpointing are applied afterwards, in one place: :func:`stormshard.models.parallelize.parallelize_processor`
+(or :func:`~stormshard.models.parallelize.build_transformer_processor`, which builds and
 parallelizes in one call).
 """
 
@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from stormshard.layers.attention import SHARD_STRATEGIES, ShardStrategy, SlidingWindowAttention
+from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
-from stormshard.parallel.shard import SequenceShard
+from stormshard.layers.strategy import check_strategy_name
+from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
-__all__ = ["TransformerBlock", "TransformerProcessor", "PROCESSOR_STRATEGIES"]
-
-PROCESSOR_STRATEGIES: tuple[str, ...] = SHARD_STRATEGIES + ("tensor",)
+__all__ = ["TransformerBlock", "TransformerProcessor"]
 
 
 class TransformerBlock(nn.Module):
@@ -55,20 +54,19 @@ class TransformerProcessor(nn.Module):
     per block) or ``"tensor"`` (Megatron-style tensor + sequence parallelism over ``shard.group``).
     The constructor builds the single-device form for every strategy: full-weight
     :class:`TransformerBlock` s; for ``"tensor"`` their attention runs halo-sharded until
-    :func:`stormshard.layers.parallelize.parallelize_processor` swaps in the tensor-parallel blocks
+    :func:`stormshard.models.parallelize.parallelize_processor` swaps in the tensor-parallel blocks
     (same numbers, same parameter names; use
-    :func:`~stormshard.layers.parallelize.build_transformer_processor` to do both at once).
+    :func:`~stormshard.models.parallelize.build_transformer_processor` to do both at once).
     No final norm: blocks only.
     """
 
     def __init__(self, num_layers: int, num_channels: int, num_heads: int, window_size: int,
-                 mlp_ratio: int = 4, shard_strategy: str = "shard_sequence",
+                 mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
                  shard: SequenceShard | None = None) -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-        if shard_strategy not in PROCESSOR_STRATEGIES:
-            raise ValueError(f"shard_strategy must be one of {PROCESSOR_STRATEGIES}, got {shard_strategy!r}")
+        check_strategy_name(shard_strategy)
         self.shard_strategy = shard_strategy
         self.shard = shard
         attention_strategy = "shard_sequence" if shard_strategy == "tensor" else shard_strategy

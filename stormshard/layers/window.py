@@ -32,7 +32,10 @@ import einops
 import torch
 from torch import Tensor
 
-__all__ = ["sliding_window_attention", "dense_window_attention", "default_block_size"]
+__all__ = [
+    "sliding_window_attention", "dense_window_attention", "default_block_size", "flash_attn_window_func",
+    "flash_window_sides",
+]
 
 
 def default_block_size(window_size: int) -> int:
@@ -134,7 +137,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=1)
-def _flash_attn_func():
+def flash_attn_window_func():
     """flash-attn's ``flash_attn_func`` if importable and new enough (>= 2.3), else None; decided once
     per process (a failed import is not retried on every call). An installed flash-attn older than
     2.3 gets one warning naming the version and the fix; the banded kernel runs instead."""
@@ -152,7 +155,7 @@ def _flash_attn_func():
     return flash_attn_func
 
 
-def _flash_window(shift: int, num_q: int, num_k: int, window_size: int) -> tuple[int, int] | None:
+def flash_window_sides(shift: int, num_q: int, num_k: int, window_size: int) -> tuple[int, int] | None:
     """flash-attn's ``window_size=(left, right)`` that reproduces our window with offsets.
 
     flash-attn (non-causal, ``Lq != Lk``) aligns query ``i`` with key ``i + Lk - Lq`` and lets it
@@ -175,7 +178,7 @@ def _use_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
         and q.shape[-1] == v.shape[-1]
         and q.shape[-1] % 8 == 0
         and q.shape[-1] <= 256
-        and _flash_attn_func() is not None
+        and flash_attn_window_func() is not None
     )
 
 
@@ -225,9 +228,9 @@ def sliding_window_attention(
     # a window that reaches every key from every query is dense: clip it (fewer, larger blocks)
     window_size = min(window_size, max(abs(shift + num_q - 1), abs(shift - num_k + 1), 0))
     if _use_flash(q, k, v):  # pragma: no cover - needs a GPU with flash-attn
-        sides = _flash_window(shift, num_q, num_k, window_size)
+        sides = flash_window_sides(shift, num_q, num_k, window_size)
         if sides is not None and 0 <= shift and shift + num_q <= num_k:
-            flash = _flash_attn_func()
+            flash = flash_attn_window_func()
             qt, kt, vt = (einops.rearrange(t, "b h s d -> b s h d") for t in (q, k, v))
             out = flash(qt, kt, vt, softmax_scale=scale, causal=False, window_size=sides)
             return einops.rearrange(out, "b s h d -> b h s d")

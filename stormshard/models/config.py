@@ -3,19 +3,28 @@
 JSON example (the ``model`` section of an experiment config)::
 
     {"name": "transformer", "num_channels": 128, "multistep_input": 2, "trainable_size": 8,
-     "processor": {"num_layers": 4, "num_heads": 8, "window_size": 64, "shard_strategy": "shard_sequence"},
+     "processor": {"num_layers": 4, "num_heads": 8, "window_size": 64},
      "encoder": {"num_heads": 8}, "decoder": {"num_heads": 8}, "activation_checkpointing": false}
+
+``name`` is a built-in model (:data:`BUILTIN_MODELS`), a name added with
+:func:`~stormshard.models.registry.register_model`, or ``"package.module:attribute"``: a builder
+of the user's own (:data:`~stormshard.models.registry.ModelBuilder` signature), imported when the
+config is validated; ``options`` (a free JSON object) reaches that builder as ``config.options``.
+How the processor is split over the model group (``shard_strategy``) is a parallel setting, not a
+model one: it reaches the model through :class:`~stormshard.models.sharding.ModelShardPlan`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["ProcessorConfig", "MapperConfig", "EnsembleConfig", "ModelConfig", "MODEL_NAMES"]
+__all__ = ["ProcessorConfig", "MapperConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS"]
 
-MODEL_NAMES = ("transformer", "graphtransformer", "gnn", "ensemble")
+#: The models stormshard builds itself (the encoder-processor-decoder family).
+BUILTIN_MODELS: tuple[str, ...] = ("transformer", "graphtransformer", "gnn", "ensemble")
 
 
 class _Strict(BaseModel):
@@ -25,17 +34,30 @@ class _Strict(BaseModel):
 class ProcessorConfig(_Strict):
     """The processor on the hidden nodes.
 
-    ``window_size`` and ``shard_strategy`` apply to the sliding-window transformer (models
-    ``transformer`` and ``ensemble``); ``num_chunks`` to the graph processors.
+    ``window_size`` applies to the sliding-window transformer (models ``transformer`` and
+    ``ensemble``); ``num_chunks`` to the graph processors. Its split over the model group is
+    ``parallel.shard_strategy`` (not a key here).
     """
 
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(8, ge=1)
     mlp_ratio: int = Field(4, ge=1)
-    window_size: int = Field(64, ge=0)
-    shard_strategy: Literal["shard_sequence", "shard_heads", "tensor"] = "shard_sequence"
+    window_size: int = Field(64, description="sliding-window half width in hidden nodes, at least 1")
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graphtransformer: anemoi's lin_self in every block
+
+    @field_validator("window_size")
+    @classmethod
+    def _check_window(cls, value: int) -> int:
+        if value < 1:
+            what = "a window of 0 lets every hidden node attend to itself only" if value == 0 else \
+                f"a window of {value} is negative"
+            raise ValueError(
+                f"{what}: the sliding-window transformer needs window_size "
+                ">= 1 (a node attends the nodes within window_size of it); give e.g. 64, or the hidden node count "
+                "- 1 for full attention"
+            )
+        return value
 
 
 class MapperConfig(_Strict):
@@ -55,9 +77,14 @@ class EnsembleConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """An encoder-processor-decoder model. ``name`` picks the processor (see the registry)."""
+    """A model: ``name`` picks the builder (see :mod:`stormshard.models.registry`).
 
-    name: Literal["transformer", "graphtransformer", "gnn", "ensemble"] = "transformer"
+    The built-ins are encoder-processor-decoders whose sizes are checked here; a custom builder
+    (``"package.module:attribute"`` or a registered name) reads what it needs, ``options`` included,
+    and checks it itself.
+    """
+
+    name: str = "transformer"
     num_channels: int = Field(128, ge=1)
     multistep_input: int = Field(2, ge=1)
     trainable_size: int = Field(8, ge=0)
@@ -66,9 +93,38 @@ class ModelConfig(_Strict):
     decoder: MapperConfig = MapperConfig()
     ensemble: EnsembleConfig | None = None
     activation_checkpointing: bool = False
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if name not in BUILTIN_MODELS:
+            from stormshard.models.registry import resolve_builder  # the registry imports this module
+
+            resolve_builder(name)  # imports a "package.module:attribute" builder; ValueError naming model.name
+        return name
+
+    @field_validator("options")
+    @classmethod
+    def _check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(options, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"model.options must be JSON-serialisable (it is stored with every checkpoint): {err}; use "
+                "strings, numbers, booleans, null, lists and objects"
+            ) from None
+        return options
 
     @model_validator(mode="after")
     def _check_sizes(self) -> ModelConfig:
+        if not self.is_builtin:  # a custom builder checks its own sizes
+            return self
+        if self.options:
+            raise ValueError(
+                f"model.options={self.options!r} is given but model.name={self.name!r} is a built-in model, which "
+                "reads its settings from processor / encoder / decoder: drop model.options (it is for custom builders)"
+            )
         c = self.num_channels
         for field, heads in (("processor.num_heads", self.processor.num_heads),
                              ("encoder.num_heads", self.encoder.num_heads),
@@ -83,13 +139,14 @@ class ModelConfig(_Strict):
             object.__setattr__(self, "ensemble", EnsembleConfig())
         if self.name != "ensemble" and self.ensemble is not None:
             raise ValueError(f"model.ensemble is set but model.name={self.name!r}: use name='ensemble' or drop it")
-        if self.processor.shard_strategy != "shard_sequence" and self.name not in ("transformer", "ensemble"):
-            raise ValueError(
-                f"processor.shard_strategy={self.processor.shard_strategy!r} applies to the transformer processor "
-                f"only; model.name={self.name!r} shards its graph by destination nodes: drop shard_strategy"
-            )
         return self
 
     @property
+    def is_builtin(self) -> bool:
+        """True for the built-in encoder-processor-decoders (:data:`BUILTIN_MODELS`)."""
+        return self.name in BUILTIN_MODELS
+
+    @property
     def uses_graph_processor(self) -> bool:
+        """True when the processor is a graph (``graphtransformer``, ``gnn``): sharded by destination node."""
         return self.name in ("graphtransformer", "gnn")

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
-from torch_geometric.data import HeteroData
 
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.models.config import ModelConfig
@@ -45,23 +45,22 @@ def coordinate_features(latlon: Tensor) -> Tensor:
 
 
 class EncoderProcessorDecoder(nn.Module):
-    """Graph encoder, processor and graph decoder over a grid sharded over ``model_group``.
+    """Graph encoder, processor and graph decoder over a grid sharded as ``plan`` describes.
 
-    The constructor builds the single-device-looking model on this rank's node slices;
-    :func:`~stormshard.models.registry.build_model` then applies
+    The constructor builds the single-device-looking model on this rank's node slices (``plan``:
+    the model group, the node slices, the graph plans and the processor's shard strategy, bound
+    here once; build it with ``processor_graph=config.uses_graph_processor``);
+    :func:`~stormshard.models.registry.build_model` builds the plan and then applies
     :func:`~stormshard.models.parallelize.parallelize` (tensor-parallel blocks, checkpointing).
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        graph: HeteroData,
-        variables: VariableIndex,
-        model_group: dist.ProcessGroup | None = None,
-    ) -> None:
+    def __init__(self, config: ModelConfig, graph: HeteroGraph, variables: VariableIndex,
+                 plan: ModelShardPlan) -> None:
         super().__init__()
-        self.config, self.variables = config, variables
-        self.plan = ModelShardPlan.build(graph, model_group, processor_graph=config.uses_graph_processor)
+        if not isinstance(plan, ModelShardPlan):
+            raise TypeError(f"plan must be a ModelShardPlan (ModelShardPlan.build(graph, model_group, ...)), "
+                            f"got {type(plan).__name__}")
+        self.config, self.variables, self.plan = config, variables, plan
         c, t = config.num_channels, config.trainable_size
         n_in, n_out = len(variables.input_names), len(variables.output_names)
         data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
@@ -97,7 +96,7 @@ class EncoderProcessorDecoder(nn.Module):
         """The model-communication group the model is sharded over (None: one process)."""
         return self.plan.group
 
-    def build_processor(self, graph: HeteroData) -> nn.Module:
+    def build_processor(self, graph: HeteroGraph) -> nn.Module:
         """The processor named by the config, on this rank's hidden nodes."""
         if self.config.uses_graph_processor:
             return GraphProcessor(self.config, self.plan, graph[PROCESSOR].edge_attr,

@@ -9,16 +9,15 @@ initial state are several batch entries with different noise (the trainer repeat
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
-from torch_geometric.data import HeteroData
 
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.conditional import ConditionalTransformerBlock
 from stormshard.models.config import ModelConfig
 from stormshard.models.encoder_processor_decoder import EncoderProcessorDecoder
+from stormshard.models.sharding import ModelShardPlan
 from stormshard.models.variables import VariableIndex
-from stormshard.parallel.shard import SequenceShard
 
 __all__ = ["EnsembleEncoderProcessorDecoder", "NoiseConditionedProcessor"]
 
@@ -26,20 +25,20 @@ __all__ = ["EnsembleEncoderProcessorDecoder", "NoiseConditionedProcessor"]
 class NoiseConditionedProcessor(nn.Module):
     """Sliding-window blocks with conditional norms over the hidden nodes, sharded as ``shard``.
 
-    ``forward(x (hidden_local, batch, C), noise (batch, hidden_local, noise_channels))``. Only the
-    sequence strategies apply (``"tensor"`` is rejected by the parallelize step); checkpointing
-    is wrapped by :func:`stormshard.models.parallelize.parallelize`.
+    ``forward(x (hidden_local, batch, C), noise (batch, hidden_local, noise_channels))``, sharded
+    as ``plan.hidden_shard`` with ``plan.shard_strategy``: only the sequence strategies apply
+    (``"tensor"`` is rejected by :func:`~stormshard.models.parallelize.check_parallel_strategy`);
+    checkpointing is wrapped by :func:`stormshard.models.parallelize.parallelize`.
     """
 
-    def __init__(self, config: ModelConfig, shard: SequenceShard | None) -> None:
+    def __init__(self, config: ModelConfig, plan: ModelShardPlan) -> None:
         super().__init__()
         p, e = config.processor, config.ensemble
         cond = config.num_channels
         self.noise_embedding = nn.Sequential(nn.Linear(e.noise_channels, cond), nn.GELU(), nn.Linear(cond, cond))
-        strategy = "shard_sequence" if p.shard_strategy == "tensor" else p.shard_strategy
         self.blocks = nn.ModuleList(
             ConditionalTransformerBlock(config.num_channels, p.num_heads, p.window_size, cond, p.mlp_ratio,
-                                        strategy, shard)
+                                        plan.shard_strategy, plan.hidden_shard)
             for _ in range(p.num_layers)
         )
 
@@ -54,12 +53,12 @@ class NoiseConditionedProcessor(nn.Module):
 class EnsembleEncoderProcessorDecoder(EncoderProcessorDecoder):
     """The encoder-processor-decoder with a noise-conditioned processor."""
 
-    def __init__(self, config: ModelConfig, graph: HeteroData, variables: VariableIndex,
-                 model_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(config, graph, variables, model_group)
+    def __init__(self, config: ModelConfig, graph: HeteroGraph, variables: VariableIndex,
+                 plan: ModelShardPlan) -> None:
+        super().__init__(config, graph, variables, plan)
 
-    def build_processor(self, graph: HeteroData) -> nn.Module:
-        return NoiseConditionedProcessor(self.config, self.plan.hidden_shard)
+    def build_processor(self, graph: HeteroGraph) -> nn.Module:
+        return NoiseConditionedProcessor(self.config, self.plan)
 
     def sample_noise(self, batch: int, generator: torch.Generator | None = None,
                      dtype: torch.dtype | None = None) -> Tensor:

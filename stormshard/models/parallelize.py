@@ -2,19 +2,22 @@
 
 The model classes build the single-device-looking model on this rank's node slices (every layer
 bound once to its shard: the :class:`~stormshard.models.sharding.ModelShardPlan`, the hidden
-:class:`~stormshard.parallel.shard.SequenceShard`). :func:`parallelize` then, in this order:
+:class:`~stormshard.parallel.shard.SequenceShard`). :func:`parallelize` then, in this order (as
+torchtitan's ``parallelize_llama``):
 
-1. checks the parallel strategy once (:func:`check_parallel_strategy`): the processor's heads
-   split whole over the model group for ``"shard_heads"`` and ``"tensor"``, the MLP hidden
-   channels too for ``"tensor"``; ``"tensor"`` is rejected for the ensemble model;
-2. swaps the window processor's blocks for
-   :class:`~stormshard.layers.tensor_parallel.TensorParallelTransformerBlock` slices over the
-   hidden shard (``shard_strategy="tensor"``; no communication, parameter names unchanged);
-3. wraps every processor block in :class:`~stormshard.layers.checkpointing.ActivationCheckpoint`
-   once (``activation_checkpointing``; every processor kind, names unchanged).
+1. checks the parallel strategy (:func:`check_parallel_strategy`, the one check of
+   ``parallel.shard_strategy`` against a model; preflight calls it before any process group);
+2. tensor parallelism: every :class:`~stormshard.layers.transformer.TransformerProcessor` of the
+   model built for ``"tensor"`` gets its blocks swapped for
+   :class:`~stormshard.layers.tensor_parallel.TensorParallelTransformerBlock` slices over its
+   shard (:func:`parallelize_processor`; no communication, parameter names unchanged);
+3. activation checkpointing: every block of ``model.processor.blocks`` is wrapped in
+   :class:`~stormshard.layers.checkpointing.ActivationCheckpoint` once
+   (``model.activation_checkpointing``; every processor kind, names unchanged).
 
-:func:`~stormshard.models.registry.build_model` calls it; training and inference get the
-parallelized model from there.
+:func:`build_transformer_processor` builds a standalone processor and applies steps 2 and 3 to it
+(a tensor-parallel processor without a whole model). :func:`~stormshard.models.registry.build_model`
+calls :func:`parallelize`; training and inference get the parallelized model from there.
 """
 
 from __future__ import annotations
@@ -22,42 +25,107 @@ from __future__ import annotations
 from torch import nn
 
 from stormshard.layers.checkpointing import checkpoint_blocks
-from stormshard.layers.parallelize import check_processor_strategy, parallelize_processor
+from stormshard.layers.strategy import indivisible_sizes
+from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
+from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
 from stormshard.models.config import ModelConfig
-from stormshard.models.processors import WindowTransformerProcessor
 from stormshard.models.sharding import ModelShardPlan
+from stormshard.parallel.shard import SHARD_STRATEGIES, SequenceShard, ShardStrategy
 
-__all__ = ["parallelize", "check_parallel_strategy"]
+__all__ = ["check_parallel_strategy", "parallelize", "parallelize_processor", "build_transformer_processor"]
 
 
-def check_parallel_strategy(config: ModelConfig, plan: ModelShardPlan) -> None:
-    """Raise unless ``config``'s processor strategy works over ``plan``'s model group; the message names the field."""
-    p = config.processor
-    if config.name == "ensemble" and p.shard_strategy == "tensor":
-        raise ValueError(
-            "model.name='ensemble' supports processor.shard_strategy 'shard_sequence' or 'shard_heads', not "
-            "'tensor': its conditional norms are not tensor-parallel; choose one of the two"
-        )
-    if config.uses_graph_processor:
+def check_parallel_strategy(config: ModelConfig, shard_strategy: str, group_size: int) -> None:
+    """Raise ValueError unless ``shard_strategy`` can split ``config``'s model over ``group_size`` ranks.
+
+    The one check of ``parallel.shard_strategy`` (needs no process group): a known strategy; for
+    the built-in models also no ``"tensor"`` for ``ensemble``, only ``"shard_sequence"`` for the
+    graph processors (they shard by destination node), whole heads per rank for ``"shard_heads"``
+    and ``"tensor"``, whole MLP hidden channels per rank for ``"tensor"``. A custom builder's own
+    layers check their sizes when built. The message names the fields, the values and the fix.
+    """
+    if shard_strategy not in SHARD_STRATEGIES:
+        raise ValueError(f"parallel.shard_strategy={shard_strategy!r} is unknown: choose one of {SHARD_STRATEGIES}")
+    if not config.is_builtin or shard_strategy == "shard_sequence":
         return
-    try:
-        check_processor_strategy(p.shard_strategy, p.num_heads, p.mlp_ratio * config.num_channels, plan.hidden_shard)
-    except ValueError as err:
+    if config.uses_graph_processor:
         raise ValueError(
-            f"model.processor.shard_strategy={p.shard_strategy!r} over a model group of {plan.world} ranks: {err}"
-        ) from err
+            f"parallel.shard_strategy={shard_strategy!r} applies to the sliding-window transformer processor only; "
+            f"model.name={config.name!r} shards its graph by destination nodes: set parallel.shard_strategy="
+            "'shard_sequence' (or leave it out)"
+        )
+    if config.name == "ensemble" and shard_strategy == "tensor":
+        raise ValueError(
+            "parallel.shard_strategy='tensor' does not apply to model.name='ensemble' (its conditional norms are "
+            "not tensor-parallel): choose 'shard_sequence' or 'shard_heads'"
+        )
+    p, k = config.processor, group_size
+    bad = indivisible_sizes(shard_strategy, k, num_heads=p.num_heads, mlp_hidden=p.mlp_ratio * config.num_channels)
+    if "num_heads" in bad:
+        raise ValueError(
+            f"model.processor.num_heads={p.num_heads} is not divisible by parallel.gpus_per_model={k}: "
+            f"parallel.shard_strategy={shard_strategy!r} splits whole heads over the model group; use a multiple of "
+            f"{k} heads or parallel.shard_strategy='shard_sequence'"
+        )
+    if "mlp_hidden" in bad:
+        raise ValueError(
+            f"model.processor.mlp_ratio * model.num_channels = {bad['mlp_hidden']} is not divisible by "
+            f"parallel.gpus_per_model={k}: parallel.shard_strategy='tensor' splits the MLP hidden channels over the "
+            "model group; choose mlp_ratio or num_channels so that it is, or parallel.shard_strategy='shard_sequence'"
+        )
+
+
+def parallelize_processor(processor: TransformerProcessor, *,
+                          activation_checkpointing: bool = False) -> TransformerProcessor:
+    """Swap in tensor-parallel blocks (``processor.shard_strategy == "tensor"``), wrap checkpointing; in place.
+
+    The blocks are sliced over ``processor.shard`` (the layers check that the heads and MLP
+    channels split). Returns ``processor``. Blocks already swapped or wrapped are left as they
+    are, so a second call changes nothing.
+    """
+    if not isinstance(processor, TransformerProcessor):
+        raise TypeError(f"processor must be a TransformerProcessor, got {type(processor).__name__}")
+    if processor.shard_strategy == "tensor":
+        for i, block in enumerate(processor.blocks):
+            if isinstance(block, TransformerBlock):
+                processor.blocks[i] = TensorParallelTransformerBlock.from_block(block, processor.shard)
+    if activation_checkpointing:
+        checkpoint_blocks(processor.blocks)
+    return processor
+
+
+def build_transformer_processor(num_layers: int, num_channels: int, num_heads: int, window_size: int,
+                                mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
+                                shard: SequenceShard | None = None, *,
+                                activation_checkpointing: bool = False) -> TransformerProcessor:
+    """A :class:`~stormshard.layers.transformer.TransformerProcessor` with its parallelism applied.
+
+    ``shard``: the sequence's :class:`~stormshard.parallel.shard.SequenceShard` (None: one
+    process); ``forward(x (batch, shard.local_size, C))`` -> same shape. Fresh ``"tensor"``
+    processors hold, gathered, exactly the weights of the single-process processor built from the
+    same seed.
+    """
+    processor = TransformerProcessor(num_layers, num_channels, num_heads, window_size, mlp_ratio, shard_strategy,
+                                     shard)
+    return parallelize_processor(processor, activation_checkpointing=activation_checkpointing)
 
 
 def parallelize(model: nn.Module, config: ModelConfig, plan: ModelShardPlan) -> nn.Module:
     """Check the strategy, swap in tensor-parallel blocks, wrap activation checkpointing; in place.
 
-    ``model``: an encoder-processor-decoder built from ``config`` with ``plan`` (its
-    ``processor`` has a ``blocks`` ModuleList). Returns ``model``.
+    ``model``: built from ``config`` with ``plan``. Checkpointing wraps ``model.processor.blocks``
+    (a ModuleList; every built-in model has one). Returns ``model``; a second call changes nothing.
     """
-    check_parallel_strategy(config, plan)
-    processor = model.processor
-    if isinstance(processor, WindowTransformerProcessor):  # the tensor swap, over plan.hidden_shard
-        parallelize_processor(processor.processor)
+    check_parallel_strategy(config, plan.shard_strategy, plan.world)
+    for processor in [m for m in model.modules() if isinstance(m, TransformerProcessor)]:
+        parallelize_processor(processor)
     if config.activation_checkpointing:
-        checkpoint_blocks(processor.blocks)
+        blocks = getattr(getattr(model, "processor", None), "blocks", None)
+        if not isinstance(blocks, nn.ModuleList):
+            raise ValueError(
+                f"model.activation_checkpointing is true but the model of model.name={config.name!r} has no "
+                "processor.blocks (an nn.ModuleList) to checkpoint: give it one, or wrap its blocks in "
+                "stormshard.layers.checkpointing.ActivationCheckpoint in the builder and set it false"
+            )
+        checkpoint_blocks(blocks)
     return model

@@ -22,7 +22,8 @@ __all__ = ["WindowTransformerProcessor", "GraphProcessor"]
 
 
 class WindowTransformerProcessor(nn.Module):
-    """Pre-norm sliding-window transformer blocks over the hidden nodes, sharded as ``plan.hidden_shard``.
+    """Pre-norm sliding-window transformer blocks over the hidden nodes, sharded as ``plan.hidden_shard``
+    with ``plan.shard_strategy``.
 
     ``forward(x (hidden_local, batch, C)) -> (hidden_local, batch, C)``. Built in its
     single-device form (full-weight blocks); :func:`stormshard.models.parallelize.parallelize`
@@ -34,7 +35,7 @@ class WindowTransformerProcessor(nn.Module):
         p = config.processor
         self.processor = TransformerProcessor(
             num_layers=p.num_layers, num_channels=config.num_channels, num_heads=p.num_heads,
-            window_size=p.window_size, mlp_ratio=p.mlp_ratio, shard_strategy=p.shard_strategy,
+            window_size=p.window_size, mlp_ratio=p.mlp_ratio, shard_strategy=plan.shard_strategy,
             shard=plan.hidden_shard,
         )
 

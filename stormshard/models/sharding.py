@@ -4,7 +4,8 @@ Each rank of the group holds a balanced contiguous slice of the data nodes (the 
 hidden nodes; the encoder, decoder (and graph processor) are sharded by destination node with a
 :class:`~stormshard.parallel.graph.GraphShardPlan` each, whose source and destination slices are
 exactly these node slices, so activations move between layers without re-sharding. The plan holds
-the model group (``group``) and is handed to the layers once, at construction.
+the model group (``group``) and how the sequence processor is split over it (``shard_strategy``,
+the run's ``parallel.shard_strategy``), and is handed to the model once, at construction.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch_geometric.data import HeteroData
 
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
+from stormshard.graphs.hetero import HeteroGraph
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.shapes import balanced_sizes, group_rank, group_size
-from stormshard.parallel.shard import SequenceShard
+from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
 __all__ = ["ModelShardPlan"]
 
@@ -28,7 +29,10 @@ class ModelShardPlan:
 
     ``data_sizes`` / ``hidden_sizes``: every rank's number of data (grid) / hidden nodes, rank
     order; ``encoder`` (data -> hidden), ``decoder`` (hidden -> data) and ``processor`` (hidden ->
-    hidden, None without a graph processor) are this rank's graph plans, built with ``group``.
+    hidden, None without a graph processor) are this rank's graph plans, built with ``group``;
+    ``shard_strategy``: how a sliding-window processor splits over ``group`` (``"shard_sequence"``,
+    ``"shard_heads"`` or ``"tensor"``; graph processors shard by destination node whatever it is).
+    Checked against the model by :func:`~stormshard.models.parallelize.check_parallel_strategy`.
     """
 
     data_sizes: tuple[int, ...]
@@ -37,13 +41,16 @@ class ModelShardPlan:
     decoder: GraphShardPlan
     processor: GraphShardPlan | None
     group: dist.ProcessGroup | None = None
+    shard_strategy: ShardStrategy = "shard_sequence"
 
     @classmethod
     def build(
-        cls, graph: HeteroData, model_group: dist.ProcessGroup | None, processor_graph: bool
+        cls, graph: HeteroGraph, model_group: dist.ProcessGroup | None, processor_graph: bool,
+        shard_strategy: ShardStrategy = "shard_sequence",
     ) -> ModelShardPlan:
         """The plan of this rank of ``model_group`` for ``graph`` (``processor_graph``: build the
-        hidden -> hidden plan too). Computed on every rank without communication."""
+        hidden -> hidden plan too; ``shard_strategy``: kept as given). Computed on every rank without
+        communication."""
         num_data, num_hidden = graph["data"].num_nodes, graph["hidden"].num_nodes
         world = group_size(model_group)
         for name, count in (("data", num_data), ("hidden", num_hidden)):
@@ -58,7 +65,7 @@ class ModelShardPlan:
             GraphShardPlan.build(graph[PROCESSOR].edge_index, num_hidden, model_group) if processor_graph else None
         )
         return cls(tuple(balanced_sizes(num_data, world)), tuple(balanced_sizes(num_hidden, world)),
-                   encoder, decoder, processor, model_group)
+                   encoder, decoder, processor, model_group, shard_strategy)
 
     @property
     def world(self) -> int:

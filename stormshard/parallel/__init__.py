@@ -1,48 +1,36 @@
 """Parallel building blocks (knows nothing of weather): the layout and its process groups, shard
-context (:class:`SequenceShard`, :class:`GraphShardPlan`), anemoi-named autograd collectives,
-sequence parallelism (halos, head all-to-all), tensor-parallel linears, gradient reduction and
-PowerSGD compression, communication accounting. Everything else stays in its module
-(e.g. :mod:`stormshard.parallel.anemoi_compat` for anemoi's edge-sorting helpers)."""
+context (:class:`SequenceShard`, :class:`GraphShardPlan`), the collectives (anemoi-named autograd
+collectives and the one row exchange, all in :mod:`stormshard.parallel.comm`), sequence
+parallelism (halos, head all-to-all), tensor-parallel linears, gradient reduction and PowerSGD
+compression, communication accounting. Everything else stays in its module (e.g.
+:mod:`stormshard.parallel.anemoi_compat` for anemoi's edge-sorting helpers)."""
 
 from __future__ import annotations
 
-from stormshard.parallel.comm import (
-    copy_tensor,
-    gather_tensor,
-    reduce_shard_tensor,
-    reduce_tensor,
-    shard_tensor,
-    sync_tensor,
-)
-from stormshard.parallel.compression import PowerSGDCompressor, PowerSGDConfig, register_powersgd_hook
-from stormshard.parallel.counter import CommCounter
-from stormshard.parallel.grads import clip_grad_norm_, reduce_model_parallel_gradients
-from stormshard.parallel.graph import GraphShardPlan
-from stormshard.parallel.halo_projection import halo_linear
-from stormshard.parallel.random import TrackedDropout, tensor_parallel_rng_tracker
-from stormshard.parallel.sequence import (
-    HaloPlan,
-    add_halos,
-    halo_exchange,
-    remove_halos,
-    shard_heads,
-    shard_sequence,
-)
-from stormshard.parallel.shapes import balanced_sizes, get_shape_shards
-from stormshard.parallel.shard import SequenceShard, check_shard_sizes
-from stormshard.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    full_state_dict,
-    load_full_state_dict,
-)
-from stormshard.parallel.topology import (
-    LayoutError,
-    ParallelLayout,
-    ProcessGroups,
-    batch_arithmetic,
-    build_process_groups,
-)
+import importlib
+from typing import Any
+
+# name -> module: loaded on first use, so that importing a torch-free module of the package (the
+# shard strategies, the PowerSGD settings: read by the experiment config) does not load torch
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("copy_tensor", "gather_tensor", "reduce_shard_tensor", "reduce_tensor", "shard_tensor",
+                     "sync_tensor"), "comm"),
+    **dict.fromkeys(("PowerSGDCompressor", "register_powersgd_hook"), "compression"),
+    "PowerSGDConfig": "compression_plan",
+    "CommCounter": "counter",
+    **dict.fromkeys(("clip_grad_norm_", "reduce_model_parallel_gradients"), "grads"),
+    "GraphShardPlan": "graph",
+    "halo_linear": "halo_projection",
+    **dict.fromkeys(("TrackedDropout", "tensor_parallel_rng_tracker"), "random"),
+    **dict.fromkeys(("HaloPlan", "add_halos", "halo_exchange", "remove_halos", "shard_heads", "shard_sequence"),
+                    "sequence"),
+    **dict.fromkeys(("balanced_sizes", "get_shape_shards"), "shapes"),
+    **dict.fromkeys(("SequenceShard", "check_shard_sizes"), "shard"),
+    **dict.fromkeys(("ColumnParallelLinear", "RowParallelLinear", "full_state_dict", "load_full_state_dict"),
+                    "tensor"),
+    **dict.fromkeys(("LayoutError", "ParallelLayout", "ProcessGroups", "batch_arithmetic", "build_process_groups"),
+                    "topology"),
+}
 
 __all__ = [
     "ParallelLayout", "LayoutError", "ProcessGroups", "build_process_groups", "batch_arithmetic",
@@ -53,3 +41,19 @@ __all__ = [
     "TrackedDropout", "GraphShardPlan", "halo_linear", "reduce_model_parallel_gradients", "clip_grad_norm_",
     "PowerSGDConfig", "PowerSGDCompressor", "register_powersgd_hook", "CommCounter",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """An exported name (imported from its module on first use) or a submodule."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stormshard.parallel.graph import (
-    _check_edge_attr,
-    _check_edge_index,
-    _check_node_range,
-    _chunk_edge_ids,
-    _split_num_nodes,
+from stormshard.parallel.graph_edges import (
+    check_edge_attr,
+    check_edge_index,
+    check_node_range,
+    destination_chunk_edge_ids,
+    split_num_nodes,
 )
 from stormshard.parallel.shapes import group_size
 
@@ -41,8 +41,8 @@ def get_k_hop_edges(
     Returns ``(edge_index_k (2, E_k), edge_attr_k (E_k, ...))`` as documented by anemoi
     (anemoi's code returns the two the other way round).
     """
-    edge_index = _check_edge_index(edge_index)
-    _check_edge_attr(edge_attr, edge_index)
+    edge_index = check_edge_index(edge_index)
+    check_edge_attr(edge_attr, edge_index)
     if not isinstance(num_hops, int) or num_hops < 1:
         raise ValueError(f"num_hops must be a positive int, got {num_hops!r}")
     nodes = torch.as_tensor(nodes, dtype=edge_index.dtype, device=edge_index.device)
@@ -68,13 +68,13 @@ def sort_edges_1hop_chunks(
 
     Returns ``(edge_attr chunks, edge_index chunks)``, two lists of ``num_chunks`` tensors.
     """
-    edge_index = _check_edge_index(edge_index)
-    _check_edge_attr(edge_attr, edge_index)
-    num_src, num_dst = _split_num_nodes(num_nodes)
+    edge_index = check_edge_index(edge_index)
+    check_edge_attr(edge_attr, edge_index)
+    num_src, num_dst = split_num_nodes(num_nodes)
     if not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    _check_node_range(edge_index, num_dst if num_src is None else num_src, num_dst)
-    ids = _chunk_edge_ids(edge_index[1], num_dst, num_chunks)
+    check_node_range(edge_index, num_dst if num_src is None else num_src, num_dst)
+    ids = destination_chunk_edge_ids(edge_index[1], num_dst, num_chunks)
     return [edge_attr[i] for i in ids], [edge_index[:, i] for i in ids]
 
 

@@ -1,26 +1,45 @@
-"""Autograd-aware collectives over a model-communication group, with anemoi's names and semantics.
+"""The collectives of :mod:`stormshard.parallel`, in one vocabulary and one place.
+
+Three layers, as Megatron's ``tensor_parallel/mappings.py`` and anemoi's
+``distributed/primitives.py`` are laid out:
+
+1. raw collectives (no autograd), each written once and each reporting the bytes it sends to
+   :class:`~stormshard.parallel.counter.CommCounter`: :func:`all_gather_along`,
+   :func:`all_reduce_sum`, :func:`all_reduce_`, :func:`reduce_scatter_along` and the one row
+   exchange, :func:`all_to_all_rows` (or :func:`start_all_to_all_rows`, asynchronous), described
+   by a :class:`RowExchangePlan`; plus :func:`split_along` (this rank's slice, no communication);
+2. autograd Functions over them (each backward the adjoint of its forward);
+3. the public functions: anemoi's names and signatures, and :func:`exchange_rows`.
 
 Layout: any tensor; ``dim`` is the sharded dimension and ``shapes`` lists every rank's shard
-shape in group-rank order (uneven shards allowed: e.g. 1001 rows over 3 ranks as 334/334/333).
-A group of None or of size 1 makes every function a no-op.
+shape (or just its length along ``dim``) in group-rank order; uneven shards are allowed (1001
+rows over 3 ranks: 334/334/333). A group of None or of size 1 makes every function a no-op.
 
-Forward / backward pairs (each backward is the adjoint of its forward):
+=======================  ==================  ========================  ==========================================
+function                 forward             backward                  Megatron's region mapping
+=======================  ==================  ========================  ==========================================
+``shard_tensor``         keep own slice      all-gather (or zero-pad)  ``scatter_to_tensor_parallel_region``
+``gather_tensor``        all-gather          keep own slice            ``gather_from_tensor_parallel_region``
+``reduce_tensor``        all-reduce (sum)    identity                  ``reduce_from_tensor_parallel_region``
+``copy_tensor``          identity            all-reduce (sum)          ``copy_to_tensor_parallel_region``
+``sync_tensor``          all-gather          reduce-scatter (sum)      ``gather_from_sequence_parallel_region``
+``reduce_shard_tensor``  reduce-scatter      all-gather                ``reduce_scatter_to_sequence_parallel_region``
+``exchange_rows``        all-to-all of rows  the rows' gradients back  (anemoi's halo exchange)
+=======================  ==================  ========================  ==========================================
 
-================================  =============================  ==============================
-function                          forward                        backward
-================================  =============================  ==============================
-``shard_tensor``                  keep this rank's slice         all-gather (or zero-pad)
-``gather_tensor``                 all-gather                     keep this rank's slice
-``reduce_tensor``                 all-reduce (sum)               identity
-``copy_tensor``                   identity                       all-reduce (sum)
-``sync_tensor``                   all-gather                     reduce-scatter (sum, then slice)
-``reduce_shard_tensor``           reduce-scatter                 all-gather
-================================  =============================  ==============================
+The tensor-parallel linears (:mod:`stormshard.parallel.tensor`) call these functions under
+their anemoi names; the table gives Megatron's name of each.
 
-Uneven gathers and reduce-scatters pad every shard to the largest one and use the fixed-size
-``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (gloo and NCCL both take them; the
-list-form collectives reject uneven sizes on gloo). Every call reports to
-:class:`stormshard.parallel.counter.CommCounter`.
+Transport: uneven gathers and reduce-scatters pad every shard to the largest one and use the
+fixed-size ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; the row exchange is one
+``all_to_all_single`` with per-rank split sizes (or batched ``isend``/``irecv``). gloo and NCCL
+both take these forms; gloo's list-form collectives reject uneven sizes.
+
+Bytes counted (this rank's sends, bandwidth-optimal algorithms; kinds as
+:mod:`stormshard.parallel.counter` lists them): all-gather, the padded shard to each other rank;
+all-reduce, ``2 (w - 1) / w`` of the tensor (:func:`ring_all_reduce_bytes`); reduce-scatter,
+``(w - 1) / w`` of the padded tensor; row exchange, the rows addressed to other ranks
+(:func:`rows_sent_bytes`; kind ``"send"`` for the point-to-point transport).
 
 Written as our own autograd Functions: ``torch.distributed.nn.functional`` gives wrong gradients
 on subgroups that lack global rank 0.
@@ -28,7 +47,10 @@ on subgroups that lack global rank 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -49,22 +71,49 @@ __all__ = [
     "copy_tensor",
     "sync_tensor",
     "reduce_shard_tensor",
+    "exchange_rows",
     "split_along",
     "all_gather_along",
     "all_reduce_sum",
+    "all_reduce_",
     "reduce_scatter_along",
+    "all_to_all_rows",
+    "start_all_to_all_rows",
+    "PendingRows",
+    "RowTransport",
+    "RowExchangePlan",
+    "ring_all_reduce_bytes",
+    "rows_sent_bytes",
 ]
 
 ProcessGroup = dist.ProcessGroup
+#: How :func:`all_to_all_rows` moves rows: one ``all_to_all_single`` or batched ``isend``/``irecv``.
+RowTransport = Literal["all_to_all", "p2p"]
 
 
 # --------------------------------------------------------------------------------------------
-# kernels (no autograd)
+# byte accounting
 # --------------------------------------------------------------------------------------------
 
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def ring_all_reduce_bytes(numel: int, element_size: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` elements: ``2 (w - 1) / w`` of them."""
+    return numel * element_size * 2 * (world - 1) // world
+
+
+def rows_sent_bytes(rows: Tensor, send_counts: Sequence[int], rank: int) -> int:
+    """Bytes of the rows of ``rows`` (``send_counts[r]`` to rank ``r``) that leave ``rank``."""
+    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+    return (sum(send_counts) - send_counts[rank]) * row_bytes
+
+
+# --------------------------------------------------------------------------------------------
+# raw collectives (no autograd)
+# --------------------------------------------------------------------------------------------
 
 
 def split_along(x: Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup | None) -> Tensor:
@@ -110,14 +159,25 @@ def all_gather_along(x: Tensor, dim: int, sizes: Sequence[int], group: ProcessGr
     return full.movedim(0, dim).contiguous()
 
 
-def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """Sum of ``x`` over the group (a new tensor). Communicates: a ring all-reduce of ``x``."""
+def all_reduce_(flat: Tensor, group: ProcessGroup | None, async_op: bool = False) -> dist.Work | None:
+    """Sum ``flat`` over the group in place; the work handle when ``async_op``, else None.
+
+    Communicates: a ring all-reduce of ``flat``; nothing for a group of None or size 1.
+    """
     world = group_size(group)
     if world == 1:
+        return None
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    record_communication("all_reduce", ring_all_reduce_bytes(flat.numel(), flat.element_size(), world))
+    return work
+
+
+def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Sum of ``x`` over the group (a new tensor). Communicates: a ring all-reduce of ``x``."""
+    if group_size(group) == 1:
         return x
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    record_communication("all_reduce", _nbytes(out) * 2 * (world - 1) // world)
+    all_reduce_(out, group)
     return out
 
 
@@ -149,6 +209,137 @@ def reduce_scatter_along(x: Tensor, dim: int, sizes: Sequence[int], group: Proce
     _reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=group)
     record_communication("reduce_scatter", _nbytes(send) * (world - 1) // world)
     return out[: sizes[rank]].movedim(0, dim).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# the row exchange (halos, head <-> sequence all-to-all)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RowExchangePlan:
+    """One rank's part of a row exchange over its group: ``send_counts[r]`` rows go to group rank
+    ``r`` and ``recv_counts[r]`` rows come from it (rank order; zero for this rank itself).
+
+    The base of the two halo plans. :class:`~stormshard.parallel.sequence.HaloPlan` is the window
+    halo of a sequence split in contiguous shards (rows sent are contiguous ranges, the halo splits
+    into a left and a right part, derived from the shard sizes alone and bound to no group);
+    :class:`~stormshard.parallel.graph.GraphShardPlan` is a destination-node partition of a graph
+    (rows sent are an index list, with the edges renumbered onto own rows plus halo, and it holds
+    its group). They describe different things; what they share, the exchange, is this class and
+    :func:`all_to_all_rows`.
+    """
+
+    rank: int
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+
+    @property
+    def num_received(self) -> int:
+        """Rows this rank receives (its halo)."""
+        return sum(self.recv_counts)
+
+    @property
+    def hops(self) -> int:
+        """How many ranks away the farthest received row comes from (1: direct neighbours only)."""
+        far = [abs(r - self.rank) for r, c in enumerate(self.recv_counts) if c > 0]
+        return max(far, default=0)
+
+    def halo_bytes(self, row_bytes: int) -> int:
+        """Bytes this rank sends in one forward exchange of rows of ``row_bytes`` bytes."""
+        return (sum(self.send_counts) - self.send_counts[self.rank]) * row_bytes
+
+
+class PendingRows:
+    """A row exchange in flight (:func:`start_all_to_all_rows`); :meth:`wait` returns the rows received."""
+
+    def __init__(self, received: Tensor, works: Sequence[dist.Work]) -> None:
+        self._received, self._works = received, list(works)
+
+    def wait(self) -> Tensor:
+        """Block until the exchange has finished; the received rows ``(sum(recv_counts), ...)``."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self._received
+
+
+def _check_counts(rows: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], world: int
+                  ) -> tuple[list[int], list[int]]:
+    send, recv = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if len(send) != world or len(recv) != world:
+        raise ValueError(f"a row exchange over {world} ranks needs {world} send and receive counts, got "
+                         f"{len(send)} and {len(recv)}")
+    if sum(send) != rows.shape[0]:
+        raise ValueError(f"the send counts {send} sum to {sum(send)} rows but {rows.shape[0]} rows were given")
+    return send, recv
+
+
+def start_all_to_all_rows(
+    rows: Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: ProcessGroup | None,
+    *,
+    transport: RowTransport = "all_to_all",
+    async_op: bool = True,
+) -> PendingRows:
+    """Start sending the rows of ``rows`` (dim 0, grouped by destination rank: ``send_counts[r]``
+    rows to rank ``r``) and receiving ``recv_counts[r]`` rows from each rank ``r``.
+
+    ``rows``: ``(sum(send_counts), ...)``, any trailing layout. Returns a :class:`PendingRows`
+    whose ``wait()`` gives ``(sum(recv_counts), ...)``, the received rows in rank order; with
+    ``async_op=False`` the exchange has finished on return. Communicates: one
+    ``all_to_all_single`` with these split sizes (``transport="all_to_all"``; gloo-safe for
+    uneven counts), or batched ``isend``/``irecv`` with the ranks that share rows (``"p2p"``).
+    Counts the rows addressed to other ranks (kind ``"all_to_all"`` or ``"send"``). A group of
+    None or size 1 returns ``rows`` itself.
+    """
+    world = group_size(group)
+    send, recv = _check_counts(rows, send_counts, recv_counts, world)
+    if world == 1:
+        if send != recv:
+            raise ValueError(f"one rank can only receive the rows it sends: send {send}, receive {recv}")
+        return PendingRows(rows, [])
+    rank = group_rank(group)
+    rows = rows.contiguous()
+    received = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
+    if transport == "all_to_all":
+        work = dist.all_to_all_single(received, rows, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                      async_op=async_op)
+        record_communication("all_to_all", rows_sent_bytes(rows, send, rank))
+        return PendingRows(received, [work] if async_op else [])
+    if transport != "p2p":
+        raise ValueError(f"transport must be 'all_to_all' or 'p2p', got {transport!r}")
+    ops, send_off, recv_off = [], 0, 0
+    for r, (sc, rc) in enumerate(zip(send, recv, strict=True)):
+        if r == rank:
+            received[recv_off : recv_off + rc].copy_(rows[send_off : send_off + sc])
+        else:
+            peer = dist.get_global_rank(group, r)
+            if rc:
+                ops.append(dist.P2POp(dist.irecv, received[recv_off : recv_off + rc], peer, group))
+            if sc:
+                ops.append(dist.P2POp(dist.isend, rows[send_off : send_off + sc].contiguous(), peer, group))
+        send_off, recv_off = send_off + sc, recv_off + rc
+    works = dist.batch_isend_irecv(ops) if ops else []
+    record_communication("send", rows_sent_bytes(rows, send, rank))
+    pending = PendingRows(received, works)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_to_all_rows(
+    rows: Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: ProcessGroup | None,
+    *,
+    transport: RowTransport = "all_to_all",
+) -> Tensor:
+    """:func:`start_all_to_all_rows`, finished: the received rows ``(sum(recv_counts), ...)`` in rank order."""
+    return start_all_to_all_rows(rows, send_counts, recv_counts, group, transport=transport, async_op=False).wait()
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,6 +432,19 @@ class _ReduceShardParallelSection(torch.autograd.Function):
         return all_gather_along(grad.contiguous(), ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
+class _ExchangeRows(torch.autograd.Function):
+    """Forward: send rows to the ranks that read them. Backward: send their gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, send_counts: list[int], recv_counts: list[int], group):  # noqa: ANN001
+        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
+        return all_to_all_rows(rows, send_counts, recv_counts, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: ANN001
+        return all_to_all_rows(grad, ctx.recv_counts, ctx.send_counts, ctx.group), None, None, None
+
+
 # --------------------------------------------------------------------------------------------
 # public API (anemoi's names and arguments)
 # --------------------------------------------------------------------------------------------
@@ -305,3 +509,16 @@ def reduce_shard_tensor(input_: Tensor, dim: int, shapes: Sequence, mgroup: Proc
         return input_
     return _ReduceShardParallelSection.apply(input_, dim % input_.dim(), _sizes(shapes, dim, input_, mgroup),
                                              mgroup)
+
+
+def exchange_rows(
+    rows: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: ProcessGroup | None
+) -> Tensor:
+    """:func:`all_to_all_rows` with autograd: ``rows`` ``(sum(send_counts), ...)``, grouped by
+    destination rank, go to their ranks; returns the rows received ``(sum(recv_counts), ...)``, in
+    rank order. Backward: the gradients of the received rows go back to the ranks that sent them
+    (counts swapped), one exchange each way.
+    """
+    if group_size(group) == 1:
+        return rows
+    return _ExchangeRows.apply(rows, [int(c) for c in send_counts], [int(c) for c in recv_counts], group)

@@ -23,6 +23,10 @@ So a step costs 3 all-reduce calls (fewer when a bucket is empty) and, per compr
 through one exact flat all-reduce. Every call reports to :class:`~stormshard.parallel.counter.CommCounter`
 as kind ``"all_reduce"``.
 
+The settings and the plan (which matrices are compressed, where their factors live) are in
+:mod:`stormshard.parallel.compression_plan` (re-exported here); the all-reduces and their byte
+counts are :func:`stormshard.parallel.comm.all_reduce_`.
+
 Entry points:
 
 - :class:`PowerSGDCompressor`: ``reduce_gradients()`` after backward (DeepSpeed with
@@ -33,17 +37,23 @@ Entry points:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from einops import rearrange
 from torch import Tensor, nn
 
-from stormshard.parallel.counter import record_communication
+from stormshard.parallel.comm import all_reduce_, ring_all_reduce_bytes
+from stormshard.parallel.compression_plan import (
+    CompressionPlan,
+    MatrixEntry,
+    PowerSGDConfig,
+    StepBytes,
+    make_plan,
+)
+from stormshard.parallel.grads import all_reduce_flat_
+from stormshard.parallel.partition import get_partition
 from stormshard.parallel.shapes import group_size
 
 __all__ = [
@@ -52,6 +62,7 @@ __all__ = [
     "CompressionPlan",
     "MatrixEntry",
     "StepBytes",
+    "make_plan",
     "exact_allreduce_gradients",
     "PowerSGDHookState",
     "powersgd_ddp_hook",
@@ -63,225 +74,8 @@ ParamsArg = Iterable[nn.Parameter] | Iterable[tuple[str, nn.Parameter]]
 
 
 # --------------------------------------------------------------------------------------------
-# configuration
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PowerSGDConfig:
-    """Settings of :class:`PowerSGDCompressor`; validated on construction (a wrong type is a
-    ``TypeError``, a bad value a ``ValueError``, each naming the field).
-
-    The one PowerSGD schema: an experiment config's ``compression`` section,
-    ``{"type": "powersgd", <these fields>}``, is parsed into this class and handed to the engines as is.
-
-    - ``rank``: rank ``r`` of the approximation ``P Q^T`` (capped at ``min(rows, cols)``);
-    - ``start_iter``: steps ``0 .. start_iter - 1`` use exact all-reduce (0: compress from the start);
-    - ``min_compression_rate``: compress a matrix only if ``rows*cols >= rate * (rows+cols) * r``;
-    - ``min_numel``: tensors with fewer elements are reduced exactly;
-    - ``warm_start``: reuse last step's Q (else a fresh random Q every step);
-    - ``use_error_feedback``: carry ``M - P Q^T`` into the next step;
-    - ``orthogonalisation_eps``: a column of P with norm below this is divided by it instead;
-    - ``seed``: seed of the random Q columns (the same on every rank);
-    - ``overlap``: all-reduce the uncompressed bucket asynchronously while P and Q are computed.
-    """
-
-    rank: int = 4
-    start_iter: int = 10
-    min_compression_rate: float = 2.0
-    min_numel: int = 4096
-    warm_start: bool = True
-    use_error_feedback: bool = True
-    orthogonalisation_eps: float = 1e-8
-    seed: int = 0
-    overlap: bool = True
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"PowerSGDConfig.{f.name} must be an int, got {value!r} ({type(value).__name__})")
-            if f.type in ("bool", bool) and not isinstance(value, bool):
-                raise TypeError(f"PowerSGDConfig.{f.name} must be a bool, got {value!r} ({type(value).__name__})")
-            if f.type in ("float", float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise TypeError(f"PowerSGDConfig.{f.name} must be a number, got {value!r} ({type(value).__name__})")
-        if self.rank < 1:
-            raise ValueError(f"PowerSGDConfig.rank must be at least 1, got {self.rank}: use e.g. rank=4")
-        if self.start_iter < 0:
-            raise ValueError(
-                f"PowerSGDConfig.start_iter must be >= 0, got {self.start_iter}: "
-                "use 0 to compress from the first step"
-            )
-        if not math.isfinite(self.min_compression_rate) or self.min_compression_rate < 0:
-            raise ValueError(
-                f"PowerSGDConfig.min_compression_rate must be a finite number >= 0, got {self.min_compression_rate}: "
-                "use e.g. 2.0 (compress only matrices whose factors are at most half their size)"
-            )
-        if self.min_numel < 0:
-            raise ValueError(f"PowerSGDConfig.min_numel must be >= 0, got {self.min_numel}: use e.g. 4096")
-        eps = self.orthogonalisation_eps
-        if not math.isfinite(eps) or eps <= 0:
-            raise ValueError(
-                f"PowerSGDConfig.orthogonalisation_eps must be a finite number > 0, got {eps}: use e.g. 1e-8"
-            )
-        if self.seed < 0:
-            raise ValueError(f"PowerSGDConfig.seed must be >= 0, got {self.seed}")
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-# --------------------------------------------------------------------------------------------
-# plan: which tensors are compressed and where their factors live in the flat buffers
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MatrixEntry:
-    """One parameter in the plan. ``p_offset``/``q_offset``/``e_offset`` are -1 when uncompressed."""
-
-    index: int
-    name: str
-    shape: tuple[int, ...]
-    numel: int
-    compressed: bool
-    rows: int
-    cols: int
-    rank: int
-    p_offset: int = -1
-    q_offset: int = -1
-    e_offset: int = -1
-
-
-@dataclass(frozen=True)
-class _Group:
-    """``count`` consecutive factors of equal shape starting at ``offset`` in a flat buffer: P factors
-    are ``(length, rank)`` (``length = rows``), Q factors ``(rank, length)`` (``length = cols``)."""
-
-    offset: int
-    count: int
-    length: int
-    rank: int
-
-    def view(self, flat: Tensor) -> Tensor:
-        """``(count, length, rank)`` view of a P group in ``flat``."""
-        n = self.count * self.length * self.rank
-        return rearrange(flat[self.offset : self.offset + n], "(k l r) -> k l r", k=self.count, l=self.length)
-
-    def view_t(self, flat: Tensor) -> Tensor:
-        """``(count, rank, length)`` view of a Q group in ``flat``."""
-        n = self.count * self.length * self.rank
-        return rearrange(flat[self.offset : self.offset + n], "(k r l) -> k r l", k=self.count, l=self.length)
-
-
-@dataclass(frozen=True)
-class CompressionPlan:
-    """Computed once from the parameter shapes and the config.
-
-    P factors ``(rows, r)`` are stored grouped by shape (so equal shapes are orthonormalised in one
-    batched call), Q factors are stored transposed, ``(r, cols)``, grouped by shape; the error
-    buffer ``(rows, cols)`` per matrix follows parameter order.
-    """
-
-    entries: tuple[MatrixEntry, ...]
-    p_groups: tuple[_Group, ...]
-    q_groups: tuple[_Group, ...]
-    p_numel: int
-    q_numel: int
-    error_numel: int
-
-    @property
-    def compressed(self) -> tuple[MatrixEntry, ...]:
-        return tuple(e for e in self.entries if e.compressed)
-
-    @property
-    def uncompressed(self) -> tuple[MatrixEntry, ...]:
-        return tuple(e for e in self.entries if not e.compressed)
-
-    @property
-    def exact_numel(self) -> int:
-        """Elements all-reduced exactly after ``start_iter``."""
-        return sum(e.numel for e in self.uncompressed)
-
-    @property
-    def total_numel(self) -> int:
-        return sum(e.numel for e in self.entries)
-
-
-def _grouped_offsets(entries: Sequence[MatrixEntry], key: str) -> tuple[dict[int, int], tuple[_Group, ...], int]:
-    """Offsets of each entry's ``(length, r)`` factor, ordered so that equal shapes are adjacent."""
-    order = sorted(entries, key=lambda e: (getattr(e, key), e.rank, e.index))
-    offsets: dict[int, int] = {}
-    groups: list[_Group] = []
-    offset = 0
-    for e in order:
-        length = getattr(e, key)
-        last = groups[-1] if groups else None
-        if last is not None and (last.length, last.rank) == (length, e.rank):
-            groups[-1] = _Group(last.offset, last.count + 1, length, e.rank)
-        else:
-            groups.append(_Group(offset, 1, length, e.rank))
-        offsets[e.index] = offset
-        offset += length * e.rank
-    return offsets, tuple(groups), offset
-
-
-def make_plan(names: Sequence[str], shapes: Sequence[tuple[int, ...]], config: PowerSGDConfig) -> CompressionPlan:
-    """Decide for each tensor whether it is compressed, and lay out the factor buffers."""
-    raw: list[MatrixEntry] = []
-    for i, (name, shape) in enumerate(zip(names, shapes, strict=True)):
-        numel = math.prod(shape)
-        rows = shape[0] if len(shape) >= 2 else numel
-        cols = numel // rows if len(shape) >= 2 and rows > 0 else 1
-        r = max(1, min(config.rank, rows, cols))
-        worth = rows * cols >= config.min_compression_rate * (rows + cols) * r
-        compressed = len(shape) >= 2 and numel > 0 and numel >= config.min_numel and worth
-        raw.append(MatrixEntry(i, name, tuple(shape), numel, compressed, rows, cols, r))
-    comp = [e for e in raw if e.compressed]
-    p_off, p_groups, p_numel = _grouped_offsets(comp, "rows")
-    q_off, q_groups, q_numel = _grouped_offsets(comp, "cols")
-    entries, e_offset = [], 0
-    for e in raw:
-        if e.compressed:
-            e = MatrixEntry(**{**asdict(e), "shape": e.shape, "p_offset": p_off[e.index],
-                               "q_offset": q_off[e.index], "e_offset": e_offset})
-            e_offset += e.numel
-        entries.append(e)
-    return CompressionPlan(tuple(entries), p_groups, q_groups, p_numel, q_numel, e_offset)
-
-
-@dataclass(frozen=True)
-class StepBytes:
-    """Bytes one rank sends per step (ring all-reduce: ``2 (w-1)/w`` of each buffer) and the calls."""
-
-    compressed: int
-    exact: int
-    compressed_calls: int
-    exact_calls: int
-
-    @property
-    def ratio(self) -> float:
-        """How many times fewer bytes PowerSGD sends than exact all-reduce."""
-        return self.exact / self.compressed if self.compressed else math.inf
-
-
-# --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-
-
-def _ring_bytes(numel: int, element_size: int, world: int) -> int:
-    return numel * element_size * 2 * (world - 1) // world
-
-
-def _all_reduce(flat: Tensor, group: ProcessGroup | None, async_op: bool = False) -> dist.Work | None:
-    """Sum ``flat`` over the group in place; records the call. Returns the work handle when async."""
-    world = group_size(group)
-    if world == 1:
-        return None
-    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    record_communication("all_reduce", _ring_bytes(flat.numel(), flat.element_size(), world))
-    return work
 
 
 def _named(params: ParamsArg) -> list[tuple[str, Tensor]]:
@@ -326,7 +120,7 @@ def _exact_mean(grads: Sequence[Tensor], group: ProcessGroup | None, async_op: b
     if not grads or world == 1:
         return lambda: None
     flat = torch.cat([g.reshape(-1) for g in grads])
-    work = _all_reduce(flat, group, async_op=async_op)
+    work = all_reduce_(flat, group, async_op=async_op)
 
     def finish() -> None:
         if work is not None and async_op:
@@ -446,8 +240,8 @@ class PowerSGDCompressor:
         size = self._q.element_size() if element_size is None else element_size
         plan = self.plan
         buckets = [n for n in (plan.exact_numel, plan.p_numel, plan.q_numel) if n > 0]
-        compressed = sum(_ring_bytes(n, size, world) for n in buckets)
-        exact = _ring_bytes(plan.total_numel, size, world)
+        compressed = sum(ring_all_reduce_bytes(n, size, world) for n in buckets)
+        exact = ring_all_reduce_bytes(plan.total_numel, size, world)
         calls = 0 if world == 1 else len(buckets)
         return StepBytes(compressed, exact, calls, 0 if world == 1 else 1)
 
@@ -540,7 +334,7 @@ class PowerSGDCompressor:
             matrices[e.index] = m
             p = p_flat[e.p_offset : e.p_offset + e.rows * e.rank].view(e.rows, e.rank)
             torch.matmul(m, self._q_view(e).t(), out=p)
-        _all_reduce(p_flat, self.group)
+        all_reduce_(p_flat, self.group)
         if world > 1:
             p_flat.div_(world)
         for g in plan.p_groups:
@@ -549,7 +343,7 @@ class PowerSGDCompressor:
         for e in comp:
             p = p_flat[e.p_offset : e.p_offset + e.rows * e.rank].view(e.rows, e.rank)
             torch.matmul(p.t(), matrices[e.index], out=self._q_view(e))
-        _all_reduce(self._q, self.group)
+        all_reduce_(self._q, self.group)
         if world > 1:
             self._q.div_(world)
         # G <- P Q^T ; E <- M - P Q^T
@@ -577,11 +371,18 @@ class PowerSGDHookState:
     per bucket), the hook parks each bucket's future until DDP hands the last bucket, then reduces
     the whole model with the compressor's 3 batched all-reduces and completes every future.
     State is kept per parameter, so DDP's bucket rebuild after the first step changes nothing.
+
+    With a ``model_group`` (model sharding), the gradients of the replicated parameters (no
+    :class:`~stormshard.parallel.partition.Partition`) are first summed over that group in one flat
+    all-reduce (:func:`~stormshard.parallel.grads.all_reduce_flat_`): the sum must precede the
+    compressor, which is not linear.
     """
 
-    def __init__(self, compressor: PowerSGDCompressor) -> None:
+    def __init__(self, compressor: PowerSGDCompressor, model_group: ProcessGroup | None = None) -> None:
         self.compressor = compressor
+        self.model_group = model_group
         self._index = {id(p): i for i, (_, p) in enumerate(compressor.named_params)}
+        self._replicated = [i for i, (_, p) in enumerate(compressor.named_params) if get_partition(p) is None]
         self._pending: list[tuple[dist.GradBucket, torch.futures.Future]] = []
         self._grads: dict[int, Tensor] = {}
         self.buckets_last_step = 0  # how many DDP buckets the last reduction gathered
@@ -614,6 +415,8 @@ class PowerSGDHookState:
         if len(grads) != n:
             missing = [self.compressor.plan.entries[i].name for i in range(n) if i not in grads]
             raise ValueError(f"the last DDP bucket arrived before the gradients of {missing[:5]} (of {len(missing)})")
+        if group_size(self.model_group) > 1:
+            all_reduce_flat_([grads[i] for i in self._replicated], self.model_group)
         self.compressor.reduce_tensors([grads[i] for i in range(n)])
         for bucket, fut in pending:
             fut.set_result(bucket.buffer())
@@ -634,16 +437,18 @@ def register_powersgd_hook(
     ddp_model: nn.parallel.DistributedDataParallel,
     config: PowerSGDConfig | None = None,
     group: ProcessGroup | None = None,
+    model_group: ProcessGroup | None = None,
 ) -> PowerSGDHookState:
     """Register :func:`powersgd_ddp_hook` on ``ddp_model`` with a compressor over its parameters.
 
-    ``group`` defaults to the DDP model's process group. Returns the state (its ``compressor``
-    holds ``state_dict()`` for checkpoints).
+    ``group`` defaults to the DDP model's process group. With ``model_group`` the hook first sums the
+    replicated parameters' gradients over it (see :class:`PowerSGDHookState`). Returns the state (its
+    ``compressor`` holds ``state_dict()`` for checkpoints).
     """
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise TypeError(f"ddp_model must be a DistributedDataParallel, got {type(ddp_model).__name__}")
     group = ddp_model.process_group if group is None else group
     compressor = PowerSGDCompressor(ddp_model.module.named_parameters(), group, config)
-    state = PowerSGDHookState(compressor)
+    state = PowerSGDHookState(compressor, model_group)
     ddp_model.register_comm_hook(state, powersgd_ddp_hook)
     return state

@@ -1,13 +1,14 @@
 """Communication accounting: how many calls and bytes each collective kind sends on this rank.
 
-Every primitive in ``stormshard.parallel`` calls :func:`record_communication` with the number of
-bytes this rank *sends* under a bandwidth-optimal algorithm:
+Every collective of :mod:`stormshard.parallel.comm` (the one place that communicates, and that
+computes the bytes) calls :func:`record_communication` with the number of bytes this rank
+*sends* under a bandwidth-optimal algorithm:
 
 - ``all_gather``: this rank's shard, once to each of the other ``w - 1`` ranks;
 - ``all_reduce``: ``2 (w - 1) / w`` times the tensor (ring reduce-scatter + all-gather);
 - ``reduce_scatter``: ``(w - 1) / w`` times the full (padded) tensor;
-- ``all_to_all``: the sum of the chunks addressed to other ranks;
-- ``send``: the bytes handed to point-to-point sends.
+- ``all_to_all``: the rows addressed to other ranks (the row exchange: halos, head all-to-all);
+- ``send``: the same rows, moved by point-to-point sends instead.
 
 Use it as a context manager; counters nest, and each open counter sees every call::
 

@@ -23,13 +23,13 @@ Two ways to do the model-group sum:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from stormshard.parallel.comm import all_reduce_sum
+from stormshard.parallel.comm import all_reduce_, all_reduce_sum
 from stormshard.parallel.partition import get_partition
 from stormshard.parallel.shapes import group_size
 
@@ -37,6 +37,7 @@ __all__ = [
     "replicated_parameters",
     "partitioned_parameters",
     "reduce_model_parallel_gradients",
+    "all_reduce_flat_",
     "register_model_parallel_grad_hooks",
     "grad_norm",
     "clip_grad_norm_",
@@ -81,33 +82,54 @@ def reduce_model_parallel_gradients(
     for p in replicated:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    all_reduce_flat_([p.grad for p in replicated], model_group, bucket_cap_mb)
+
+
+def all_reduce_flat_(tensors: Sequence[Tensor], group: object | None, bucket_cap_mb: float | None = None) -> int:
+    """Sum ``tensors`` over ``group`` in place with as few all-reduces as possible: they are packed into
+    one flat buffer per dtype and device (split into buckets of at most ``bucket_cap_mb`` MiB when
+    given), all-reduced, and copied back. Every rank of the group must pass tensors of the same
+    shapes in the same order. Returns the number of all-reduce calls (0 for a 1-rank group).
+
+    Communicates: one all-reduce (sum) per bucket over ``group``.
+    """
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 or None (one bucket), got {bucket_cap_mb}")
+    if group_size(group) == 1 or not tensors:
+        return 0
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for p in replicated:
-        by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    calls = 0
     for (dtype, _), members in by_kind.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
         cap = None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20) // itemsize)
         for bucket in _buckets(members, cap):
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            total = all_reduce_sum(flat, model_group)
-            offset = 0
-            for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(total[offset : offset + n].view_as(p.grad))
-                offset += n
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                all_reduce_(bucket[0], group)  # in place, no copy
+            else:
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                all_reduce_(flat, group)
+                offset = 0
+                for t in bucket:
+                    n = t.numel()
+                    t.copy_(flat[offset : offset + n].view_as(t))
+                    offset += n
+            calls += 1
+    return calls
 
 
-def _buckets(params: list[Tensor], cap_numel: int | None) -> list[list[Tensor]]:
+def _buckets(tensors: list[Tensor], cap_numel: int | None) -> list[list[Tensor]]:
     if cap_numel is None:
-        return [params]
+        return [tensors]
     out: list[list[Tensor]] = [[]]
     size = 0
-    for p in params:
-        if out[-1] and size + p.numel() > cap_numel:
+    for t in tensors:
+        if out[-1] and size + t.numel() > cap_numel:
             out.append([])
             size = 0
-        out[-1].append(p)
-        size += p.numel()
+        out[-1].append(t)
+        size += t.numel()
     return out
 
 
@@ -144,8 +166,7 @@ def grad_norm(params: Iterable[Tensor], model_group: object | None) -> Tensor:
     acc = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
     local = first.new_zeros((), dtype=acc)
     replicated = first.new_zeros((), dtype=acc)
-    for p in params:
-        sq = p.grad.detach().to(acc).pow(2).sum()
+    for p, sq in zip(params, _squared_sums([p.grad.detach() for p in params], acc), strict=True):
         if get_partition(p) is None:
             replicated = replicated + sq
         else:
@@ -163,6 +184,41 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, model_group: obje
     params = [p for p in _trainable(params) if p.grad is not None]
     norm = grad_norm(params, model_group)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for p in params:
-        p.grad.detach().mul_(coef.to(p.grad.dtype))
+        by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad.detach())
+    for (dtype, device), grads in by_kind.items():
+        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))  # one kernel launch per kind
     return norm
+
+
+# the squares of at most this many gradient elements exist at once in _squared_sums (64 MiB in fp32)
+_SQUARES_CHUNK_NUMEL = 1 << 24
+
+
+def _squared_sums(grads: list[Tensor], acc: torch.dtype) -> list[Tensor]:
+    """``g.to(acc).pow(2).sum()`` of every gradient, in order and with the same values: gradients
+    already in ``acc`` are squared by multi-tensor kernels, a chunk at a time (2 ops per tensor
+    instead of 3, and no per-tensor dispatch of the square)."""
+    out: list[Tensor] = []
+    chunk: list[Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if chunk:
+            out.extend(t.sum() for t in torch._foreach_pow(chunk, 2))
+            chunk.clear()
+            size = 0
+
+    for g in grads:
+        same_kind = not chunk or (g.device == chunk[0].device)
+        if g.dtype != acc or not same_kind or size + g.numel() > _SQUARES_CHUNK_NUMEL:
+            flush()
+        if g.dtype != acc:
+            out.append(g.to(acc).pow(2).sum())
+            continue
+        chunk.append(g)
+        size += g.numel()
+    flush()
+    return out

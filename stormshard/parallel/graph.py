@@ -1,4 +1,4 @@
-"""Graph sharding: edges grouped by destination node, and a halo plan for destination-node sharding.
+"""Graph sharding by destination node: :class:`GraphShardPlan`, and its halo exchange.
 
 Conventions: ``edge_index`` is a ``(2, num_edges)`` integer tensor, row 0 the source node and
 row 1 the destination node of every edge; ``edge_attr`` is ``(num_edges, channels)``; node
@@ -15,175 +15,36 @@ them to their own rows. One process is the one-rank case of the same plan (``gro
 The plan is computed once per graph and layout, on every rank, from the full ``edge_index``;
 every rank derives every other rank's needs itself, so building it needs no communication. It
 holds its process group, so layers receive it once, at construction, and their ``forward`` takes
-tensors only. anemoi's edge-sorting helpers live in :mod:`stormshard.parallel.anemoi_compat`.
+tensors only. The exchange is the one row exchange of :mod:`stormshard.parallel.comm`
+(:func:`~stormshard.parallel.comm.exchange_rows`); the edge-index checks and destination chunks
+are in :mod:`stormshard.parallel.graph_edges`, anemoi's edge-sorting helpers in
+:mod:`stormshard.parallel.anemoi_compat`.
 """
 
 from __future__ import annotations
 
-import math
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stormshard.parallel.counter import record_communication
+from stormshard.parallel.comm import RowExchangePlan, exchange_rows
+from stormshard.parallel.graph_edges import (
+    balanced_part_of,
+    check_edge_index,
+    check_node_range,
+    split_num_nodes,
+)
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
 
-__all__ = ["GraphShardPlan", "destination_chunks"]
+__all__ = ["GraphShardPlan"]
 
 ProcessGroup = dist.ProcessGroup
 
 
-# --------------------------------------------------------------------------------------------
-# input checks
-# --------------------------------------------------------------------------------------------
-
-
-def _is_sparse_tensor(x: object) -> bool:
-    """A torch-sparse / torch-geometric ``SparseTensor`` (without importing torch-geometric, whose
-    import alone costs ~100 MB of resident memory: one can only exist if its module is loaded)."""
-    for module in ("torch_geometric.typing", "torch_sparse"):
-        cls = getattr(sys.modules.get(module), "SparseTensor", None)
-        if isinstance(cls, type) and isinstance(x, cls):
-            return True
-    return False
-
-
-def _check_edge_index(edge_index: object, name: str = "edge_index") -> Tensor:
-    if _is_sparse_tensor(edge_index):
-        raise TypeError(
-            f"{name} is a SparseTensor; stormshard takes a dense (2, num_edges) edge index: convert "
-            "an adj_t with `row, col, _ = adj_t.coo(); edge_index = torch.stack([col, row])`"
-        )
-    if not isinstance(edge_index, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (2, num_edges), got {type(edge_index).__name__}")
-    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
-        raise ValueError(
-            f"{name} must have shape (2, num_edges) (row 0 source, row 1 destination), "
-            f"got {tuple(edge_index.shape)}"
-        )
-    if edge_index.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{name} must hold int64 (or int32) node ids, got {edge_index.dtype}")
-    return edge_index
-
-
-def _check_edge_attr(edge_attr: Tensor, edge_index: Tensor) -> None:
-    if not isinstance(edge_attr, Tensor):
-        raise TypeError(f"edge_attr must be a torch.Tensor, got {type(edge_attr).__name__}")
-    if edge_attr.shape[0] != edge_index.shape[1]:
-        raise ValueError(
-            f"edge_attr has {edge_attr.shape[0]} rows but edge_index has {edge_index.shape[1]} edges: "
-            "pass one attribute row per edge, in edge_index order"
-        )
-
-
-def _split_num_nodes(num_nodes: int | tuple[int, int]) -> tuple[int | None, int]:
-    """(number of source nodes or None, number of destination nodes) from anemoi's ``num_nodes``."""
-    if isinstance(num_nodes, bool):
-        raise TypeError(f"num_nodes must be an int or a (source, destination) tuple, got {num_nodes!r}")
-    if isinstance(num_nodes, int):
-        if num_nodes < 0:
-            raise ValueError(f"num_nodes must be non-negative, got {num_nodes}")
-        return None, num_nodes
-    if isinstance(num_nodes, (tuple, list)) and len(num_nodes) == 2 and all(isinstance(n, int) for n in num_nodes):
-        if min(num_nodes) < 0:
-            raise ValueError(f"num_nodes must be non-negative, got {tuple(num_nodes)}")
-        return int(num_nodes[0]), int(num_nodes[1])
-    raise TypeError(
-        f"num_nodes must be an int (graph on one node set) or a (num_source, num_destination) tuple "
-        f"(bipartite graph), got {num_nodes!r}"
-    )
-
-
-def _check_node_range(edge_index: Tensor, num_src: int, num_dst: int) -> None:
-    if edge_index.numel() == 0:
-        return
-    lo_s, hi_s = int(edge_index[0].min()), int(edge_index[0].max())
-    lo_d, hi_d = int(edge_index[1].min()), int(edge_index[1].max())
-    if lo_s < 0 or hi_s >= num_src:
-        raise ValueError(
-            f"edge_index row 0 (sources) spans [{lo_s}, {hi_s}] but there are {num_src} source nodes: "
-            "pass the right node counts, or fix the edge index"
-        )
-    if lo_d < 0 or hi_d >= num_dst:
-        raise ValueError(
-            f"edge_index row 1 (destinations) spans [{lo_d}, {hi_d}] but there are {num_dst} destination "
-            "nodes: pass the right node counts, or fix the edge index"
-        )
-
-
-def _bucket(ids: Tensor, sizes: Sequence[int]) -> Tensor:
-    """Index of the balanced part (of sizes ``sizes``) holding each id."""
-    ends = torch.tensor(balanced_offsets(sizes)[1:] + [sum(sizes)], dtype=ids.dtype, device=ids.device)
-    return torch.bucketize(ids, ends, right=True)
-
-
-# --------------------------------------------------------------------------------------------
-# destination chunks
-# --------------------------------------------------------------------------------------------
-
-
-def _chunk_edge_ids(dst: Tensor, num_dst: int, num_chunks: int) -> list[Tensor]:
-    """Edge ids per balanced destination-node chunk, each in edge order (one stable sort)."""
-    chunk = _bucket(dst, balanced_sizes(num_dst, num_chunks))
-    order = torch.sort(chunk, stable=True).indices
-    counts = torch.bincount(chunk, minlength=num_chunks).tolist()
-    return list(order.split(counts))
-
-
-def destination_chunks(edge_index: Tensor, num_dst: int, num_chunks: int) -> list[tuple[int, int, Tensor]]:
-    """``(first node, end node, edge ids)`` for ``num_chunks`` balanced destination ranges.
-
-    The edge ids of a chunk are those whose destination lies in ``[first, end)``; used by the
-    layers to process edges chunk by chunk (softmax groups never straddle two chunks).
-    """
-    if not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
-    sizes = balanced_sizes(num_dst, num_chunks)
-    starts = balanced_offsets(sizes)
-    ids = _chunk_edge_ids(edge_index[1], num_dst, num_chunks)
-    return [(s, s + n, i) for s, n, i in zip(starts, sizes, ids, strict=True)]
-
-
-# --------------------------------------------------------------------------------------------
-# halo exchange
-# --------------------------------------------------------------------------------------------
-
-
-def _all_to_all_rows(x: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup) -> Tensor:
-    """Rows of ``x`` (grouped by destination rank, ``send_splits`` each) to their ranks; returns the
-    rows received (``recv_splits`` from each rank, in rank order). One ``all_to_all_single``."""
-    x = x.contiguous()
-    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
-    record_rows_sent(x, send_splits, group_rank(group))
-    return out
-
-
-def record_rows_sent(rows: Tensor, send_splits: Sequence[int], rank: int) -> None:
-    """Count the bytes of the rows of ``rows`` (``send_splits`` per rank) that leave ``rank``."""
-    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-    record_communication("all_to_all", (sum(send_splits) - send_splits[rank]) * row_bytes)
-
-
-class _HaloAllToAll(torch.autograd.Function):
-    """Forward: send rows to the ranks that need them. Backward: send their gradients back."""
-
-    @staticmethod
-    def forward(ctx, rows: Tensor, send_splits: list[int], recv_splits: list[int], group):  # noqa: ANN001
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        return _all_to_all_rows(rows, send_splits, recv_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001
-        return _all_to_all_rows(grad, ctx.recv_splits, ctx.send_splits, ctx.group), None, None, None
-
-
 @dataclass(frozen=True, eq=False)
-class GraphShardPlan:
+class GraphShardPlan(RowExchangePlan):
     """Destination-node sharding of one graph over one process group (computed once, then reused).
 
     ``group`` is the group the plan was built for (:meth:`build`); None for one process, and for
@@ -191,33 +52,32 @@ class GraphShardPlan:
     halos when ``world > 1``). The layers take the plan once, at construction: it binds both their
     edge index and their group.
 
-    Node slices: rank ``r`` owns source rows ``[src_offsets[r], src_offsets[r] + src_sizes[r])``
-    and destination rows likewise (``balanced_sizes``). Local tensors:
+    A :class:`~stormshard.parallel.comm.RowExchangePlan` (``rank``, ``send_counts``,
+    ``recv_counts``: the halo rows sent to / received from each rank). Node slices: rank ``r``
+    owns source rows ``[src_offsets[r], src_offsets[r] + src_sizes[r])`` and destination rows
+    likewise (``balanced_sizes``). Local tensors:
 
     - ``edge_ids`` ``(E_r,)``: global ids of this rank's edges (all edges into its destination
       rows), sorted by destination (stable); ``edge_attr_local = edge_attr[edge_ids]``;
     - ``edge_index`` ``(2, E_r)``: those edges re-numbered: row 0 in ``[0, num_src_local +
       num_halo)`` (own source rows first, then the halo in receive order), row 1 in
       ``[0, num_dst_local)``;
-    - ``send_index`` ``(sum(send_splits),)``: local source rows sent to each other rank (grouped by
-      rank, ascending ids within a group); ``recv_splits``: halo rows received from each rank;
+    - ``send_index`` ``(sum(send_counts),)``: local source rows sent to each other rank (grouped by
+      rank, ascending ids within a group); ``recv_counts``: halo rows received from each rank;
     - ``halo_ids`` ``(num_halo,)``: global ids of the halo rows, in receive order.
 
-    Communicated by :meth:`exchange_halo`: ``sum(send_splits)`` rows forward, ``num_halo`` rows
+    Communicated by :meth:`exchange_halo`: ``sum(send_counts)`` rows forward, ``num_halo`` rows
     backward (one ``all_to_all_single`` each way); nothing when no rank of the layout needs a halo.
     """
 
     num_src: int
     num_dst: int
     world: int
-    rank: int
     src_sizes: tuple[int, ...]
     dst_sizes: tuple[int, ...]
     edge_ids: Tensor
     edge_index: Tensor
     send_index: Tensor
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
     halo_ids: Tensor
     edges_per_rank: tuple[int, ...]
     halo_per_rank: tuple[int, ...]
@@ -260,33 +120,33 @@ class GraphShardPlan:
         plan slices tensors and reports sizes, but only a one-rank plan can also run the layers
         (:meth:`exchange_halo` needs the group, from :meth:`build`, when ``world > 1``).
         """
-        edge_index = _check_edge_index(edge_index).long()
-        num_src, num_dst = _split_num_nodes(num_nodes)
+        edge_index = check_edge_index(edge_index).long()
+        num_src, num_dst = split_num_nodes(num_nodes)
         num_src = num_dst if num_src is None else num_src
         if not isinstance(world, int) or world < 1:
             raise ValueError(f"world must be a positive int, got {world!r}")
         if not isinstance(rank, int) or not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, {world}), got {rank!r}")
-        _check_node_range(edge_index, num_src, num_dst)
+        check_node_range(edge_index, num_src, num_dst)
 
         src_sizes, dst_sizes = balanced_sizes(num_src, world), balanced_sizes(num_dst, world)
         src0, dst0 = balanced_offsets(src_sizes)[rank], balanced_offsets(dst_sizes)[rank]
         src, dst = edge_index[0], edge_index[1]
-        edge_rank = _bucket(dst, dst_sizes)  # owner of each edge = owner of its destination
+        edge_rank = balanced_part_of(dst, dst_sizes)  # owner of each edge = owner of its destination
 
         # every (needing rank, source node) pair once, sorted by rank then node id
         need = torch.unique(edge_rank * num_src + src)
         need_rank, need_node = need // num_src, need % num_src
-        node_owner = _bucket(need_node, src_sizes)
+        node_owner = balanced_part_of(need_node, src_sizes)
         remote = node_owner != need_rank
         halo_per_rank = torch.bincount(need_rank[remote], minlength=world).tolist()
 
         mine = need_rank == rank  # what this rank needs: sorted by node id = grouped by owner
         halo_ids = need_node[mine & remote]
-        recv_splits = torch.bincount(node_owner[mine & remote], minlength=world).tolist()
+        recv_counts = torch.bincount(node_owner[mine & remote], minlength=world).tolist()
         sent = remote & (node_owner == rank)  # what the others need from this rank, by needing rank
         send_index = need_node[sent] - src0
-        send_splits = torch.bincount(need_rank[sent], minlength=world).tolist()
+        send_counts = torch.bincount(need_rank[sent], minlength=world).tolist()
 
         own = (edge_rank == rank).nonzero().flatten()
         own = own[torch.sort(dst[own], stable=True).indices]
@@ -300,7 +160,7 @@ class GraphShardPlan:
             num_src=num_src, num_dst=num_dst, world=world, rank=rank,
             src_sizes=tuple(src_sizes), dst_sizes=tuple(dst_sizes),
             edge_ids=own, edge_index=local_index, send_index=send_index,
-            send_splits=tuple(send_splits), recv_splits=tuple(recv_splits), halo_ids=halo_ids,
+            send_counts=tuple(send_counts), recv_counts=tuple(recv_counts), halo_ids=halo_ids,
             edges_per_rank=tuple(torch.bincount(edge_rank, minlength=world).tolist()),
             halo_per_rank=tuple(halo_per_rank),
         )
@@ -339,10 +199,6 @@ class GraphShardPlan:
     @property
     def dst_offset(self) -> int:
         return balanced_offsets(self.dst_sizes)[self.rank]
-
-    def halo_bytes(self, row_bytes: int) -> int:
-        """Bytes this rank sends in one forward halo exchange of rows of ``row_bytes`` bytes."""
-        return (sum(self.send_splits) - self.send_splits[self.rank]) * row_bytes
 
     def all_gather_bytes(self, row_bytes: int) -> int:
         """Bytes this rank would send to all-gather the whole source set instead (the baseline)."""
@@ -401,5 +257,5 @@ class GraphShardPlan:
         if sum(self.halo_per_rank) == 0:  # every rank knows this, so all skip the collective together
             return x_src
         rows = x_src.index_select(0, self.send_index.to(x_src.device))
-        halo = _HaloAllToAll.apply(rows, list(self.send_splits), list(self.recv_splits), self.group)
+        halo = exchange_rows(rows, self.send_counts, self.recv_counts, self.group)
         return torch.cat([x_src, halo], dim=0)

@@ -6,11 +6,12 @@ sharding those sources are this rank's rows plus a halo of remote rows
 (:meth:`GraphShardPlan.exchange_halo`). Exchanging the rows and then projecting them serialises
 the all-to-all and the matrix products; :func:`halo_linear` overlaps them:
 
-- forward: the rows other ranks need leave in an asynchronous ``all_to_all_single`` while the
+- forward: the rows other ranks need leave in an asynchronous row exchange
+  (:func:`~stormshard.parallel.comm.start_all_to_all_rows`, one ``all_to_all_single``) while the
   local rows are projected; the (small) halo is projected when it arrives;
 - backward: the halo rows' input gradients are computed first and leave in an asynchronous
-  ``all_to_all_single`` while the local rows' input and weight gradients are computed; the
-  gradients that come back are added to the rows they were sent from.
+  row exchange while the local rows' input and weight gradients are computed; the gradients that
+  come back are added to the rows they were sent from.
 
 The bytes are those of :meth:`GraphShardPlan.exchange_halo` (one exchange of the un-projected
 rows each way), whatever the number of projections. With one rank, or a layout without halos,
@@ -22,21 +23,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from stormshard.parallel.graph import GraphShardPlan, record_rows_sent
+from stormshard.parallel.comm import start_all_to_all_rows
+from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["halo_linear"]
-
-
-def _start_all_to_all(rows: Tensor, out: Tensor, send: list[int], recv: list[int], group, rank: int):  # noqa: ANN001, ANN202
-    """Start ``all_to_all_single`` of ``rows`` (``send`` per rank) into ``out`` (``recv`` per rank)."""
-    record_rows_sent(rows, send, rank)
-    return dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send, group=group,
-                                  async_op=True)
 
 
 class _HaloLinear(torch.autograd.Function):
@@ -53,8 +47,7 @@ class _HaloLinear(torch.autograd.Function):
         xf = x.reshape(-1, c)
         send_index = plan.send_index.to(x.device)
         rows = x.index_select(0, send_index).contiguous()
-        halo = x.new_empty((n_halo,) + tuple(x.shape[1:]))
-        work = _start_all_to_all(rows, halo, list(plan.send_splits), list(plan.recv_splits), plan.group, plan.rank)
+        pending = start_all_to_all_rows(rows, plan.send_counts, plan.recv_counts, plan.group)
         outs = []
         for w, b in zip(weights, biases, strict=True):
             out = x.new_empty((n_local + n_halo,) + batch + (w.shape[0],))
@@ -64,7 +57,7 @@ class _HaloLinear(torch.autograd.Function):
             else:
                 torch.mm(xf, w.t(), out=local)
             outs.append(out)
-        work.wait()
+        halo = pending.wait()
         hf = halo.view(-1, c)
         for out, w, b in zip(outs, weights, biases, strict=True):
             far = out[n_local:].view(-1, w.shape[0])
@@ -90,9 +83,7 @@ class _HaloLinear(torch.autograd.Function):
         g_halo = g_far[0] @ weights[0]
         for g, w in zip(g_far[1:], weights[1:], strict=True):
             g_halo.addmm_(g, w)
-        back = x.new_empty((sum(plan.send_splits),) + tuple(x.shape[1:]))
-        work = _start_all_to_all(g_halo.view(halo.shape), back, list(plan.recv_splits), list(plan.send_splits),
-                                 plan.group, plan.rank)
+        pending = start_all_to_all_rows(g_halo.view(halo.shape), plan.recv_counts, plan.send_counts, plan.group)
         # ... while the local rows' gradients are computed
         gx = g_local[0] @ weights[0]
         for g, w in zip(g_local[1:], weights[1:], strict=True):
@@ -103,7 +94,7 @@ class _HaloLinear(torch.autograd.Function):
         for i, (gl, gf) in enumerate(zip(g_local, g_far, strict=True)):
             gws.append((gl.t() @ xf).addmm_(gf.t(), hf) if need_w[i] else None)
             gbs.append(gl.sum(0) + gf.sum(0) if ctx.has_bias[i] and need_b[i] else None)
-        work.wait()
+        back = pending.wait()
         gx = gx.view(x.shape)
         gx.index_add_(0, plan.send_index.to(x.device), back)
         return (gx, None, None, *gws, *gbs)

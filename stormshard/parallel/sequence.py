@@ -14,26 +14,25 @@ local sequence length) in group-rank order; shards may be uneven (1001 tokens ov
   single exchange, so any window works with any shard length. The backward sends the halo
   gradients back to their owners, where they are added. :func:`remove_halos` drops them again.
 
-Neighbour exchange runs as one ``all_to_all_single`` with zero-length chunks for ranks that
-share nothing (``method="all_to_all"``, the default: the faster of the two on gloo in
-``benchmarks/bench_attention.py``) or as batched ``isend``/``irecv`` (``method="p2p"``).
-Every call reports the bytes this rank sends to :class:`~stormshard.parallel.counter.CommCounter`
-(kinds ``"all_to_all"`` and ``"send"``).
+Every exchange here is the one row exchange of :mod:`stormshard.parallel.comm`
+(:func:`~stormshard.parallel.comm.all_to_all_rows`, which also counts the bytes). The halo runs
+as one ``all_to_all_single`` with zero-length chunks for ranks that share nothing
+(``method="all_to_all"``, the default: the faster of the two on gloo in
+``benchmarks/bench_attention.py``) or as batched ``isend``/``irecv`` (``method="p2p"``); the
+head all-to-all exchanges the flattened tensors with per-rank element counts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import einops
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stormshard.parallel.comm import all_gather_along
-from stormshard.parallel.counter import record_communication
+from stormshard.parallel.comm import RowExchangePlan, RowTransport, all_gather_along, all_to_all_rows
 from stormshard.parallel.shapes import balanced_offsets, group_rank, group_size, sizes_along
 from stormshard.parallel.shard import check_shard_sizes
 
@@ -49,12 +48,8 @@ __all__ = [
 ]
 
 ProcessGroup = dist.ProcessGroup
-HaloMethod = Literal["all_to_all", "p2p"]
+HaloMethod = RowTransport
 DEFAULT_HALO_METHOD: HaloMethod = "all_to_all"
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,9 +63,7 @@ def _seq_to_heads(x: Tensor, sizes: list[int], group: ProcessGroup | None) -> Te
     b, h, s, d = x.shape
     send = einops.rearrange(x, "b (w hl) s d -> (w b hl s d)", w=world).contiguous()
     chunk = b * (h // world) * d
-    out = send.new_empty(chunk * sum(sizes))
-    dist.all_to_all_single(out, send, [chunk * n for n in sizes], [chunk * s] * world, group=group)
-    record_communication("all_to_all", _nbytes(send) * (world - 1) // world)
+    out = all_to_all_rows(send, [chunk * s] * world, [chunk * n for n in sizes], group)
     parts = torch.split(out, [chunk * n for n in sizes])
     parts = [p.view(b, h // world, n, d) for p, n in zip(parts, sizes, strict=True)]
     return torch.cat(parts, dim=2)
@@ -83,9 +76,7 @@ def _heads_to_seq(x: Tensor, sizes: list[int], group: ProcessGroup | None) -> Te
     chunks = torch.split(x, sizes, dim=2)
     send = torch.cat([c.reshape(-1) for c in chunks])
     chunk = b * hl * d
-    out = send.new_empty(world * chunk * sizes[rank])
-    dist.all_to_all_single(out, send, [chunk * sizes[rank]] * world, [chunk * n for n in sizes], group=group)
-    record_communication("all_to_all", (send.numel() - chunk * sizes[rank]) * send.element_size())
+    out = all_to_all_rows(send, [chunk * n for n in sizes], [chunk * sizes[rank]] * world, group)
     return einops.rearrange(out, "(w b hl s d) -> b (w hl) s d", w=world, b=b, hl=hl, d=d)
 
 
@@ -163,24 +154,23 @@ def shard_sequence(input_: Tensor, shapes: Sequence, mgroup: ProcessGroup | None
 
 
 @dataclass(frozen=True)
-class HaloPlan:
-    """Who sends which rows to whom for one rank's halos (computed once from the shard sizes).
+class HaloPlan(RowExchangePlan):
+    """Who sends which rows to whom for one rank's window halos (computed once from the shard sizes).
 
-    ``left`` / ``right``: rows added before / after the local shard. ``send_counts[r]`` rows
-    starting at local row ``send_starts[r]`` go to group rank ``r``; ``recv_counts[r]`` rows
-    come from rank ``r`` (ranks below this one fill the left halo, ranks above the right one,
-    in rank order). ``offset`` is the global position of the first local row.
+    A :class:`~stormshard.parallel.comm.RowExchangePlan` (``rank``, ``send_counts``,
+    ``recv_counts``) for a sequence split in contiguous shards: ``send_counts[r]`` rows starting
+    at local row ``send_starts[r]`` go to group rank ``r``; ``recv_counts[r]`` rows come from rank
+    ``r`` (ranks below this one fill the left halo, ranks above the right one, in rank order).
+    ``left`` / ``right``: rows added before / after the local shard. ``offset`` is the global
+    position of the first local row.
     """
 
     sizes: tuple[int, ...]
-    rank: int
     halo_size: int
     offset: int
     left: int
     right: int
     send_starts: tuple[int, ...]
-    send_counts: tuple[int, ...]
-    recv_counts: tuple[int, ...]
 
     @classmethod
     def build(cls, sizes: Sequence[int], rank: int, halo_size: int) -> HaloPlan:
@@ -210,49 +200,20 @@ class HaloPlan:
             send_starts.append(first - start if first < stop else 0)
             send_counts.append(max(0, min(stop, r_hi) - first))
             recv_counts.append(max(0, min(r_start + r_size, hi) - max(r_start, lo)))
-        return cls(tuple(sizes), rank, halo_size, start, start - lo, hi - stop, tuple(send_starts),
-                   tuple(send_counts), tuple(recv_counts))
+        return cls(rank=rank, send_counts=tuple(send_counts), recv_counts=tuple(recv_counts), sizes=tuple(sizes),
+                   halo_size=halo_size, offset=start, left=start - lo, right=hi - stop,
+                   send_starts=tuple(send_starts))
 
     @property
     def local_size(self) -> int:
         return self.sizes[self.rank]
-
-    @property
-    def hops(self) -> int:
-        """How many ranks away the farthest halo row comes from (1: direct neighbours only)."""
-        far = [abs(r - self.rank) for r, c in enumerate(self.recv_counts) if c > 0]
-        return max(far, default=0)
-
-
-def _exchange_rows(send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                   group: ProcessGroup | None, method: HaloMethod) -> Tensor:
-    """Send rows ``send`` (dim 0, grouped by destination rank) and return the received rows in rank order."""
-    rest = tuple(send.shape[1:])
-    out = send.new_empty((sum(recv_counts),) + rest)
-    if method == "all_to_all":
-        dist.all_to_all_single(out, send.contiguous(), list(recv_counts), list(send_counts), group=group)
-        record_communication("all_to_all", _nbytes(send))
-        return out
-    ops, send_off, recv_off = [], 0, 0
-    for r, (sc, rc) in enumerate(zip(send_counts, recv_counts, strict=True)):
-        peer = dist.get_global_rank(group, r) if group is not None else r
-        if rc:
-            ops.append(dist.P2POp(dist.irecv, out[recv_off : recv_off + rc], peer, group))
-        if sc:
-            ops.append(dist.P2POp(dist.isend, send[send_off : send_off + sc].contiguous(), peer, group))
-        send_off, recv_off = send_off + sc, recv_off + rc
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    record_communication("send", _nbytes(send))
-    return out
 
 
 def _add_halos_forward(x: Tensor, plan: HaloPlan, group: ProcessGroup | None, method: HaloMethod) -> Tensor:
     """``x`` with seq at dim 0 -> ``(left + local + right, ...)``."""
     parts = [x[s : s + c] for s, c in zip(plan.send_starts, plan.send_counts, strict=True) if c]
     send = torch.cat(parts) if parts else x[:0]
-    got = _exchange_rows(send, plan.send_counts, plan.recv_counts, group, method)
+    got = all_to_all_rows(send, plan.send_counts, plan.recv_counts, group, transport=method)
     return torch.cat([got[: plan.left], x, got[plan.left :]])
 
 
@@ -260,7 +221,7 @@ def _add_halos_backward(grad: Tensor, plan: HaloPlan, group: ProcessGroup | None
     """Gradient ``(left + local + right, ...)`` -> local gradient with the halo parts added by their owners."""
     local = grad[plan.left : plan.left + plan.local_size].clone()
     halos = torch.cat([grad[: plan.left], grad[plan.left + plan.local_size :]])
-    back = _exchange_rows(halos, plan.recv_counts, plan.send_counts, group, method)
+    back = all_to_all_rows(halos, plan.recv_counts, plan.send_counts, group, transport=method)
     row = 0
     for start, count in zip(plan.send_starts, plan.send_counts, strict=True):
         if count:

@@ -13,23 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch.distributed as dist
 from torch import Tensor
 
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_rank, group_size
 
-__all__ = ["SequenceShard", "check_shard_sizes", "ShardStrategy", "SHARD_STRATEGIES", "ATTENTION_STRATEGIES"]
+# the processor's shard strategies are spelled once, in the torch-free shard_strategy module
+from stormshard.parallel.shard_strategy import ATTENTION_STRATEGIES, SHARD_STRATEGIES, ShardStrategy
 
-#: How a sequence processor is split over its model group: the one place these values are spelled.
-#: ``shard_sequence``: each rank holds a slice of the sequence and exchanges halos; ``shard_heads``:
-#: an all-to-all trades the sequence slice for a slice of the heads; ``tensor``: Megatron-style
-#: column/row linears with sequence parallelism.
-ShardStrategy = Literal["shard_sequence", "shard_heads", "tensor"]
-SHARD_STRATEGIES: tuple[str, ...] = get_args(ShardStrategy)
-#: The strategies an attention layer implements itself (``tensor`` is a block-level swap).
-ATTENTION_STRATEGIES: tuple[str, ...] = tuple(s for s in SHARD_STRATEGIES if s != "tensor")
+__all__ = ["SequenceShard", "check_shard_sizes", "ShardStrategy", "SHARD_STRATEGIES", "ATTENTION_STRATEGIES"]
 
 ProcessGroup = dist.ProcessGroup
 

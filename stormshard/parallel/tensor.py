@@ -6,14 +6,19 @@ A *tensor-parallel region* is a computation whose channels are split over ``grou
 :class:`~stormshard.parallel.shard.SequenceShard` describes it (uneven shards allowed), bound to
 the layer at construction.
 
-Region mappings (autograd collectives of :mod:`stormshard.parallel.comm`), forward / backward:
+Region mappings: the autograd collectives of :mod:`stormshard.parallel.comm`, under their anemoi
+names (forward / backward; Megatron's name in brackets):
 
-- ``copy_tensor`` (copy to the TP region): identity / all-reduce;
-- ``reduce_tensor`` (reduce from the TP region): all-reduce / identity;
-- ``scatter_to_tensor_parallel_region``: keep this rank's channel slice / all-gather channels;
-- ``gather_from_tensor_parallel_region``: all-gather channels / keep this rank's channel slice;
-- ``gather_from_sequence_parallel_region``: all-gather the sequence / reduce-scatter it;
-- ``reduce_scatter_to_sequence_parallel_region``: reduce-scatter the sequence / all-gather it.
+- ``copy_tensor(x, group)`` [copy to the TP region]: identity / all-reduce;
+- ``reduce_tensor(x, group)`` [reduce from the TP region]: all-reduce / identity;
+- ``shard_tensor(x, -1, ...)`` [scatter to the TP region]: keep this rank's channel slice /
+  all-gather the channels;
+- ``gather_tensor(x, -1, ...)`` [gather from the TP region]: all-gather the channels / keep this
+  rank's channel slice;
+- ``sync_tensor(x, -2, shard.sizes, group)`` [gather from the sequence-parallel region]:
+  all-gather the sequence / reduce-scatter it;
+- ``reduce_shard_tensor(x, -2, shard.sizes, group)`` [reduce-scatter to the sequence-parallel
+  region]: reduce-scatter the sequence / all-gather it.
 
 Parameters are sliced evenly: a size that the group size does not divide raises ValueError. Each
 sliced parameter carries a :class:`~stormshard.parallel.partition.Partition`. Fresh layers build
@@ -53,12 +58,6 @@ from stormshard.parallel.te_backend import LocalLinear, resolve_use_te
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
-    "copy_tensor",
-    "reduce_tensor",
-    "scatter_to_tensor_parallel_region",
-    "gather_from_tensor_parallel_region",
-    "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
     "divide",
     "slice_partition",
     "gather_partition",
@@ -72,7 +71,7 @@ SEQ_DIM = -2
 
 
 # --------------------------------------------------------------------------------------------
-# sizes and region mappings
+# sizes
 # --------------------------------------------------------------------------------------------
 
 
@@ -85,51 +84,6 @@ def divide(size: int, group: ProcessGroup | None, name: str) -> int:
             f"a multiple of {parts}, or a group whose size divides {size}"
         )
     return size // parts
-
-
-def _channel_sizes(x: Tensor, group: ProcessGroup | None) -> list[int]:
-    return [x.shape[-1]] * group_size(group)
-
-
-def scatter_to_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """Keep this rank's even slice of the channels of the replicated ``x (..., C)``.
-
-    Backward all-gathers the channel slices of the gradient.
-    """
-    local = divide(x.shape[-1], group, "channels of the input")
-    return shard_tensor(x, -1, [local] * group_size(group), group)
-
-
-def gather_from_tensor_parallel_region(x: Tensor, group: ProcessGroup | None) -> Tensor:
-    """All-gather the channel slices ``x (..., C/p)`` into ``(..., C)``; backward keeps this rank's slice."""
-    return gather_tensor(x, -1, _channel_sizes(x, group), group)
-
-
-def gather_from_sequence_parallel_region(x: Tensor, shard: SequenceShard) -> Tensor:
-    """All-gather the sequence shards ``x (..., seq_local, C)`` over ``shard.group`` into ``(..., seq, C)``.
-
-    ``x`` must hold this rank's ``shard.local_size`` tokens along dimension -2. Backward
-    reduce-scatters the gradient along the sequence (each rank's full-sequence gradient is a
-    partial sum: it holds only its channel slice's contribution).
-    """
-    if x.dim() < 2:
-        raise ValueError(f"sequence parallelism needs an input (..., seq, channels), got shape {tuple(x.shape)}")
-    shard.check_local(x, SEQ_DIM, "the sequence-parallel input")
-    return sync_tensor(x, SEQ_DIM, shard.sizes, shard.group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: Tensor, shard: SequenceShard) -> Tensor:
-    """Sum the partial ``x (..., seq, C)`` over ``shard.group`` and keep this rank's sequence shard.
-
-    ``x`` holds the whole sequence (``shard.length`` tokens along dimension -2); the result
-    ``(..., shard.local_size, C)``. Backward all-gathers the gradient along the sequence.
-    """
-    if x.dim() < 2 or x.shape[SEQ_DIM] != shard.length:
-        raise ValueError(
-            f"reduce-scatter input has shape {tuple(x.shape)} but the sequence shard {list(shard.sizes)} sums "
-            f"to {shard.length} tokens along dimension -2"
-        )
-    return reduce_shard_tensor(x, SEQ_DIM, shard.sizes, shard.group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,13 +278,18 @@ class ColumnParallelLinear(_ParallelLinear):
         """``x (..., seq[_local], in)`` -> ``(..., seq, out/p)`` (or ``out`` with gather_output)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} channels but in_features={self.in_features}")
-        if self.sequence_shard is not None:
-            x = gather_from_sequence_parallel_region(x, self.sequence_shard)
-        else:
+        if self.sequence_shard is not None:  # all-gather the sequence; backward reduce-scatters it
+            if x.dim() < 2:
+                raise ValueError(
+                    f"sequence parallelism needs an input (..., seq, channels), got shape {tuple(x.shape)}"
+                )
+            self.sequence_shard.check_local(x, SEQ_DIM, "the sequence-parallel input")
+            x = sync_tensor(x, SEQ_DIM, self.sequence_shard.sizes, self.group)
+        else:  # identity; backward all-reduces the input gradient
             x = copy_tensor(x, self.group)
         y = self._local(x, self.weight, self.bias)
-        if self.gather_output:
-            y = gather_from_tensor_parallel_region(y, self.group)
+        if self.gather_output:  # all-gather the channel slices; backward keeps this rank's
+            y = gather_tensor(y, -1, [y.shape[-1]] * self.parts, self.group)
         return y
 
 
@@ -395,12 +354,19 @@ class RowParallelLinear(_ParallelLinear):
                 f"input has {x.shape[-1]} channels but this rank expects {expected} "
                 f"(in_features={self.in_features}, input_is_parallel={self.input_is_parallel})"
             )
-        if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.group)
+        if not self.input_is_parallel:  # keep this rank's channel slice; backward all-gathers them
+            local = divide(x.shape[-1], self.group, "channels of the input")
+            x = shard_tensor(x, -1, [local] * self.parts, self.group)
         y = self._local(x, self.weight, None)
-        if self.sequence_shard is not None:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.sequence_shard)
-        else:
+        if self.sequence_shard is not None:  # sum the partial products, keep this rank's tokens
+            shard = self.sequence_shard
+            if y.dim() < 2 or y.shape[SEQ_DIM] != shard.length:
+                raise ValueError(
+                    f"reduce-scatter input has shape {tuple(y.shape)} but the sequence shard {list(shard.sizes)} "
+                    f"sums to {shard.length} tokens along dimension -2"
+                )
+            y = reduce_shard_tensor(y, SEQ_DIM, shard.sizes, self.group)
+        else:  # sum the partial products; backward passes the gradient through
             y = reduce_tensor(y, self.group)
         if self.bias is not None:
             y = y + self.bias

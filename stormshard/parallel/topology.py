@@ -212,30 +212,19 @@ def batch_arithmetic(
     """Effective (global) batch = micro batch x world size x accumulation / model-parallel size.
 
     The model-parallel size is ``gpus_per_model``, or ``tensor x pipeline`` when those are given
-    (BioNeMo's formula); the world must be a multiple of it.
+    (BioNeMo's formula; pipeline must be 1); the sizes are checked by :class:`ParallelLayout` (the one place of the
+    layout rules: the world must be a multiple of the model group).
     """
     _positive("micro_batch", micro_batch)
     _positive("accumulation", accumulation)
-    _positive("world_size", world_size)
-    _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
-    if tensor_model_parallel_size is not None:
+    if tensor_model_parallel_size is not None and gpus_per_model == 1:
         _positive("tensor_model_parallel_size", tensor_model_parallel_size)
-        model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
-        if gpus_per_model not in (1, model_parallel):
-            raise LayoutError(
-                f"gpus_per_model={gpus_per_model} disagrees with tensor_model_parallel_size="
-                f"{tensor_model_parallel_size} x pipeline_model_parallel_size={pipeline_model_parallel_size}"
-            )
-    else:
-        _positive("gpus_per_model", gpus_per_model)
-        model_parallel = gpus_per_model * pipeline_model_parallel_size
-    if world_size % model_parallel:
-        raise LayoutError(
-            f"world_size={world_size} is not a multiple of the model-parallel size {model_parallel}: "
-            f"choose one of {_divisors(world_size)}"
-        )
-    data_parallel = world_size // model_parallel
-    return BatchPlan(micro_batch, accumulation, world_size, model_parallel, data_parallel,
+        _positive("pipeline_model_parallel_size", pipeline_model_parallel_size)
+        gpus_per_model = tensor_model_parallel_size * pipeline_model_parallel_size
+    layout = ParallelLayout(world_size, gpus_per_model, tensor_model_parallel_size=tensor_model_parallel_size,
+                            pipeline_model_parallel_size=pipeline_model_parallel_size)
+    data_parallel = layout.data_parallel_size
+    return BatchPlan(micro_batch, accumulation, world_size, layout.gpus_per_model, data_parallel,
                      micro_batch * data_parallel * accumulation)
 
 

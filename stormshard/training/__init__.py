@@ -3,24 +3,25 @@
 
 from __future__ import annotations
 
-from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
-from stormshard.training.diskspace import DiskSpaceError
-from stormshard.training.engine import EngineSettings, build_engine
-from stormshard.training.launch import (
-    LaunchEnvironment,
-    LaunchError,
-    detect_launch,
-    init_distributed,
-    run_training,
-)
-from stormshard.training.loop import Trainer, TrainResult, train
-from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
-from stormshard.training.preflight import preflight
-from stormshard.training.rollout_schedule import RolloutSchedule, rollout_at
-from stormshard.training.scaling import LossScalingSettings, PressureLevelScaling, variable_loss_weights
-from stormshard.training.tasks import EnsembleForecastTask, ForecastTask
-from stormshard.training.watchdog import RankFailure
+import importlib
+from typing import Any
 
+# name -> module, loaded on first use: importing the package (e.g. stormshard.training.config, which
+# launch/train.py validates before anything else) does not load torch or DeepSpeed
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("ConfigError", "ExperimentConfig", "load_experiment_config"), "config"),
+    "DiskSpaceError": "diskspace",
+    **dict.fromkeys(("EngineSettings", "build_engine"), "engine"),
+    **dict.fromkeys(("LaunchEnvironment", "LaunchError", "detect_launch", "init_distributed", "run_training"),
+                    "launch"),
+    **dict.fromkeys(("Trainer", "TrainResult", "train"), "loop"),
+    **dict.fromkeys(("AlmostFairCRPSLoss", "WeightedMSELoss"), "losses"),
+    "preflight": "preflight",
+    **dict.fromkeys(("RolloutSchedule", "rollout_at"), "rollout_schedule"),
+    **dict.fromkeys(("LossScalingSettings", "PressureLevelScaling", "variable_loss_weights"), "scaling"),
+    **dict.fromkeys(("EnsembleForecastTask", "ForecastTask"), "tasks"),
+    "RankFailure": "watchdog",
+}
 __all__ = [
     "ExperimentConfig", "ConfigError", "load_experiment_config", "preflight", "ForecastTask",
     "EnsembleForecastTask", "build_engine", "EngineSettings", "WeightedMSELoss", "AlmostFairCRPSLoss",
@@ -28,3 +29,19 @@ __all__ = [
     "RolloutSchedule", "rollout_at", "LossScalingSettings", "PressureLevelScaling", "variable_loss_weights",
     "LaunchEnvironment", "LaunchError", "detect_launch", "RankFailure", "DiskSpaceError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """An exported name (imported from its module on first use) or a submodule."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,32 +1,28 @@
-"""Atomic, per-rank training checkpoints that resume bit-exactly.
+"""Atomic, per-rank training checkpoints that resume bit-exactly: saving and loading.
 
-Layout of a checkpoint directory (all ranks must see the same file system)::
-
-    <directory>/
-      latest                      # text: "step_00000120" (replaced atomically)
-      step_00000120/
-        metadata.json             # step, world, layout, config, time, per-rank parameter names,
-                                  # local and full shapes and Partition metadata
-        rank_00000.pt             # torch.save: {"state", "rng", "rank", "world", "step"}
-        rank_00000.safetensors    # optional: this rank's model weights (for conversion / inference)
-        rank_00000.json           # this rank's parameter table (merged into metadata.json)
-      step_00000130.tmp/          # a save in progress (or one that crashed): never loaded
+The on-disk format (directory layout, file names, ``metadata.json``, the parameter table, finding
+the latest complete checkpoint) is :mod:`stormshard.checkpoint.format`, which conversion and
+inference read without training; this module adds what needs a running job: the collective save,
+the checks of a resume against the current layout and config, and the RNG states.
 
 Saving (:func:`save_checkpoint`, called by every rank with its own ``state``):
 
 1. rank 0 clears a stale ``step_NNNNNNNN.tmp`` and creates it; barrier;
 2. every rank writes its files (each through a temporary name and ``os.replace``); barrier;
-3. rank 0 merges the parameter tables into ``metadata.json``, renames the ``.tmp`` directory to
-   ``step_NNNNNNNN``, rewrites ``latest`` (temporary file + ``os.replace``), fsyncs and deletes
-   all but the last ``keep_last`` checkpoints; barrier.
+   Each rank records the size and sha256 of its files in its ``rank_NNNNN.json``;
+3. rank 0 merges the parameter tables and the file records into ``metadata.json``, renames the
+   ``.tmp`` directory to ``step_NNNNNNNN``, rewrites ``latest`` (temporary file + ``os.replace``),
+   fsyncs and deletes all but the last ``keep_last`` checkpoints; barrier.
 
 A crash anywhere before the rename leaves only a ``.tmp`` directory, which loading ignores, so
 the previous checkpoint stays the latest. :func:`load_checkpoint` reads the latest complete one,
-checks the stored layout and config against the current ones (an error lists every difference)
-and restores python, numpy and torch RNG states.
+checks the stored layout and config against the current ones (an error lists every difference),
+verifies each rank's files against their recorded sha256 (a damaged file on any rank stops every
+rank with the same error, naming the file and the previous complete checkpoint) and restores
+python, numpy and torch RNG states.
 
-Files hold pickled python objects (``torch.load(weights_only=False)``): load only checkpoints
-you wrote.
+Rank files hold tensors plus a JSON skeleton (:mod:`stormshard.checkpoint.state_codec`) and load
+with ``torch.load(weights_only=True)``: opening a checkpoint runs no code from it.
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,28 +42,31 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from stormshard.parallel.partition import full_shape, get_partition
+from stormshard.checkpoint.format import (
+    FORMAT_VERSION,
+    LATEST,
+    METADATA,
+    PICKLED_FORMAT,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    parameter_table,
+    pickled_format_error,
+    rank_name,
+    read_metadata,
+    step_name,
+)
+from stormshard.checkpoint.integrity import FILES, checkpoint_problems, damaged_checkpoint_error, record_files
+from stormshard.checkpoint.state_codec import read_state_file, write_state_file
 
 __all__ = [
-    "CheckpointError",
     "LoadedCheckpoint",
     "capture_rng_state",
     "restore_rng_state",
-    "parameter_table",
     "save_checkpoint",
     "load_checkpoint",
-    "latest_checkpoint",
-    "list_checkpoints",
     "config_differences",
 ]
-
-LATEST = "latest"
-METADATA = "metadata.json"
-FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, or does not match the current run."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,18 +109,6 @@ def _as_tuple(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def parameter_table(model: nn.Module) -> list[dict[str, Any]]:
-    """Name, local shape, full shape, dtype and Partition (or None) of every parameter of ``model``."""
-    rows = []
-    for name, p in model.named_parameters():
-        part = get_partition(p)
-        rows.append({
-            "name": name, "shape": list(p.shape), "full_shape": list(full_shape(p)),
-            "dtype": str(p.dtype).removeprefix("torch."), "partition": None if part is None else part.as_dict(),
-        })
-    return rows
-
-
 def config_differences(stored: Any, current: Any, prefix: str = "") -> list[str]:
     """Dotted paths where two JSON-like values differ, e.g. ``["model.channels: 64 != 128"]``."""
     if isinstance(stored, Mapping) and isinstance(current, Mapping):
@@ -153,14 +140,6 @@ def _jsonable(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def _step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _rank_name(rank: int) -> str:
-    return f"rank_{rank:05d}"
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -184,10 +163,11 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _write_torch(obj: Any, path: Path) -> None:
-    """torch.save through a temporary name (a crash leaves no half-written ``path``)."""
+    """``obj`` as tensors plus a JSON skeleton (:func:`~stormshard.checkpoint.state_codec.write_state_file`)
+    through a temporary name (a crash leaves no half-written ``path``)."""
     tmp = path.with_name(path.name + ".part")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        write_state_file(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -209,31 +189,6 @@ def _barrier(group: Any, world: int) -> None:
         dist.barrier(group=group)
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints (``step_NNNNNNNN`` holding ``metadata.json``), oldest first."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        name = p.name
-        if p.is_dir() and name.startswith("step_") and name[5:].isdigit() and (p / METADATA).is_file():
-            found.append((int(name[5:]), p))
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` points at, else the newest complete one, else None."""
-    root = Path(directory)
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if (target / METADATA).is_file():
-            return target
-    complete = list_checkpoints(root)
-    return complete[-1] if complete else None
-
-
 # --------------------------------------------------------------------------------------------
 # save / load
 # --------------------------------------------------------------------------------------------
@@ -253,8 +208,9 @@ def save_checkpoint(
     weights_safetensors: bool = True,
     group: Any = None,
 ) -> Path:
-    """Write this rank's ``state`` (anything torch.save can pickle: engine state, data position...)
-    plus its RNG states into checkpoint ``step``; collective over ``group`` (default: world).
+    """Write this rank's ``state`` (engine state, data position...: tensors and plain values, see
+    :mod:`stormshard.checkpoint.state_codec`) plus its RNG states into checkpoint ``step``;
+    collective over ``group`` (default: world).
 
     ``model`` (optional) adds its parameter table (names, shapes, Partition) to the metadata and,
     with ``weights_safetensors``, its weights as ``rank_NNNNN.safetensors``. ``keep_last`` complete
@@ -270,8 +226,8 @@ def save_checkpoint(
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     config_json, layout_json = _jsonable(dict(config)), _jsonable(dict(layout))
     root = Path(directory)
-    final = root / _step_name(step)
-    tmp = root / (_step_name(step) + ".tmp")
+    final = root / step_name(step)
+    tmp = root / (step_name(step) + ".tmp")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -279,25 +235,32 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier(group, world)
 
-    name = _rank_name(rank)
+    name = rank_name(rank)
     table = parameter_table(model) if model is not None else None
     _write_torch({"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world, "state": state,
                   "rng": capture_rng_state()}, tmp / f"{name}.pt")
     if model is not None and weights_safetensors:
         _write_safetensors(model, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
-    _atomic_write_bytes(tmp / f"{name}.json", json.dumps({"rank": rank, "parameters": table}).encode())
+    files = record_files([tmp / f"{name}.pt", tmp / f"{name}.safetensors"])
+    _atomic_write_bytes(tmp / f"{name}.json", json.dumps({"rank": rank, "parameters": table, FILES: files}).encode())
     _barrier(group, world)
 
     if rank == 0:
-        ranks = [json.loads((tmp / f"{_rank_name(r)}.json").read_text()) for r in range(world)]
+        ranks, records = [], {}
+        for r in range(world):
+            table_file = tmp / f"{rank_name(r)}.json"
+            entry = json.loads(table_file.read_text())
+            records.update(entry.pop(FILES, {}))
+            records.update(record_files([table_file]))
+            ranks.append(entry)
         metadata = {
             "format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
-            "layout": layout_json, "config": config_json, "ranks": ranks,
+            "layout": layout_json, "config": config_json, "ranks": ranks, FILES: records,
         }
         _atomic_write_bytes(tmp / METADATA, json.dumps(metadata, indent=1).encode())
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step: move the old one aside, then drop it
-            old = root / (_step_name(step) + ".old")
+            old = root / (step_name(step) + ".old")
             if old.exists():
                 shutil.rmtree(old)
             os.replace(final, old)
@@ -337,20 +300,27 @@ def load_checkpoint(
     restore_rng: bool = True,
     path: str | os.PathLike | None = None,
     map_location: Any = "cpu",
+    read_stored_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> LoadedCheckpoint:
     """Load this rank's part of the latest complete checkpoint in ``directory`` (or of ``path``).
 
     When given, ``world``, ``layout`` and ``config`` must equal the stored ones, except for config
     paths starting with one of ``ignore`` (e.g. ``"training.max_steps"``); the error lists every
-    difference. RNG states are restored unless ``restore_rng=False``.
+    difference. ``read_stored_config`` turns the stored config into the form ``config`` has (e.g.
+    old spellings of a checkpoint written by an earlier release moved to their one home) before
+    the comparison. RNG states are restored unless ``restore_rng=False``.
+
+    This rank's files are checked against the sha256 recorded at save before they are read; when
+    all ranks of the checkpoint's world load it together (a process group of that size), their
+    problems are gathered, so a damaged file stops every rank with one message naming it and the
+    previous complete checkpoint.
     """
     target = Path(path) if path is not None else latest_checkpoint(directory)
     if target is None:
         raise CheckpointError(f"no complete checkpoint in {directory}: nothing to resume (start without --resume)")
-    meta_file = target / METADATA
-    if not meta_file.is_file():
-        raise CheckpointError(f"{target} is not a complete checkpoint (no {METADATA}): a save was interrupted")
-    metadata = json.loads(meta_file.read_text())
+    metadata = read_metadata(target)
+    if metadata.get("format") == PICKLED_FORMAT:
+        raise pickled_format_error(target.parent if path is None else target)
     problems = []
     if world is not None and metadata["world_size"] != world:
         problems.append(f"world_size: stored {metadata['world_size']}, now {world}")
@@ -358,7 +328,8 @@ def load_checkpoint(
         problems += [f"layout.{d}" for d in config_differences(metadata["layout"], _jsonable(dict(layout)))]
     if config is not None:
         ignored = tuple(ignore)
-        diffs = config_differences(metadata["config"], _jsonable(dict(config)))
+        stored = metadata["config"] if read_stored_config is None else read_stored_config(metadata["config"])
+        diffs = config_differences(_jsonable(dict(stored)), _jsonable(dict(config)))
         problems += [f"config.{d}" for d in diffs if not (ignored and d.startswith(ignored))]
     if problems:
         raise CheckpointError(
@@ -367,13 +338,37 @@ def load_checkpoint(
         )
     if not 0 <= rank < metadata["world_size"]:
         raise CheckpointError(f"rank {rank} is outside the checkpoint's world of {metadata['world_size']} ranks")
-    rank_file = target / f"{_rank_name(rank)}.pt"
-    if not rank_file.is_file():
-        raise CheckpointError(f"{rank_file} is missing: the checkpoint is damaged")
-    payload = torch.load(rank_file, map_location=map_location, weights_only=False)
-    if payload.get("rank") != rank or payload.get("step") != metadata["step"]:
-        raise CheckpointError(f"{rank_file} holds rank {payload.get('rank')} step {payload.get('step')}, "
-                              f"expected rank {rank} step {metadata['step']}")
+    payload, problem = _read_rank(target, rank, int(metadata["step"]), map_location)
+    problems = _gather(problem, int(metadata["world_size"]))
+    if problems:
+        raise damaged_checkpoint_error(target, problems)
     if restore_rng:
         restore_rng_state(payload["rng"])
     return LoadedCheckpoint(target, int(metadata["step"]), payload["state"], metadata)
+
+
+def _read_rank(target: Path, rank: int, step: int, map_location: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """This rank's payload, or the problems of its files (sha256 against the recorded ones, then reading)."""
+    problems = checkpoint_problems(target, contents=True, ranks=[rank])
+    if problems:
+        return None, problems
+    rank_file = target / f"{rank_name(rank)}.pt"
+    try:
+        payload = read_state_file(rank_file, map_location=map_location)
+    except CheckpointError as exc:
+        return None, [str(exc)]
+    if not isinstance(payload, dict) or payload.get("rank") != rank or payload.get("step") != step or \
+            not {"state", "rng"} <= set(payload):
+        got = (payload.get("rank"), payload.get("step")) if isinstance(payload, dict) else type(payload).__name__
+        return None, [f"{rank_file}: holds (rank, step) {got}, expected ({rank}, {step})"]
+    return payload, []
+
+
+def _gather(problems: list[str], world: int) -> list[str]:
+    """Every rank's ``problems`` (on every rank), when all ``world`` ranks of the checkpoint load it
+    together; one rank's damaged file then stops all of them with the same message."""
+    if world > 1 and dist.is_initialized() and dist.get_world_size() == world:
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, problems)
+        return [p for rank_problems in everyone for p in rank_problems]
+    return problems

@@ -13,21 +13,34 @@ read by all three engines. Their DeepSpeed spellings in the ``deepspeed`` sectio
 the field to use, except in a DeepSpeed JSON file given with ``--deepspeed_config``
 (:func:`merge_deepspeed_file`): there they are moved to the engine-neutral fields, and a value that
 disagrees with one the experiment config sets is an error.
+
+One home per choice: the processor's split over the model group is ``parallel.shard_strategy``, the
+precision is ``training.precision``. Their older spellings are read once, on the raw dict before
+validation (:func:`read_old_spellings`), each with a :class:`ConfigDeprecationWarning` naming the
+old key and the new one: ``model.processor.shard_strategy`` and ``parallel.tensor_model_parallel_size``
+(N > 1 meant ``"tensor"``; N is ``parallel.gpus_per_model``) move to ``parallel``, a ``deepspeed.bf16`` /
+``deepspeed.fp16`` block's ``enabled`` to ``training.precision`` (:func:`move_deepspeed_precision`,
+also the ``--deepspeed_config`` path). An old key that disagrees with the new one is an error naming
+both. Derived values are computed (``ParallelSection.model_parallel_size``,
+``ExperimentConfig.engine_settings``), never written back into another section.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from stormshard.graphs.builder import GraphConfig, KNNEdges
+from stormshard.errors import format_validation_errors
+from stormshard.graphs.config import GraphConfig, KNNEdges
 from stormshard.models.config import ModelConfig
-from stormshard.parallel.topology import ParallelLayout
+from stormshard.parallel.shard_strategy import ShardStrategy
+from stormshard.training.config_file import ConfigError, apply_overrides, read_json_object
 from stormshard.training.engine.deepspeed_keys import check_deepspeed_section
 from stormshard.training.engine.settings import (
     MOVED_DEEPSPEED_KEYS,
@@ -35,14 +48,16 @@ from stormshard.training.engine.settings import (
     CompressionSection,
     EngineSettings,
     check_engine_sections,
-    check_precision,
-    section_enabled,
 )
 from stormshard.training.rollout_schedule import RolloutSchedule
 from stormshard.training.scaling import LossScalingSettings
 from stormshard.training.schedule import LRScheduleSettings
 
+if TYPE_CHECKING:  # this module imports no torch: launch/train.py validates a config before torch loads
+    from stormshard.parallel.topology import ParallelLayout
+
 __all__ = [
+    "stored_config_dump",
     "DataSection",
     "ParallelSection",
     "TrainingSection",
@@ -50,13 +65,20 @@ __all__ = [
     "LoggingSection",
     "ExperimentConfig",
     "ConfigError",
+    "ConfigDeprecationWarning",
     "load_experiment_config",
     "merge_deepspeed_file",
+    "read_old_spellings",
+    "move_deepspeed_precision",
 ]
 
 
-class ConfigError(ValueError):
-    """An experiment config that cannot run; the message names the field, the value and the fix."""
+class ConfigDeprecationWarning(FutureWarning):
+    """A config key read under its old spelling; the message names the old key and the new one.
+
+    A ``FutureWarning`` (Python's category for deprecations aimed at the user) rather than a
+    ``DeprecationWarning``, which Python hides outside ``__main__``: the person who wrote the config
+    is the one to see it. Shown once per message and process (Python's default filter)."""
 
 
 class _Strict(BaseModel):
@@ -93,47 +115,33 @@ class DataSection(_Strict):
 
 
 class ParallelSection(_Strict):
-    """The parallel layout (see :class:`~stormshard.parallel.topology.ParallelLayout`)."""
+    """The parallel layout (see :class:`~stormshard.parallel.topology.ParallelLayout`, which checks
+    the sizes against the world) and how the processor is split over a model group."""
 
-    gpus_per_model: int | None = Field(None, ge=1)
-    shard_strategy: Literal["shard_sequence", "shard_heads", "tensor"] | None = None
+    gpus_per_model: int | None = Field(None, ge=1, description="ranks that shard one model (None: 1)")
+    shard_strategy: ShardStrategy = Field(
+        "shard_sequence", description="the processor's split over the model group: shard_sequence, shard_heads or "
+                                      "tensor (stormshard.parallel.shard.ShardStrategy)")
     read_group_size: int | None = Field(None, ge=1)
     gpus_per_ensemble: int | None = Field(None, ge=1)
     ensemble_size_per_device: int = Field(1, ge=1)
-    tensor_model_parallel_size: int | None = Field(None, ge=1)
-    pipeline_model_parallel_size: int = Field(1, ge=1)
-
-    @model_validator(mode="after")
-    def _check(self) -> ParallelSection:
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"parallel.pipeline_model_parallel_size={self.pipeline_model_parallel_size}: pipeline parallelism "
-                "is not supported; set it to 1 and shard the model with gpus_per_model"
-            )
-        tp = self.tensor_model_parallel_size
-        if tp is not None and self.gpus_per_model is not None and tp != self.gpus_per_model:
-            raise ValueError(
-                f"parallel.tensor_model_parallel_size={tp} differs from parallel.gpus_per_model={self.gpus_per_model}: "
-                "tensor parallelism runs over the model group; give one of them"
-            )
-        if tp is not None and tp > 1 and self.shard_strategy not in (None, "tensor"):
-            raise ValueError(
-                f"parallel.tensor_model_parallel_size={tp} asks for tensor parallelism but parallel.shard_strategy="
-                f"{self.shard_strategy!r}: drop one of them"
-            )
-        return self
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="must be 1 (checked by the layout)")
 
     @property
     def model_parallel_size(self) -> int:
-        return self.gpus_per_model or self.tensor_model_parallel_size or 1
+        return self.gpus_per_model or 1
 
     def layout(self, world_size: int) -> ParallelLayout:
+        """The validated layout of ``world_size`` ranks (raises ``LayoutError`` naming the fix)."""
+        from stormshard.parallel.topology import ParallelLayout
+
         k = self.model_parallel_size
         return ParallelLayout(
             world_size=world_size,
             gpus_per_model=k,
             read_group_size=self.read_group_size or k,
             gpus_per_ensemble=self.gpus_per_ensemble,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
         )
 
 
@@ -160,7 +168,8 @@ class TrainingSection(_Strict):
     crps_alpha: float = Field(0.95, ge=0, le=1)
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="model compute precision for every engine; bf16 keeps fp32 master weights, "
-                            "optimizer moments, data, targets and loss (deepspeed.bf16 is generated from it)")
+                            "optimizer moments, data, targets and loss (deepspeed.bf16.enabled is generated "
+                            "from it)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
@@ -197,6 +206,8 @@ class LoggingSection(_Strict):
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "stormshard"
     log_interval: int = Field(1, ge=1)
+    # seconds between progress lines when standard error is not a terminal (a log file): no tqdm frames there
+    log_every_s: float = Field(30.0, gt=0, allow_inf_nan=False)
 
 
 class ExperimentConfig(_Strict):
@@ -213,25 +224,19 @@ class ExperimentConfig(_Strict):
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="DeepSpeed's own settings (ZeRO, bf16, ...)")
     ddp: DDPSection = DDPSection()
     compression: CompressionSection = None
-    model_parallel_grad_reduction: Literal["hooks", "bucketed"] = "hooks"
+    model_parallel_grad_reduction: Literal["auto", "hooks", "bucketed"] = "auto"
     logging: LoggingSection = LoggingSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_old_spellings(cls, data: Any) -> Any:
+        return read_old_spellings(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentConfig:
-        check_engine_sections(self.engine, self.deepspeed, self.compression)
-        check_precision(self.training.precision, self.deepspeed)
+        check_engine_sections(self.engine, self.deepspeed, self.compression, self.training.precision,
+                              "training.precision")
         check_deepspeed_section(self.engine, self.deepspeed)  # DeepSpeed 0.19's keys; engine conflicts
-        strategy = self.parallel.shard_strategy
-        if (self.parallel.tensor_model_parallel_size or 1) > 1:
-            strategy = "tensor"
-        if strategy is not None and strategy != self.model.processor.shard_strategy:
-            if "shard_strategy" in self.model.processor.model_fields_set:
-                raise ValueError(
-                    f"parallel.shard_strategy={strategy!r} and model.processor.shard_strategy="
-                    f"{self.model.processor.shard_strategy!r} disagree: set it in one place"
-                )
-            processor = self.model.processor.model_copy(update={"shard_strategy": strategy})
-            object.__setattr__(self, "model", ModelConfig(**{**self.model.model_dump(), "processor": processor.model_dump()}))
         if self.model.name == "ensemble" and self.parallel.ensemble_size_per_device * self.ensemble_groups_factor < 2:
             raise ValueError(
                 "model.name='ensemble' needs at least 2 members per initial state: raise "
@@ -244,8 +249,6 @@ class ExperimentConfig(_Strict):
                     f"parallel.gpus_per_ensemble / ensemble_size_per_device are set but model.name={self.model.name!r}: "
                     "ensemble members need model.name='ensemble'"
                 )
-        if self.data.validation_samples < 1:
-            raise ValueError("data.validation_samples must be at least 1")
         return self
 
     @property
@@ -269,65 +272,27 @@ class ExperimentConfig(_Strict):
                 f"training.warmup_steps={t.warmup_steps} exceeds the run's {total_steps} optimizer steps ({given}): "
                 f"warm-up is part of the run; set training.warmup_steps to at most {total_steps}"
             )
-        try:
-            return EngineSettings(
-                engine=self.engine,
-                micro_batch_size=t.micro_batch_size,
-                gradient_accumulation_steps=t.gradient_accumulation_steps,
-                gradient_clipping=t.gradient_clipping,
-                optimizer=self.optimizer,
-                schedule=LRScheduleSettings(lr=t.lr, lr_min=t.lr_min, warmup_steps=t.warmup_steps,
-                                            total_steps=total_steps),
-                deepspeed=self.deepspeed,
-                bucket_cap_mb=self.ddp.bucket_cap_mb,
-                broadcast_buffers=self.ddp.broadcast_buffers,
-                compression=self.compression,
-                model_parallel_grad_reduction=self.model_parallel_grad_reduction,
-                precision=t.precision,
-            )
-        except ValidationError as err:
-            raise ConfigError(_format_errors(err, "engine settings")) from None
+        # the config checked these fields with EngineSettings' own rules (check_engine_sections) when it was
+        # validated: the derived settings are assembled, not checked a second time
+        return EngineSettings.model_construct(
+            engine=self.engine,
+            micro_batch_size=t.micro_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            gradient_clipping=t.gradient_clipping,
+            optimizer=self.optimizer,
+            schedule=LRScheduleSettings(lr=t.lr, lr_min=t.lr_min, warmup_steps=t.warmup_steps, total_steps=total_steps),
+            deepspeed=self.deepspeed,
+            bucket_cap_mb=self.ddp.bucket_cap_mb,
+            broadcast_buffers=self.ddp.broadcast_buffers,
+            compression=self.compression,
+            model_parallel_grad_reduction=self.model_parallel_grad_reduction,
+            precision=t.precision,
+        )
 
     @property
     def micro_batch(self) -> int:
         """Samples per model replica per micro-step (``training.micro_batch_size``)."""
         return self.training.micro_batch_size
-
-
-def _format_errors(err: ValidationError, source: str) -> str:
-    """One line per problem; a section-level check (its message names the field) is shown as it is."""
-    problems = []
-    for e in err.errors():
-        where = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        value = e.get("input")
-        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key (a typo? remove it or check the README's config reference)"
-        if e["type"] == "value_error":
-            msg = str(e.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
-            if isinstance(value, dict):  # a model validator: its message names the fields
-                problems.append(msg)
-                continue
-        problems.append(f"{where} = {shown}: {msg}")
-    if len(problems) == 1:
-        return f"{source}: {problems[0]}"
-    return "\n".join([f"{source}: {len(problems)} invalid setting(s):"] + [f"  - {p}" for p in problems])
-
-
-def _read_json_object(source: str | os.PathLike, what: str, fix: str, holds: str) -> dict[str, Any]:
-    path = Path(source)
-    if not path.is_file():
-        raise ConfigError(f"{what} {path} does not exist: {fix}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a JSON object with {holds}")
-    return raw
 
 
 # DeepSpeed's AdamW params -> the config field that holds them
@@ -364,6 +329,165 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+# old spellings read_old_spellings moves (accepted as command-line override keys too)
+DEPRECATED_KEYS = ("parallel.tensor_model_parallel_size", "model.processor.shard_strategy")
+
+
+def _deprecated(old: str, new: str) -> str:
+    return f"{old} is a deprecated spelling, read as {new}: write that instead (the old key will stop being read)"
+
+
+def _explicit(section: Any, field: str) -> tuple[bool, Any]:
+    """Whether a raw section (a dict, or an already validated section) sets ``field``, and its value;
+    a null counts as unset (configs stored by older versions write unset fields as null)."""
+    if isinstance(section, dict):
+        return section.get(field) is not None, section.get(field)
+    if isinstance(section, BaseModel):
+        return field in section.model_fields_set, getattr(section, field, None)
+    return False, None
+
+
+def _as_dict(section: Any) -> dict[str, Any] | None:
+    """A raw section as a new dict of the fields it sets (None when it is neither dict nor section)."""
+    if section is None:
+        return {}
+    if isinstance(section, dict):
+        return dict(section)
+    if isinstance(section, BaseModel):
+        return {name: getattr(section, name) for name in section.model_fields_set}
+    return None
+
+
+def _move_shard_strategy(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``parallel.tensor_model_parallel_size`` and ``model.processor.shard_strategy`` -> ``parallel``;
+    the deprecation messages."""
+    par = _as_dict(raw.get("parallel"))
+    if par is None:  # not an object: validation names it
+        return raw, []
+    notes = []
+    old_size = par.pop("tensor_model_parallel_size", None)
+    if "shard_strategy" in par and par["shard_strategy"] is None:  # null (older stored configs): unset
+        del par["shard_strategy"]
+    strategy_from = f"parallel.shard_strategy={par.get('shard_strategy')!r}"
+    if old_size is not None:
+        if isinstance(old_size, bool) or not isinstance(old_size, int) or old_size < 1:
+            raise ConfigError(f"parallel.tensor_model_parallel_size={old_size!r} must be a positive integer; better, "
+                              "remove it and set parallel.gpus_per_model")
+        gpus = par.get("gpus_per_model")
+        if gpus is not None and gpus != old_size:
+            raise ConfigError(
+                f"parallel.tensor_model_parallel_size={old_size} (deprecated) and parallel.gpus_per_model={gpus} "
+                "disagree: tensor parallelism runs over the model group; remove parallel.tensor_model_parallel_size "
+                "and set parallel.gpus_per_model (and parallel.shard_strategy='tensor')"
+            )
+        par["gpus_per_model"] = old_size
+        new = f"parallel.gpus_per_model={old_size}"
+        if old_size > 1:
+            if par.get("shard_strategy", "tensor") != "tensor":
+                raise ConfigError(
+                    f"parallel.tensor_model_parallel_size={old_size} (deprecated) asks for tensor parallelism but "
+                    f"{strategy_from}: remove parallel.tensor_model_parallel_size and keep parallel.shard_strategy"
+                )
+            par["shard_strategy"] = "tensor"
+            strategy_from = f"parallel.tensor_model_parallel_size={old_size} (parallel.shard_strategy='tensor')"
+            new += " and parallel.shard_strategy='tensor'"
+        notes.append(_deprecated(f"parallel.tensor_model_parallel_size={old_size}", new))
+    out = {**raw, "parallel": par}
+    model = raw.get("model")
+    processor = model.get("processor") if isinstance(model, dict) else None
+    if not isinstance(processor, dict) or "shard_strategy" not in processor:
+        return out, notes
+    old = processor["shard_strategy"]
+    out["model"] = {**model, "processor": {k: v for k, v in processor.items() if k != "shard_strategy"}}
+    if old is None:
+        return out, notes
+    if par.get("shard_strategy", old) != old:
+        raise ConfigError(
+            f"model.processor.shard_strategy={old!r} (deprecated) and {strategy_from} disagree: the strategy is set "
+            "in one place, parallel.shard_strategy; remove model.processor.shard_strategy"
+        )
+    par["shard_strategy"] = old
+    notes.append(_deprecated(f"model.processor.shard_strategy={old!r}", f"parallel.shard_strategy={old!r}"))
+    return out, notes
+
+
+def move_deepspeed_precision(raw: dict[str, Any], section: dict[str, Any], source: str | None = None
+                             ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """``(raw, section, notes)``: the precision a DeepSpeed ``section`` states moved to ``training.precision``.
+
+    The one reader of DeepSpeed's precision keys, for both paths: the config's own ``deepspeed``
+    section (``source`` None: a deprecated spelling; ``notes`` holds its deprecation message) and a
+    ``--deepspeed_config`` file (``source`` names it: DeepSpeed's own format, moved without a note).
+    ``bf16.enabled`` becomes ``training.precision`` ('bf16' or 'fp32'; DeepSpeed's other ``bf16`` keys
+    stay in the section); a disabled ``fp16`` block is dropped. A ``training.precision`` the config
+    sets differently, an enabled ``fp16``, or an engine other than ``deepspeed`` (it reads no
+    section) is a :class:`ConfigError` naming both keys. Neither argument is modified.
+    """
+    where = "deepspeed." if source is None else ""
+    of = "" if source is None else f" of {source}"
+    section, notes = dict(section), []
+    fp16 = section.get("fp16")
+    if isinstance(fp16, dict):
+        if fp16.get("enabled", False):
+            raise ConfigError(
+                f"{where}fp16.enabled={fp16['enabled']!r}{of} asks for fp16, which stormshard does not support (no loss "
+                "scaling): remove it and set training.precision='bf16' (or 'fp32')"
+            )
+        del section["fp16"]  # a disabled fp16 block states nothing training.precision does not
+        if source is None:
+            notes.append(_deprecated("deepspeed.fp16 (disabled)", "nothing: the precision is training.precision "
+                                     "('fp32' or 'bf16'); remove deepspeed.fp16"))
+    bf16 = section.get("bf16")
+    if not isinstance(bf16, dict) or "enabled" not in bf16:
+        return raw, section, notes
+    key = f"{where}bf16.enabled{of}"
+    enabled = bf16["enabled"]
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"{key}={enabled!r} must be true or false; better, remove it and set training.precision")
+    precision = "bf16" if enabled else "fp32"
+    rest = {k: v for k, v in bf16.items() if k != "enabled"}
+    if rest:
+        section["bf16"] = rest
+    else:
+        del section["bf16"]
+    engine = raw.get("engine", "deepspeed")
+    if engine != "deepspeed":
+        raise ConfigError(
+            f"{key}={enabled} is set but engine={engine!r} does not read the deepspeed section: set "
+            f"training.precision={precision!r} (read by every engine) and remove {key}"
+        )
+    is_set, current = _explicit(raw.get("training"), "precision")
+    if is_set and current != precision:
+        raise ConfigError(
+            f"{key}={enabled} but training.precision={current!r}: the precision is set in one place, "
+            f"training.precision ('fp32' or 'bf16', read by every engine; deepspeed.bf16.enabled is generated from "
+            f"it); remove {key} or make them agree"
+        )
+    training = _as_dict(raw.get("training", ExperimentConfig.model_fields["training"].default))
+    if training is None:  # not an object: validation names it
+        return raw, section, notes
+    if source is None:
+        notes.append(_deprecated(f"deepspeed.bf16.enabled={str(enabled).lower()}", f"training.precision={precision!r}"))
+    return {**raw, "training": {**training, "precision": precision}}, section, notes
+
+
+def read_old_spellings(raw: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a raw config with its deprecated spellings moved to their one home (each with a
+    :class:`ConfigDeprecationWarning`; an old key that disagrees with the new one is a
+    :class:`ConfigError` naming both): ``parallel.tensor_model_parallel_size`` N -> ``parallel.gpus_per_model``
+    N (and N > 1 -> ``parallel.shard_strategy='tensor'``), ``model.processor.shard_strategy`` ->
+    ``parallel.shard_strategy``, the ``deepspeed`` section's ``bf16.enabled`` / ``fp16`` ->
+    ``training.precision`` (:func:`move_deepspeed_precision`). ``raw`` is not modified; the messages
+    are given once every old key was read without a conflict."""
+    out, notes = _move_shard_strategy(raw)
+    if isinstance(out.get("deepspeed"), dict):
+        out, section, precision_notes = move_deepspeed_precision(out, out["deepspeed"])
+        out, notes = {**out, "deepspeed": section}, notes + precision_notes
+    for note in notes:
+        warnings.warn(note, ConfigDeprecationWarning, stacklevel=2)
+    return out
+
+
 def merge_deepspeed_file(raw: dict[str, Any], deepspeed: dict[str, Any],
                          source: str = "--deepspeed_config") -> dict[str, Any]:
     """A copy of the raw config ``raw`` with a DeepSpeed JSON file ``deepspeed`` merged in.
@@ -373,10 +497,11 @@ def merge_deepspeed_file(raw: dict[str, Any], deepspeed: dict[str, Any],
     ``train_micro_batch_size_per_gpu`` -> ``training.micro_batch_size``,
     ``gradient_accumulation_steps`` -> ``training.gradient_accumulation_steps``,
     ``gradient_clipping`` -> ``training.gradient_clipping``, ``optimizer`` (AdamW only) ->
-    ``optimizer.{betas, eps, weight_decay}`` and ``training.lr``. A field the config sets to a
+    ``optimizer.{betas, eps, weight_decay}`` and ``training.lr``, ``bf16.enabled`` ->
+    ``training.precision`` (:func:`move_deepspeed_precision`). A field the config sets to a
     different value is a :class:`ConfigError` naming both places; an equal one is fine.
     ``train_batch_size`` stays in the section (checked against micro batch x accumulation x
-    data-parallel size when the engine is built).
+    data-parallel size before anything starts: ``check_engine_layout``).
     """
     if not isinstance(deepspeed, dict):
         raise ConfigError(f"{source} must hold a JSON object (a DeepSpeed config), got {type(deepspeed).__name__}")
@@ -386,9 +511,7 @@ def merge_deepspeed_file(raw: dict[str, Any], deepspeed: dict[str, Any],
              if key in section]
     if "optimizer" in section:
         moves += _deepspeed_optimizer_moves(section.pop("optimizer"), source)
-    if isinstance(section.get("bf16"), dict):  # the section keeps it; training.precision must agree
-        moves.append(("bf16.enabled", "training.precision", "bf16" if section_enabled(section["bf16"]) else "fp32"))
-    out = dict(raw)
+    out, section, _ = move_deepspeed_precision(dict(raw), section, source)  # a DeepSpeed file: no notes
     for key, dotted, value in moves:
         name, field = dotted.split(".")
         current = out.get(name)
@@ -410,11 +533,16 @@ def load_experiment_config(
     source: str | os.PathLike | dict[str, Any],
     overrides: dict[str, Any] | None = None,
     deepspeed_config: str | os.PathLike | dict[str, Any] | None = None,
+    cli_overrides: Sequence[str] = (),
 ) -> ExperimentConfig:
     """Read and validate a config (a JSON path or a dict). Raises :class:`ConfigError`.
 
-    ``overrides`` replace top-level sections as they are (a ``deepspeed`` override holds DeepSpeed's
-    own keys only). ``deepspeed_config`` (a DeepSpeed JSON file or dict, ``--deepspeed_config``) is
+    A JSON file is read strictly (:func:`~stormshard.training.config_file.read_json_object`: a
+    directory, bad JSON or a key given twice is an error naming the file). ``overrides`` replace
+    top-level sections as they are (a ``deepspeed`` override holds DeepSpeed's own keys only);
+    ``cli_overrides`` are ``dotted.key=value`` items (``launch/train.py``'s positional arguments,
+    :func:`~stormshard.training.config_file.apply_overrides`: keys checked against this schema with
+    a did-you-mean, values JSON or strings), set after ``overrides``. ``deepspeed_config`` (a DeepSpeed JSON file or dict, ``--deepspeed_config``) is
     merged by :func:`merge_deepspeed_file`: it replaces the ``deepspeed`` section and its batch,
     clipping and optimizer keys move to the engine-neutral fields.
     """
@@ -423,19 +551,34 @@ def load_experiment_config(
         raw = dict(source)
     else:
         name = str(Path(source))
-        raw = _read_json_object(source, "config file", "pass --config configs/<name>.json",
-                                "the sections model, graph, data, ...")
+        raw = read_json_object(source, "config file", "pass --config configs/<name>.json",
+                               "the sections model, graph, data, ...")
     raw.pop("$schema", None)
     raw.pop("description", None)
     raw.update(overrides or {})
+    if cli_overrides:
+        raw = apply_overrides(raw, cli_overrides, ExperimentConfig, also=DEPRECATED_KEYS)
     if deepspeed_config is not None:
         ds_name = "--deepspeed_config"
         if not isinstance(deepspeed_config, dict):
             ds_name = f"--deepspeed_config {Path(deepspeed_config)}"
-            deepspeed_config = _read_json_object(deepspeed_config, "DeepSpeed config", "pass an existing JSON file",
-                                                 "DeepSpeed's settings (zero_optimization, bf16, ...)")
+            deepspeed_config = read_json_object(deepspeed_config, "DeepSpeed config", "pass an existing JSON file",
+                                                "DeepSpeed's settings (zero_optimization, bf16, ...)")
         raw = merge_deepspeed_file(raw, deepspeed_config, ds_name)
     try:
         return ExperimentConfig(**raw)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, name)) from None
+        raise ConfigError(format_validation_errors(err, name)) from None
+
+
+def stored_config_dump(raw: Any) -> dict[str, Any]:
+    """A checkpoint's stored config in today's validated form, for comparison at ``--resume``: old
+    spellings (a checkpoint of an earlier release) moved to their one home, silently (the run's
+    own config already said so), defaults filled in. A stored config that no longer validates is
+    returned as it is, so the comparison lists its differences field by field."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigDeprecationWarning)
+            return ExperimentConfig(**read_old_spellings(dict(raw))).model_dump(mode="json")
+    except (ValueError, TypeError):
+        return dict(raw)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stormshard.training.checkpoint import CheckpointError
+from stormshard.checkpoint.format import CheckpointError
 
 __all__ = ["DiskSpaceError", "checkpoint_bytes_estimate", "check_checkpoint_space", "format_bytes"]
 

@@ -22,21 +22,32 @@ list (``SLURM_STEP_NODELIST``, ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``, expan
 ``scontrol show hostnames``), else ``SLURM_LAUNCH_NODE_IPADDR``, else ``127.0.0.1`` when all ranks
 share one node; the port is ``MASTER_PORT``, else ``15000 + SLURM_JOB_ID % 20000``, else 29500.
 A start that finds several tasks in its environment but would run as a world of one is an error
-(:class:`LaunchError`): N independent one-process runs would write to the same ``output_dir``.
+(:class:`LaunchError`): N independent one-process runs would write to the same ``output_dir``; so is
+half of torch's pair (``WORLD_SIZE`` > 1 without ``RANK``, or a nonzero ``RANK`` without ``WORLD_SIZE``).
+
+The rendezvous (:func:`init_distributed`) waits at most ``STORMSHARD_RENDEZVOUS_TIMEOUT`` seconds
+(default 60) for every rank to reach ``MASTER_ADDR:MASTER_PORT``; a rank whose peers never come (they
+were not started, or were started with another address, port or world size) stops with a
+:class:`RendezvousError` naming the address, its rank and world and the ranks that did not join,
+instead of waiting out the 600 s process-group timeout (``STORMSHARD_DIST_TIMEOUT``, which still
+bounds every collective after the start).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stormshard.errors import ReportedByRank
 from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
 from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import TrainResult, train
@@ -44,12 +55,17 @@ from stormshard.training.preflight import preflight
 from stormshard.training.rank_zero import RankZeroFailed
 from stormshard.training.watchdog import RankFailure, RankMonitor, monitor_settings
 
-__all__ = ["LaunchError", "LaunchEnvironment", "detect_launch", "init_distributed", "run_training",
-           "process_group_timeout"]
+__all__ = ["LaunchError", "LaunchEnvironment", "RendezvousError", "detect_launch", "init_distributed",
+           "run_training", "process_group_timeout", "rendezvous_timeout", "save_resolved_config"]
 
 
 class LaunchError(ConfigError):
     """The launcher's environment cannot start this run; the message names the variable and the fix."""
+
+
+class RendezvousError(ReportedByRank):
+    """The ranks did not all meet at ``MASTER_ADDR:MASTER_PORT`` in time; printed by the rank that
+    waited (its peers may not exist), exit status 1."""
 
 
 @dataclass(frozen=True)
@@ -146,10 +162,29 @@ def _check_world(launcher: str, world: int, env: Mapping[str, str]) -> None:
     )
 
 
+def _check_torch_pair(env: Mapping[str, str]) -> None:
+    """torch's ``RANK`` and ``WORLD_SIZE`` come together: half of the pair would run one process."""
+    rank, world = env.get("RANK", ""), env.get("WORLD_SIZE", "")
+    if bool(rank) == bool(world) or _first_of(env, ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")):
+        return
+    if world and world != "1":
+        raise LaunchError(
+            f"WORLD_SIZE={world} is set but RANK is not: this process cannot tell which of the {world} ranks it is "
+            "and would run alone. Start the job with a launcher that sets both (torchrun, deepspeed, srun, mpirun), "
+            "set RANK (0 .. WORLD_SIZE-1) in each process yourself, or unset WORLD_SIZE for a one-process run"
+        )
+    if rank and rank != "0":
+        raise LaunchError(
+            f"RANK={rank} is set but WORLD_SIZE is not: the job's size is unknown. Set WORLD_SIZE (and MASTER_ADDR, "
+            "MASTER_PORT) in every process, or unset RANK for a one-process run"
+        )
+
+
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
     """This process's rank, world size, local rank and master address from the launcher's environment
     (see the module docstring for the order). Raises :class:`LaunchError` naming the variable."""
     env = os.environ if env is None else env
+    _check_torch_pair(env)
     if env.get("WORLD_SIZE") and env.get("RANK"):
         launcher, rank, world = "torch", _int(env, "RANK"), _int(env, "WORLD_SIZE", 1)
         local_name = _first_of(env, ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
@@ -209,15 +244,61 @@ def process_group_timeout(env: Mapping[str, str] | None = None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def rendezvous_timeout(env: Mapping[str, str] | None = None) -> timedelta:
+    """How long a rank waits at the start for the others: ``STORMSHARD_RENDEZVOUS_TIMEOUT`` seconds (default 60)."""
+    env = os.environ if env is None else env
+    raw = env.get("STORMSHARD_RENDEZVOUS_TIMEOUT", "")
+    try:
+        seconds = float(raw) if raw else 60.0
+    except ValueError:
+        raise LaunchError(f"STORMSHARD_RENDEZVOUS_TIMEOUT={raw!r} is not a number of seconds: unset it or give e.g. "
+                          "60") from None
+    if seconds <= 0:
+        raise LaunchError(f"STORMSHARD_RENDEZVOUS_TIMEOUT={raw!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+_JOINED = "stormshard/joined/"
+
+
+def _rendezvous_error(launch: LaunchEnvironment, wait: timedelta, store: Any, exc: BaseException) -> RendezvousError:
+    where = f"MASTER_ADDR:MASTER_PORT={launch.master_addr}:{launch.master_port}"
+    missing = None
+    if store is not None:
+        try:
+            missing = [r for r in range(launch.world_size) if not store.check([f"{_JOINED}{r}"])]
+        except Exception:  # noqa: BLE001 - the store itself may be gone; the message says less then
+            missing = None
+    if store is None:
+        what = (f"could not reach the rendezvous store at {where} (hosted by rank 0)" if launch.rank else
+                f"hosts the rendezvous store at {where} but not every other rank connected")
+    elif missing:
+        what = f"met at {where} but rank(s) {missing} of {launch.world_size} did not join"
+    else:
+        what = f"could not start the process group at {where}"
+    return RendezvousError(
+        f"rank {launch.rank} of {launch.world_size} ({launch.launcher} launch) {what} within "
+        f"{wait.total_seconds():g} s: most likely the other ranks were not started (or were started with another "
+        "MASTER_ADDR, MASTER_PORT or WORLD_SIZE, or a firewall blocks the port). Start all "
+        f"{launch.world_size} ranks with the same MASTER_ADDR / MASTER_PORT; if they start slowly, raise "
+        f"STORMSHARD_RENDEZVOUS_TIMEOUT (seconds, now {wait.total_seconds():g}). ({type(exc).__name__}: "
+        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})",
+        reporter=launch.rank,
+    )
+
+
 def init_distributed(launch: LaunchEnvironment | None = None) -> tuple[int, int]:
     """Initialise the default process group from the launcher's environment; returns (rank, world size).
 
     The torch variables of ``launch`` (default :func:`detect_launch`) are exported for ``env://``.
-    The backend follows the hardware: NCCL when CUDA is available, gloo otherwise.
+    The backend follows the hardware: NCCL when CUDA is available, gloo otherwise. Every rank waits
+    at most :func:`rendezvous_timeout` for all ranks to join (a :class:`RendezvousError` otherwise);
+    collectives afterwards have :func:`process_group_timeout`.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     launch = launch or detect_launch()
+    timeout, wait = process_group_timeout(), rendezvous_timeout()
     os.environ.update(launch.torch_variables())
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
@@ -226,8 +307,33 @@ def init_distributed(launch: LaunchEnvironment | None = None) -> tuple[int, int]
     else:
         backend = "gloo"
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group(backend=backend, timeout=process_group_timeout())
+    store = None
+    try:
+        # torch's env:// rendezvous (torchrun's agent store included), but with the rendezvous timeout while
+        # the ranks gather; the process group gets the collective timeout
+        store, _, _ = next(dist.rendezvous("env://", launch.rank, launch.world_size, timeout=wait))
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
+        store.set(f"{_JOINED}{launch.rank}", socket.gethostname())
+        store.wait([f"{_JOINED}{r}" for r in range(launch.world_size)], wait)  # NCCL connects lazily: wait here
+        store.set_timeout(timeout)
+    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError / a gloo timeout
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise _rendezvous_error(launch, wait, store, exc) from exc
     return dist.get_rank(), dist.get_world_size()
+
+
+def save_resolved_config(config: ExperimentConfig) -> Path:
+    """``<training.output_dir>/config.json``: the config this run resolved (file, command-line overrides
+    and ``--deepspeed_config`` merged, defaults filled in), which ``--config`` reads back. Written
+    atomically by the caller's rank (rank 0)."""
+    out = Path(config.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target, tmp = out / "config.json", out / ".config.json.tmp"
+    tmp.write_text(json.dumps(config.model_dump(mode="json"), indent=1) + "\n")
+    os.replace(tmp, target)
+    return target
 
 
 def _collective_failure(exc: BaseException) -> bool:
@@ -256,12 +362,15 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
     world = dist.get_world_size() if not owns_group else launch.world_size
     interval, dead_after = monitor_settings()
     process_group_timeout()  # a bad STORMSHARD_DIST_TIMEOUT fails here too
+    rendezvous_timeout()  # and a bad STORMSHARD_RENDEZVOUS_TIMEOUT
     inputs = preflight(cfg, world, resume=resume)  # bad input fails here, before any process group exists
     # the torch variables init_distributed writes (DeepSpeed reads them) are put back afterwards, so an
     # in-process run leaves no RANK / MASTER_PORT behind for a later run or subprocess to collide with
     saved_env = {k: os.environ.get(k) for k in launch.torch_variables()} if owns_group else {}
     if owns_group:
         init_distributed(launch)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_resolved_config(cfg)
     monitor = None
     if owns_group and world > 1 and interval > 0:
         monitor = RankMonitor(launch.rank, world, launch.master_addr, launch.master_port, interval, dead_after)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from stormshard.checkpoint.format import latest_checkpoint
 from stormshard.data.anemoi_layout import frequency_to_string
 from stormshard.data.dataset import ResumableSampler, WindowedSampleDataset
 from stormshard.data.loader import BatchKey, PrefetchLoader, SliceBatchReader, finite_keys, micro_batch_keys
@@ -34,14 +35,21 @@ from stormshard.graphs.builder import load_or_build_graph
 from stormshard.models.registry import build_model
 from stormshard.parallel.comm import all_reduce_sum
 from stormshard.parallel.topology import ProcessGroups, build_process_groups
-from stormshard.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from stormshard.training.config import ConfigError, ExperimentConfig
+from stormshard.training.checkpoint import load_checkpoint, save_checkpoint
+from stormshard.training.config import ExperimentConfig, stored_config_dump
 from stormshard.training.diskspace import check_checkpoint_space
 from stormshard.training.engine import build_engine
-from stormshard.training.metrics_log import MetricsLogger, format_table, lead_time_rows, rmse_rows
+from stormshard.training.metrics_log import (
+    MetricsLogger,
+    drop_records_after,
+    format_table,
+    lead_time_rows,
+    rmse_rows,
+)
 from stormshard.training.preflight import RESUME_MAY_CHANGE, RunInputs, checkpoint_dir, preflight
 from stormshard.training.rank_zero import rank_zero_first
 from stormshard.training.rollout_schedule import rollout_at
+from stormshard.training.run_dir import METRICS_FILE
 from stormshard.training.tasks import ForecastTask, NoiseKey, build_task
 
 __all__ = ["Trainer", "TrainResult", "train"]
@@ -94,7 +102,8 @@ class Trainer:
         self.device = _device()
         self.graph = self._graph()
         torch.manual_seed(t.seed)
-        model = build_model(config.model, self.graph, self.variables, self.groups.model_group).to(self.device)
+        model = build_model(config.model, self.graph, self.variables, self.groups.model_group,
+                            shard_strategy=config.parallel.shard_strategy).to(self.device)
         self.plan = model.plan
         self.engine = build_engine(model, self.groups, self.settings)
         self.dtype = torch.float32  # data, targets, loss and ensemble noise at every training.precision
@@ -125,12 +134,16 @@ class Trainer:
         self._loader: PrefetchLoader | None = None
         self._last_key: BatchKey | None = None  # the last micro-batch used: the checkpointed data position
         self._start_step = 0
+        self.resumed_from: Path | None = None  # the checkpoint a resumed run continues
 
     def _graph(self):  # noqa: ANN202
         cache = Path(self.config.data.graph_cache or self.output_dir / "graph.pt")
         latlon = (self.dataset.latitudes, self.dataset.longitudes) if self.config.graph.data_grid is None else None
-        # rank 0 builds and caches it, then the others load it; a failure on rank 0 ends every rank
-        return rank_zero_first(lambda: load_or_build_graph(self.config.graph, cache, data_latlon=latlon),
+        # rank 0 builds and caches it (its phases printed with logging.progress), then the others load
+        # it; a failure on rank 0 ends every rank
+        progress = self.config.logging.progress and self.rank == 0
+        return rank_zero_first(lambda: load_or_build_graph(self.config.graph, cache, data_latlon=latlon,
+                                                           progress=progress),
                                f"building the graph {cache}")
 
     # ------------------------------------------------------------------ data
@@ -330,17 +343,17 @@ class Trainer:
     def _maybe_resume(self) -> int:
         if not self.resume:
             return 0
-        directory = checkpoint_dir(self.config)
-        if latest_checkpoint(directory) is None:  # preflight checks this; a checkpoint may vanish since
-            raise ConfigError(f"--resume was given but {directory} holds no checkpoint: remove --resume to start a "
-                              "new run, or point training.output_dir at the run to continue")
-        world, _ = _world()
-        loaded = load_checkpoint(directory, self.rank, config=self._config_dict(), layout=self._layout_dict(),
-                                 world=world, ignore=RESUME_MAY_CHANGE)
+        world, _ = _world()  # preflight checked that a checkpoint exists (load_checkpoint names one that vanished)
+        loaded = load_checkpoint(checkpoint_dir(self.config), self.rank, config=self._config_dict(), layout=self._layout_dict(),
+                                 world=world, ignore=RESUME_MAY_CHANGE, read_stored_config=stored_config_dump)
+        self.resumed_from = loaded.path  # printed by fit
         self.engine.load_state_dict(loaded.state["engine"])
         self.sampler.load_state_dict(loaded.state["data"])
         self._keys, self._last_key = None, None  # the key stream restarts from the restored position
-        return int(loaded.state["step"])
+        step = int(loaded.state["step"])
+        if self.rank == 0:  # the steps after the checkpoint are trained again: their old records go
+            drop_records_after(self.output_dir / METRICS_FILE, step)
+        return step
 
     # ------------------------------------------------------------------ the loop
     def non_finite_message(self, loss: float, step: int) -> str:
@@ -356,7 +369,7 @@ class Trainer:
         return (f"layout: {self.layout.describe()}\n"
                 f"batch:  {b.describe()}\n"
                 f"model:  {self.config.model.name}"
-                f"{'' if self.config.model.uses_graph_processor else ' (' + self.config.model.processor.shard_strategy + ')'}, "
+                f"{'' if self.config.model.uses_graph_processor else ' (' + self.plan.shard_strategy + ')'}, "
                 f"{sum(p.numel() for p in self.engine.module.parameters()):,} parameters on this rank; "
                 f"grid {self.plan.num_data} cells ({self.plan.data_sizes[self.plan.rank]} here), hidden "
                 f"{self.plan.num_hidden} nodes; engine {self.config.engine} on {self.device}")
@@ -370,8 +383,10 @@ class Trainer:
         self.logger = MetricsLogger(self.output_dir, rank=self.rank, total_steps=self.total_steps,
                                     initial_step=start, progress=lg.progress, wandb=lg.wandb,
                                     wandb_mode=lg.wandb_mode, project=lg.project, run_name=self.config.name,
-                                    config=self._config_dict())
+                                    config=self._config_dict(), every_s=lg.log_every_s)
         self.logger.write(self.describe())
+        if self.resume:
+            self.logger.write(f"resumed from step {start} ({self.resumed_from})")
         for note in self.notes:
             self.logger.write(note)
         self.engine.train()
@@ -395,10 +410,15 @@ class Trainer:
                 if (step + 1) % t.validation_interval == 0 and step + 1 < self.total_steps:
                     metrics = self.validate()
                     self.logger.log(step + 1, self.validation_metrics(metrics))
+                    count = min(self.config.data.validation_samples, len(self.val_samples))
+                    self.logger.write(f"validation RMSE against persistence at step {step + 1} ({count} windows):\n"
+                                      f"{self.validation_table(metrics)}")
                 if (step + 1) % t.checkpoint_interval == 0:
                     last_saved = self.save(step + 1)
+                    self.logger.write(f"checkpoint saved: {last_saved}")
             if last_saved is None or int(last_saved.name.split("_")[-1]) != self.total_steps:
                 last_saved = self.save(self.total_steps)
+                self.logger.write(f"checkpoint saved: {last_saved}")
             result.checkpoint = str(last_saved)
             result.data_wait = self.data_wait
             result.validation = self.validate()

@@ -1,4 +1,5 @@
-"""Rank-0 logging: a tqdm progress bar, metrics as JSON lines, wandb offline, a results table.
+"""Rank-0 logging: progress (a tqdm bar on a terminal, plain periodic lines in a log file), metrics
+as JSON lines, wandb offline, a results table.
 
 Only rank 0 writes; on other ranks every method is a no-op, so training code calls it everywhere::
 
@@ -8,8 +9,14 @@ Only rank 0 writes; on other ranks every method is a no-op, so training code cal
         log.write(format_table(rmse_rows(rmse, persistence)))
 
 ``metrics.jsonl`` gets one JSON object per call: ``{"step", "time", "samples_per_s", **metrics}``
-(non-finite numbers are written as null). wandb runs in offline mode unless told otherwise, so it
+(non-finite numbers are written as null). A resumed run first drops the records an interrupted run
+logged after its last checkpoint (:func:`drop_records_after`), so every step appears once. wandb runs in offline mode unless told otherwise, so it
 never needs a network, and is skipped (with a note) when it is not installed.
+
+Progress (``progress=True``) is a tqdm bar when the stream (standard error) is a terminal; otherwise
+(redirected to a file, a batch job's log) a bar would write ``\r`` frames, so a plain line
+(:class:`~stormshard.progress.PeriodicLine`: step, loss, samples/s, elapsed, ETA) is printed at the
+first logged step, every ``every_s`` seconds and at the last step.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from typing import Any, Literal, TextIO
 
 from torch import Tensor
 
-__all__ = ["MetricsLogger", "format_table", "rmse_rows", "lead_time_rows"]
+from stormshard.progress import PeriodicLine
+
+__all__ = ["MetricsLogger", "format_table", "rmse_rows", "lead_time_rows", "drop_records_after"]
 
 
 def _number(value: Any) -> Any:
@@ -36,8 +45,39 @@ def _number(value: Any) -> Any:
     return value
 
 
+def drop_records_after(path: str | os.PathLike, step: int) -> int:
+    """Rewrite the JSON-lines file ``path`` without its records past ``step`` (and without a line cut
+    short by a killed writer), atomically: a temporary file, fsync, ``os.replace``. Returns how many
+    lines were dropped (0, and nothing rewritten, when there are none or no file)."""
+    p = Path(path)
+    if not p.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        at = record.get("step") if isinstance(record, dict) else None
+        if isinstance(at, int) and at > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = p.with_name(p.name + ".part")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    return dropped
+
+
 class MetricsLogger:
-    """Progress bar, JSON lines and (optionally) wandb on rank 0; silent elsewhere."""
+    """Progress (bar or periodic lines), JSON lines and (optionally) wandb on rank 0; silent elsewhere."""
 
     def __init__(
         self,
@@ -53,6 +93,7 @@ class MetricsLogger:
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
         stream: TextIO | None = None,
+        every_s: float = 30.0,
     ) -> None:
         if wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb_mode must be 'offline', 'online' or 'disabled', got {wandb_mode!r}")
@@ -61,6 +102,7 @@ class MetricsLogger:
         self.directory = Path(directory)
         self.path = self.directory / "metrics.jsonl"
         self._bar = None
+        self._line: PeriodicLine | None = None
         self._file = None
         self._wandb_run = None
         self._last_time: float | None = None
@@ -69,7 +111,9 @@ class MetricsLogger:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
-        if progress:
+        if progress and not _is_terminal(self._stream):
+            self._line = PeriodicLine(total_steps, initial=initial_step, every_s=every_s, stream=self._stream)
+        elif progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step",
@@ -112,6 +156,8 @@ class MetricsLogger:
             self._bar.set_postfix({k.replace("samples_per_s", "samples/s"): f"{v:.4g}" for k, v in shown.items()},
                                   refresh=False)
             self._bar.update(max(0, int(step) - self._bar.n))
+        if self._line is not None and "loss" in record:  # training steps, not validation records
+            self._line.update(int(step), loss=record["loss"], samples=samples)
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=int(step))
         return record
@@ -141,6 +187,13 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _cell(value: Any, floatfmt: str) -> str:

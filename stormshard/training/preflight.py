@@ -1,15 +1,44 @@
 """Everything that can fail on bad input, checked before any process group, graph or file is made.
 
-:func:`preflight` runs on every rank from the config, the world size and the file system alone
-(no communication), so every rank reaches the same verdict and a bad run stops before it
-creates anything.
+:func:`preflight` is the one ordered walk over the checks; it runs on every rank from the config,
+the world size and the file system alone (no communication), so every rank reaches the same
+verdict and a bad run stops before it creates anything. Each check below is called once, from
+there, and raises :class:`~stormshard.training.config.ConfigError` (or ``LayoutError``,
+``EngineError``, ``AnemoiLayoutError``) naming the field, the value and the fix:
+
+1. the layout: :meth:`~stormshard.training.config.ParallelSection.layout`
+   (:class:`~stormshard.parallel.topology.ParallelLayout`: the model group divides the world, ...);
+2. the parallel strategy against the model:
+   :func:`~stormshard.models.parallelize.check_parallel_strategy` (heads and MLP channels split
+   whole over the model group for ``shard_heads`` / ``tensor``, graph processors, ensemble);
+3. ``--resume`` has a checkpoint to continue (:func:`check_resume`), and it is complete; a new run
+   does not start in an ``output_dir`` that holds an earlier run
+   (:func:`~stormshard.training.run_dir.check_run_directory`);
+4. ``training.output_dir`` and ``data.graph_cache`` can be written (:func:`check_output_dir`);
+5. the dataset opens, the forcing / diagnostic variables exist, the date ranges are disjoint
+   (:func:`check_splits`) and hold windows;
+6. every normalisation scale is finite and positive (:func:`check_normalisation_scales`), the loss
+   weights and the imputation name known variables (:func:`check_loss_weights_and_imputation`);
+7. the graph's kNN sizes fit its grids and every rank of a model group gets hidden nodes and grid
+   cells (:func:`check_graph_sizes`);
+8. one global micro-batch of samples, the run's steps (warm-up within them:
+   :meth:`~stormshard.training.config.ExperimentConfig.engine_settings`) and the engine against the
+   layout (:func:`~stormshard.training.engine.build.check_engine_layout`: the local engine has no
+   data parallelism, ``deepspeed.train_batch_size``, what bucketed gradient sums cannot run with);
+9. notes for the run log: variables with missing values, an activation-memory warning
+   (:func:`check_activation_memory`).
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from stormshard.checkpoint.format import CheckpointError, latest_checkpoint, read_metadata
 from stormshard.data.anemoi_layout import AnemoiDataset
 from stormshard.data.dataset import (
     WindowedSampleDataset,
@@ -18,6 +47,8 @@ from stormshard.data.dataset import (
     split_by_dates,
 )
 from stormshard.data.normalisation import Normaliser, nan_fill_values
+from stormshard.graphs.builder import KNNEdges
+from stormshard.models.parallelize import check_parallel_strategy
 from stormshard.models.variables import VariableIndex
 from stormshard.parallel.topology import BatchPlan, ParallelLayout, batch_arithmetic
 from stormshard.training.activation_memory import (
@@ -26,21 +57,18 @@ from stormshard.training.activation_memory import (
     estimate_activation_memory,
     hidden_nodes,
 )
-from stormshard.training.checkpoint import latest_checkpoint
-from stormshard.training.config import ConfigError, ExperimentConfig
-from stormshard.training.early_checks import (
-    check_deepspeed_batch,
-    check_model_layout,
-    check_normalisation_scales,
-    check_output_dir,
-)
-from stormshard.training.engine import EngineSettings
+from stormshard.training.checkpoint import config_differences
+from stormshard.training.config import ConfigError, ExperimentConfig, stored_config_dump
+from stormshard.training.engine.build import check_engine_layout
+from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.rollout_schedule import max_rollout
+from stormshard.training.run_dir import check_run_directory
 from stormshard.training.scaling import variable_loss_weights
 from stormshard.training.tasks import task_type
 
-__all__ = ["RunInputs", "preflight", "checkpoint_dir", "RESUME_MAY_CHANGE", "check_splits", "check_activation_memory",
-           "activation_estimate"]
+__all__ = ["RunInputs", "preflight", "checkpoint_dir", "RESUME_MAY_CHANGE", "check_resume", "check_output_dir",
+           "check_splits", "check_normalisation_scales", "check_loss_weights_and_imputation", "check_graph_sizes",
+           "check_activation_memory", "activation_estimate", "data_notes", "window_notes", "nearest_existing_parent"]
 
 # config fields a resumed run may change (everything else must equal the checkpoint's)
 RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.validation_interval",
@@ -74,25 +102,135 @@ class RunInputs:
     notes: tuple[str, ...] = ()  # lines for the run log (warnings included)
 
 
-def _check_resume(config: ExperimentConfig) -> None:
+def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> RunInputs:
+    """Check the config against the world size, the dataset and (``resume``) the checkpoints, before
+    any process group or file is made: the ordered walk of the module docstring, each check once."""
+    t = config.training
+    layout = config.parallel.layout(world)  # 1.
+    try:  # 2.
+        check_parallel_strategy(config.model, config.parallel.shard_strategy, layout.gpus_per_model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    resume_notes = check_resume(config, world) if resume else ()  # 3.
+    check_run_directory(config, resume)  # 3. (no earlier run overwritten; a complete checkpoint to resume)
+    check_output_dir(config)  # 4.
+    dataset, variables = open_dataset(config)  # 5.
+    ranges = check_splits(config, dataset)
+    window = dict(multistep_input=config.model.multistep_input, timestep=config.data.timestep, ensemble="each")
+
+    def samples(name: str, rollout: int, rollout_field: str) -> WindowedSampleDataset:
+        try:
+            return split_by_dates(dataset, {name: ranges[name]}, rollout=rollout, **window)[name]
+        except ValueError as exc:
+            raise ConfigError(f"data.{name} (with data.timestep, model.multistep_input and {rollout_field}): "
+                              f"{exc}") from None
+
+    train_samples = samples("train", max_rollout(t.rollout), "training.rollout")
+    val_samples = samples("validation", t.validation_rollout, "training.validation_rollout")
+    test_samples = None if "test" not in ranges else samples("test", t.validation_rollout,
+                                                             "training.validation_rollout")
+    check_normalisation_scales(config, dataset)  # 6. (a zero standard deviation would make the first loss NaN)
+    loss_weights = check_loss_weights_and_imputation(config, dataset, variables)
+    check_graph_sizes(config, layout, dataset)  # 7.
+    task = task_type(config)  # 8.
+    replicas, members = task.replica_count(layout), task.members_per_model(config)
+    if len(train_samples) < replicas * config.micro_batch:
+        raise ConfigError(
+            f"data.train holds {len(train_samples)} samples, fewer than one global micro-batch "
+            f"({replicas} replicas x micro batch {config.micro_batch}): widen the date range"
+        )
+    accumulation = config.training.gradient_accumulation_steps
+    per_epoch = len(train_samples) // (replicas * config.micro_batch * accumulation)
+    total_steps = t.max_steps if t.max_steps is not None else max(1, per_epoch * t.epochs)
+    settings = config.engine_settings(total_steps)
+    check_engine_layout(settings, layout)
+    plan_batch = batch_arithmetic(config.micro_batch, world, settings.accumulation, layout.gpus_per_model)
+    notes = resume_notes + data_notes(dataset) + window_notes(config)  # 9.
+    memory = check_activation_memory(config, dataset.num_cells, layout.gpus_per_model, members)
+    if memory is not None:
+        notes += (memory,)
+    return RunInputs(layout, dataset, variables, train_samples, val_samples, replicas, members, total_steps,
+                     settings, plan_batch, test_samples=test_samples, steps_per_epoch=max(1, per_epoch),
+                     loss_weights=tuple(float(w) for w in loss_weights), notes=notes)
+
+
+# ------------------------------------------------------------------------------ the checks, in walk order
+
+
+def check_resume(config: ExperimentConfig, world: int | None = None) -> tuple[str, ...]:
+    """``--resume``: ``<training.output_dir>/checkpoints`` holds a checkpoint, and this run's config
+    differs from the one stored with it only in fields of :data:`RESUME_MAY_CHANGE` (every other
+    difference is listed in one :class:`ConfigError`; so is another world size). Returns one note
+    per changed field that may change (printed at the start of the run), so no change goes unsaid."""
     directory = checkpoint_dir(config)
-    if latest_checkpoint(directory) is None:
+    target = latest_checkpoint(directory)
+    if target is None:
         raise ConfigError(
             f"--resume was given but {directory} holds no checkpoint (training.output_dir="
             f"{config.training.output_dir!r}): remove --resume to start a new run, or point training.output_dir "
             "at the run to continue"
         )
+    try:
+        metadata = read_metadata(target)
+    except CheckpointError:
+        return ()  # a damaged checkpoint: the checkpoint checks name it
+    stored = metadata.get("config")
+    if not isinstance(stored, dict):
+        return ()
+    diffs = config_differences(stored_config_dump(stored), config.model_dump(mode="json"))
+    allowed = [d for d in diffs if d.startswith(RESUME_MAY_CHANGE)]
+    kept = [d for d in diffs if not d.startswith(RESUME_MAY_CHANGE)]
+    stored_world = metadata.get("world_size")
+    if world is not None and isinstance(stored_world, int) and stored_world != world:
+        kept.insert(0, f"world size: stored {stored_world}, now {world} (launch {stored_world} processes, or "
+                       "convert the checkpoint: launch/convert_checkpoint.py reshard)")
+    if kept:
+        raise ConfigError(
+            f"--resume: this run differs from the checkpoint {target} in {len(kept)} setting(s) a resumed run must "
+            "keep:\n  - " + "\n  - ".join(kept) + "\nresume with the checkpoint's config (its copy: "
+            f"{Path(config.training.output_dir) / 'config.json'}, or the 'config' of {target / 'metadata.json'}), or "
+            f"start a new run in another training.output_dir; only {', '.join(RESUME_MAY_CHANGE)} may change"
+        )
+    return tuple(f"resume: {d} (allowed on --resume)" for d in allowed)
 
 
-def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> RunInputs:
-    """Check the config against the world size, the dataset and (``resume``) the checkpoints, before
-    any process group or file is made; raises :class:`ConfigError` / ``LayoutError`` /
-    ``AnemoiLayoutError`` naming the field and the fix."""
-    t = config.training
-    layout = config.parallel.layout(world)
-    if resume:
-        _check_resume(config)
-    check_output_dir(config)
+def nearest_existing_parent(path: Path) -> Path:
+    """``path`` itself when it exists, else its closest existing ancestor."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_directory(path: Path, field: str) -> None:
+    base = nearest_existing_parent(path)
+    if not base.is_dir():
+        raise ConfigError(
+            f"{field}={str(path)!r} cannot be created: {base} is a file, not a directory; choose another path"
+        )
+    reason = None if os.access(base, os.W_OK | os.X_OK) else "it does not allow writing for this user"
+    if reason is None:  # permissions can lie (root, read-only or virtual file systems): probe, then remove
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".stormshard-probe-", dir=base))
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+    if reason is not None:
+        raise ConfigError(
+            f"{field}={str(path)!r} is not writable ({base}: {reason}): fix its permissions or choose another "
+            "path; nothing was started"
+        )
+
+
+def check_output_dir(config: ExperimentConfig) -> None:
+    """``training.output_dir`` and ``data.graph_cache`` can be created and written (checked on the nearest
+    existing directory; the probe directory is removed at once)."""
+    _check_directory(Path(config.training.output_dir), "training.output_dir")
+    if config.data.graph_cache:
+        _check_directory(Path(config.data.graph_cache).parent, "data.graph_cache")
+
+
+def open_dataset(config: ExperimentConfig) -> tuple[AnemoiDataset, VariableIndex]:
+    """The dataset at ``data.path`` and its variables split by ``data.forcing`` / ``data.diagnostic``."""
     data_path = Path(config.data.path)
     if not data_path.exists():
         raise ConfigError(
@@ -104,47 +242,7 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
         variables = VariableIndex.build(dataset.variables, config.data.forcing, config.data.diagnostic)
     except ValueError as exc:
         raise ConfigError(f"data.forcing / data.diagnostic: {exc}") from None
-    window = dict(multistep_input=config.model.multistep_input, timestep=config.data.timestep, ensemble="each")
-    ranges = check_splits(config, dataset)
-    try:
-        train_samples = split_by_dates(dataset, {"train": ranges["train"]}, rollout=max_rollout(t.rollout),
-                                       **window)["train"]
-        val_samples = split_by_dates(dataset, {"validation": ranges["validation"]}, rollout=t.validation_rollout,
-                                     **window)["validation"]
-        test_samples = None if "test" not in ranges else split_by_dates(
-            dataset, {"test": ranges["test"]}, rollout=t.validation_rollout, **window)["test"]
-    except ValueError as exc:
-        raise ConfigError(f"data.train / data.validation / data.test / data.timestep / training.rollout / "
-                          f"training.validation_rollout: {exc}") from None
-    check_normalisation_scales(config, dataset)  # a zero standard deviation would make the first loss NaN
-    loss_weights = check_loss_weights_and_imputation(config, dataset, variables)
-    check_model_layout(config, layout, dataset)  # kNN sizes, hidden nodes vs ranks, heads vs the model group
-    if config.engine == "local" and layout.data_parallel_size > 1:
-        raise ConfigError(
-            f"engine='local' has no data parallelism but world {world} / gpus_per_model {layout.gpus_per_model} "
-            f"gives {layout.data_parallel_size} replicas: use engine 'deepspeed' or 'ddp', or launch "
-            f"{layout.gpus_per_model} processes"
-        )
-    task = task_type(config)
-    replicas, members = task.replica_count(layout), task.members_per_model(config)
-    if len(train_samples) < replicas * config.micro_batch:
-        raise ConfigError(
-            f"data.train holds {len(train_samples)} samples, fewer than one global micro-batch "
-            f"({replicas} replicas x micro batch {config.micro_batch}): widen the date range"
-        )
-    accumulation = config.training.gradient_accumulation_steps
-    per_epoch = len(train_samples) // (replicas * config.micro_batch * accumulation)
-    total_steps = t.max_steps if t.max_steps is not None else max(1, per_epoch * t.epochs)
-    settings = config.engine_settings(total_steps)
-    check_deepspeed_batch(config, layout, settings)
-    plan_batch = batch_arithmetic(config.micro_batch, world, settings.accumulation, layout.gpus_per_model)
-    notes = data_notes(dataset)
-    memory = check_activation_memory(config, dataset.num_cells, layout.gpus_per_model, members)
-    if memory is not None:
-        notes += (memory,)
-    return RunInputs(layout, dataset, variables, train_samples, val_samples, replicas, members, total_steps,
-                     settings, plan_batch, test_samples=test_samples, steps_per_epoch=max(1, per_epoch),
-                     loss_weights=tuple(float(w) for w in loss_weights), notes=notes)
+    return dataset, variables
 
 
 def check_splits(config: ExperimentConfig, dataset: AnemoiDataset) -> dict[str, tuple]:
@@ -154,6 +252,21 @@ def check_splits(config: ExperimentConfig, dataset: AnemoiDataset) -> dict[str, 
     ranges = {"train": (d.train.start, d.train.end), "validation": (d.validation.start, d.validation.end)}
     if d.test is not None:
         ranges["test"] = (d.test.start, d.test.end)
+    first, last = dataset.start_date, dataset.end_date
+    for name, (start, end) in ranges.items():
+        try:
+            lo, hi = date_range_bounds(dataset, start, end)
+        except ValueError as exc:
+            raise ConfigError(f"data.{name} = {{start: {start!r}, end: {end!r}}}: {exc}") from None
+        given = f"data.{name} ({'start ' + str(start) if start is not None else 'from the first date'}, " \
+                f"{'end ' + str(end) if end is not None else 'to the last date'})"
+        if lo > last or hi < first:
+            raise ConfigError(
+                f"{given} lies {'after the last' if lo > last else 'before the first'} date of the dataset "
+                f"{d.path!r}, which holds {first} to {last}: choose data.{name} dates inside it"
+            )
+        if hi < lo:
+            raise ConfigError(f"{given} ends ({hi}) before it starts ({lo}): swap or fix data.{name}.start / end")
     try:
         clashes = overlapping_ranges(dataset, ranges)
     except ValueError as exc:
@@ -167,6 +280,35 @@ def check_splits(config: ExperimentConfig, dataset: AnemoiDataset) -> dict[str, 
             f"(a null start or end means the dataset's first or last date, {dataset.start_date} / {dataset.end_date})"
         )
     return ranges
+
+
+def check_normalisation_scales(config: ExperimentConfig, dataset: AnemoiDataset) -> None:
+    """Every variable's normalisation scale is finite and positive (else the first loss is inf/NaN).
+
+    The scale of each method (see :mod:`stormshard.data.normalisation`) is computed from the dataset
+    statistics here, so the message names the variable, the method, the statistic and the fix.
+    """
+    methods = dict(config.data.normalisation_methods)
+    stats = dataset.statistics
+    what = {"mean-std": "its standard deviation", "std": "its standard deviation",
+            "min-max": "maximum - minimum", "max": "its maximum"}
+    for i, name in enumerate(dataset.variables):
+        method = methods.get(name, config.data.normalisation)
+        if method == "none":
+            continue
+        if method in ("mean-std", "std"):
+            scale, offset = float(stats.stdev[i]), float(stats.mean[i]) if method == "mean-std" else 0.0
+        elif method == "min-max":
+            scale, offset = float(stats.maximum[i]) - float(stats.minimum[i]), float(stats.minimum[i])
+        else:
+            scale, offset = float(stats.maximum[i]), 0.0
+        if not (np.isfinite(scale) and np.isfinite(offset) and scale > 0):
+            raise ConfigError(
+                f"variable {name!r} of data.path={config.data.path!r} cannot be normalised with {method!r}: "
+                f"{what[method]} is {scale:g} in the dataset statistics, so every value would become inf or NaN; "
+                f"set data.normalisation_methods={{{name!r}: 'none'}} (or a method whose statistic is positive), "
+                "or recompute the dataset's statistics"
+            )
 
 
 def check_loss_weights_and_imputation(config: ExperimentConfig, dataset: AnemoiDataset,
@@ -184,6 +326,56 @@ def check_loss_weights_and_imputation(config: ExperimentConfig, dataset: AnemoiD
     return list(weights)
 
 
+def _data_cells(config: ExperimentConfig, dataset: AnemoiDataset) -> int:
+    if config.graph.data_grid is None:
+        return int(dataset.num_cells)
+    from stormshard.graphs.grids import grid_from_name
+
+    return len(grid_from_name(config.graph.data_grid)[0])
+
+
+def check_graph_sizes(config: ExperimentConfig, layout: ParallelLayout, dataset: AnemoiDataset) -> None:
+    """The graph's kNN sizes fit its grids (encoder, processor, decoder), and the hidden nodes and the
+    grid cells split over the ``layout.gpus_per_model`` ranks of a model group (every rank gets some)."""
+    g, k = config.graph, layout.gpus_per_model
+    hidden, data = hidden_nodes(g.hidden), _data_cells(config, dataset)
+    grid_of = f"graph.hidden={g.hidden!r} ({hidden} nodes)"
+    data_of = f"the data grid ({data} cells)"
+    for field, spec, sources, what in (("graph.encoder", g.encoder, data, data_of),
+                                       ("graph.processor", g.processor, hidden - 1, f"{grid_of} less the node itself"),
+                                       ("graph.decoder", g.decoder, hidden, grid_of)):
+        if isinstance(spec, KNNEdges) and spec.num_neighbours > sources:
+            raise ConfigError(
+                f"{field}.num_neighbours={spec.num_neighbours} exceeds the {sources} source nodes of {what}: "
+                f"lower it to at most {sources}, or use a finer graph.hidden"
+            )
+    if hidden < k:
+        raise ConfigError(
+            f"{grid_of} has fewer nodes than the {k} ranks of a model group (parallel.gpus_per_model={k}): every "
+            "rank needs hidden nodes; use a finer graph.hidden or a smaller parallel.gpus_per_model"
+        )
+    if data < k:
+        raise ConfigError(
+            f"{data_of} has fewer cells than the {k} ranks of a model group (parallel.gpus_per_model={k}): lower "
+            "parallel.gpus_per_model"
+        )
+
+
+def window_notes(config: ExperimentConfig) -> tuple[str, ...]:
+    """A warning when the transformer's window is wider than its hidden grid: a window of (hidden nodes
+    - 1) is already full attention, so a wider one trains the same model, only slower."""
+    m = config.model
+    if m.name not in ("transformer", "ensemble"):
+        return ()
+    nodes = hidden_nodes(config.graph.hidden)
+    if m.processor.window_size <= nodes - 1:
+        return ()
+    return (f"warning: model.processor.window_size={m.processor.window_size} is wider than the hidden grid "
+            f"graph.hidden={config.graph.hidden!r} ({nodes} nodes): a window of {nodes - 1} (nodes - 1) or more is "
+            f"already full attention, so this run trains the same model as window_size={nodes - 1}, only slower; set "
+            f"model.processor.window_size={nodes - 1}",)
+
+
 def data_notes(dataset: AnemoiDataset) -> tuple[str, ...]:
     """What the run log says about the data: variables with missing values."""
     nans = dataset.variables_with_nans
@@ -197,13 +389,13 @@ def activation_estimate(config: ExperimentConfig, data_cells: int, gpus_per_mode
                         members: int) -> ActivationEstimate:
     """The activation memory of one rank at the maximum rollout (:mod:`~stormshard.training.activation_memory`)."""
     m = config.model
-    precision = getattr(config.training, "precision", "fp32")
     return estimate_activation_memory(
         data_cells=data_cells, hidden=hidden_nodes(config.graph.hidden), gpus_per_model=gpus_per_model,
         num_channels=m.num_channels, num_layers=m.processor.num_layers, mlp_ratio=m.processor.mlp_ratio,
         mapper_mlp_ratio=max(m.encoder.mlp_ratio, m.decoder.mlp_ratio),
         activation_checkpointing=m.activation_checkpointing, samples=config.micro_batch * members,
-        rollout=max_rollout(config.training.rollout), bytes_per_element=2 if precision == "bf16" else 4)
+        rollout=max_rollout(config.training.rollout),
+        bytes_per_element=2 if config.training.precision == "bf16" else 4)
 
 
 def check_activation_memory(config: ExperimentConfig, data_cells: int, gpus_per_model: int, members: int,

@@ -4,7 +4,8 @@ With a plain barrier, a rank 0 that raises leaves the other ranks waiting at the
 process-group timeout. :func:`rank_zero_first` replaces the barrier with a broadcast of rank 0's
 outcome: on failure rank 0 raises its own exception and every other rank raises
 :class:`RankZeroBadInput` (rank 0's error was bad input) or :class:`RankZeroFailed`, carrying rank
-0's message. Entry points print only rank 0's message (``stormshard.cli``). Communication: one
+0's message (:class:`RankZeroFailed` is a :class:`~stormshard.errors.ReportedByRank` whose reporter
+is rank 0). Entry points print only rank 0's message (``stormshard.cli``). Communication: one
 ``broadcast_object_list`` of a small tuple from rank 0.
 """
 
@@ -15,6 +16,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from stormshard.errors import BAD_INPUT, ReportedByRank
 from stormshard.training.config import ConfigError
 
 __all__ = ["RankZeroBadInput", "RankZeroFailed", "rank_zero_first"]
@@ -22,8 +24,11 @@ __all__ = ["RankZeroBadInput", "RankZeroFailed", "rank_zero_first"]
 T = TypeVar("T")
 
 
-class RankZeroFailed(RuntimeError):
+class RankZeroFailed(ReportedByRank):
     """Rank 0 failed in work every rank waited for; rank 0 reports it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reporter=0)
 
 
 class RankZeroBadInput(ConfigError):
@@ -35,8 +40,6 @@ def rank_zero_first(fn: Callable[[], T], what: str) -> T:
     other ranks' message ("building the graph"). Without a process group, just ``fn()``."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn()
-    from stormshard.cli import BAD_INPUT
-
     rank = dist.get_rank()
     error: BaseException | None = None
     result = None

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch import Tensor
+
+if TYPE_CHECKING:  # torch loads with the loss, not with the settings (read by the experiment config)
+    from torch import Tensor
 
 __all__ = ["PressureLevelScaling", "LossScalingSettings", "split_level", "level_weight", "variable_loss_weights",
            "combined_weights"]
@@ -124,5 +125,7 @@ def variable_loss_weights(output_names: Sequence[str], settings: LossScalingSett
 
 def combined_weights(area: Tensor, variable_weights: Tensor | np.ndarray) -> Tensor:
     """``W = area[:, None] * variable_weights[None, :]``: ``(grid_local, outputs)``, area's dtype."""
-    vw = torch.as_tensor(np.asarray(variable_weights) if not isinstance(variable_weights, Tensor) else variable_weights)
+    import torch
+
+    vw = torch.as_tensor(variable_weights if isinstance(variable_weights, torch.Tensor) else np.asarray(variable_weights))
     return area[:, None] * vw.to(area.device, area.dtype)[None, :]

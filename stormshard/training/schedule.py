@@ -13,10 +13,13 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
+
+if TYPE_CHECKING:  # torch loads with the scheduler, not with the settings (read by the experiment config)
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LambdaLR
 
 __all__ = ["LRScheduleSettings", "lr_at", "build_scheduler"]
 
@@ -64,6 +67,8 @@ def lr_at(step: int, settings: LRScheduleSettings) -> float:
 
 def build_scheduler(optimizer: Optimizer, settings: LRScheduleSettings) -> LambdaLR:
     """A ``LambdaLR`` giving ``lr_at(step)``: sets every group's base lr to ``settings.lr`` first."""
+    from torch.optim.lr_scheduler import LambdaLR
+
     for group in optimizer.param_groups:
         group["lr"] = settings.lr
         group["initial_lr"] = settings.lr

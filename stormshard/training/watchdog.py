@@ -23,21 +23,23 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from stormshard.errors import ReportedByRank
+
 __all__ = ["RankFailure", "RankMonitor", "monitor_settings"]
 
 _PREFIX = "stormshard/heartbeat/"
 _FAILED = "stormshard/failed/"
 
 
-class RankFailure(RuntimeError):
+class RankFailure(ReportedByRank):
     """One or more ranks stopped during the run; the message names them.
 
     ``dead`` holds their ranks; ``reporter`` is the lowest surviving rank (the one that prints).
     """
 
     def __init__(self, message: str, dead: tuple[int, ...], reporter: int) -> None:
-        super().__init__(message)
-        self.dead, self.reporter = dead, reporter
+        super().__init__(message, reporter)
+        self.dead = dead
 
 
 @dataclass(frozen=True)

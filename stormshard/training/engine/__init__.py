@@ -27,13 +27,19 @@ Modules, one job each: :mod:`.settings` (the engine-neutral settings and their c
 
 from __future__ import annotations
 
-from stormshard.training.engine.base import TrainingEngine
-from stormshard.training.engine.build import build_engine
-from stormshard.training.engine.deepspeed_config import resolve_deepspeed_config
-from stormshard.training.engine.deepspeed_engine import DeepSpeedEngine
-from stormshard.training.engine.settings import AdamWSettings, EngineError, EngineSettings
-from stormshard.training.engine.torch_engines import DDPEngine, LocalEngine
+import importlib
+from typing import Any
 
+# name -> module, loaded on first use: importing the package (e.g. the torch-free engine settings, read by
+# the experiment config) does not load torch or DeepSpeed
+_EXPORTS: dict[str, str] = {
+    "TrainingEngine": "base",
+    "build_engine": "build",
+    "resolve_deepspeed_config": "deepspeed_config",
+    "DeepSpeedEngine": "deepspeed_engine",
+    **dict.fromkeys(("AdamWSettings", "EngineError", "EngineSettings"), "settings"),
+    **dict.fromkeys(("DDPEngine", "LocalEngine"), "torch_engines"),
+}
 __all__ = [
     "EngineError",
     "AdamWSettings",
@@ -45,3 +51,19 @@ __all__ = [
     "build_engine",
     "resolve_deepspeed_config",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """An exported name (imported from its module on first use) or a submodule."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -14,10 +14,12 @@ DeepSpeed key                      from
 ``optimizer``                       ``{"type": "AdamW", "params": {lr, betas, eps, weight_decay}}``
                                     with ``torch_adam: true`` on every accelerator: torch's
                                     AdamW, no JIT build of DeepSpeed's fused Adam (which needs
-                                    nvcc at start-up and fails on arch lists such as ``9.0a``)
+                                    nvcc at start-up and fails on arch lists such as ``9.0a``),
+                                    ``foreach: true`` (multi-tensor kernels on every device; the
+                                    same steps as torch's per-tensor loop, bit for bit)
 ``zero_optimization``               ``{"stage": 0}`` unless the section sets it
 ``bf16``                            ``{"enabled": precision == "bf16" and ZeRO stage >= 1}``
-                                    (other keys of a ``bf16`` section kept). At ZeRO 0 DeepSpeed
+                                    (DeepSpeed's other ``bf16`` keys in the section kept). At ZeRO 0 DeepSpeed
                                     0.19 has no fp32 master weights for bf16 (its DDP_BFLOAT16
                                     path steps AdamW on bf16 weights), so there the parameters stay
                                     fp32 and the engine runs the forward under bf16 autocast
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stormshard.training.engine.settings import EngineError, EngineSettings
+from stormshard.training.engine.settings import EngineSettings, check_train_batch_size
 
 __all__ = ["resolve_deepspeed_config", "deepspeed_bf16"]
 
@@ -42,16 +44,12 @@ def deepspeed_bf16(settings: EngineSettings) -> bool:
 def resolve_deepspeed_config(settings: EngineSettings, data_parallel_size: int) -> dict[str, Any]:
     """The DeepSpeed config for ``settings`` at ``data_parallel_size`` replicas (a new dict)."""
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in settings.deepspeed.items()}
+    check_train_batch_size(settings, data_parallel_size)
     micro, accumulation = settings.micro_batch_size, settings.accumulation
     expected = micro * accumulation * data_parallel_size
-    if "train_batch_size" in cfg and cfg["train_batch_size"] != expected:
-        raise EngineError(
-            f"deepspeed.train_batch_size={cfg['train_batch_size']} but micro batch {micro} x accumulation "
-            f"{accumulation} x data-parallel size {data_parallel_size} = {expected}: remove it or set {expected}"
-        )
     kwargs = settings.adamw_kwargs()
     params: dict[str, Any] = {"lr": kwargs["lr"], "betas": list(kwargs["betas"]), "eps": kwargs["eps"],
-                              "weight_decay": kwargs["weight_decay"], "torch_adam": True}
+                              "weight_decay": kwargs["weight_decay"], "torch_adam": True, "foreach": True}
     cfg.update(
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accumulation,

@@ -6,6 +6,11 @@ With PowerSGD (ZeRO 0, fp32) DeepSpeed's backward all-reduce is switched off and
 :class:`~stormshard.parallel.compression.PowerSGDCompressor` reduces the gradients over the
 data-parallel group at the accumulation boundary, before DeepSpeed clips and steps.
 
+With model sharding the replicated gradients are summed over the model group (:mod:`.grad_sum`) in one
+flat all-reduce: at ZeRO 0 on ``.grad`` after backward (before PowerSGD), at ZeRO 1/2 on the reduced
+gradient partition before ``step`` (:mod:`.zero_grad_sum`), or by per-parameter hooks where asked for
+or where the partition sum cannot run.
+
 ``precision="bf16"``: at ZeRO 1/2 DeepSpeed's bf16 optimizer (bf16 parameters, fp32 master weights
 and AdamW moments, gradient reduction in ``communication_data_type``), the model casting its fp32
 inputs to its parameters' dtype; at ZeRO 0 (where DeepSpeed 0.19 keeps no fp32 master for bf16) fp32 parameters and
@@ -20,13 +25,15 @@ import torch
 from torch import Tensor, nn
 
 from stormshard.parallel.compression import PowerSGDCompressor
-from stormshard.parallel.grads import reduce_model_parallel_gradients
+from stormshard.parallel.grads import reduce_model_parallel_gradients, register_model_parallel_grad_hooks
 from stormshard.parallel.shapes import group_size
 from stormshard.parallel.topology import ProcessGroups
 from stormshard.training.engine.base import TrainingEngine, arg_names, check_state_keys
 from stormshard.training.engine.deepspeed_config import deepspeed_bf16
+from stormshard.training.engine.grad_sum import Placement, model_group_sum_placement
 from stormshard.training.engine.precision import autocast_inside_forward, cast_floating, compute_device_type
 from stormshard.training.engine.settings import EngineSettings
+from stormshard.training.engine.zero_grad_sum import ZeroPartitionGradSum, partition_sum_blocker
 from stormshard.training.schedule import build_scheduler
 
 __all__ = ["DeepSpeedEngine", "on_cpu_accelerator", "disable_cpu_shm_build"]
@@ -50,11 +57,24 @@ class DeepSpeedEngine(TrainingEngine):
             lr_scheduler=lambda opt: build_scheduler(opt, schedule),
         )
         self.module = self.ds.module
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self.grad_sum_placement, self._zero_sum = self._model_group_sum(params)
         self.compressor = None
         if settings.compression is not None:
             self.ds.enable_backward_allreduce = False
             trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
             self.compressor = PowerSGDCompressor(trainable, groups.data_parallel_group, settings.compression)
+
+    def _model_group_sum(self, params: list[Tensor]) -> tuple[Placement, ZeroPartitionGradSum | None]:
+        """The model-group sum's placement (:mod:`.grad_sum`): at ZeRO 1/2 on DeepSpeed's gradient partition,
+        or, where that cannot run (:func:`.zero_grad_sum.partition_sum_blocker`), per-parameter hooks."""
+        placement = model_group_sum_placement(self.settings, self.groups.layout)
+        if placement != "zero_partition":
+            return placement, None
+        if partition_sum_blocker(self.ds.optimizer, params, self.groups.layout.data_parallel_size) is None:
+            return placement, ZeroPartitionGradSum(self.ds.optimizer, self.groups.model_group)
+        self._hooks = register_model_parallel_grad_hooks(self.module, self.groups.model_group)
+        return "hooks", None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """DeepSpeed's forward. With bf16 at ZeRO 1/2 (DeepSpeed's bf16 mode) the inputs go in fp32 and the
@@ -69,9 +89,10 @@ class DeepSpeedEngine(TrainingEngine):
     def step(self) -> bool:
         boundary = self.ds.is_gradient_accumulation_boundary()
         if boundary:
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            if self.settings.model_parallel_grad_reduction == "bucketed":
-                reduce_model_parallel_gradients(params, self.groups.model_group, self.settings.bucket_cap_mb)
+            if self.grad_sum_placement == "after_backward":
+                reduce_model_parallel_gradients(self._params, self.groups.model_group, self.settings.bucket_cap_mb)
+            elif self._zero_sum is not None:
+                self._zero_sum()
             if self.compressor is not None:
                 self.compressor.reduce_gradients()
         self.ds.step()

@@ -9,17 +9,25 @@ One place per knob. Every engine (``deepspeed``, ``ddp``, ``local``) takes these
   comes from ``schedule``);
 - ``compression``: a :class:`~stormshard.parallel.compression.PowerSGDConfig` (the one PowerSGD schema),
   written ``{"type": "powersgd", ...its fields}`` in a config;
-- ``precision``: ``"fp32"`` or ``"bf16"``. bf16 runs the model's compute in bfloat16 and keeps fp32
-  master weights and optimizer moments: DeepSpeed's bf16 optimizer (``deepspeed.bf16`` is generated
-  from it), or ``torch.autocast(bfloat16)`` over fp32 parameters for ``ddp`` and ``local``. Inputs,
-  targets, the loss and the returned predictions stay fp32 (see :mod:`.precision`).
+- ``precision``: ``"fp32"`` or ``"bf16"``, the one precision setting (``training.precision`` in a
+  config). bf16 runs the model's compute in bfloat16 and keeps fp32 master weights and optimizer
+  moments: DeepSpeed's bf16 optimizer (``deepspeed.bf16.enabled`` is generated from it), or
+  ``torch.autocast(bfloat16)`` over fp32 parameters for ``ddp`` and ``local``. Inputs, targets, the
+  loss and the returned predictions stay fp32 (see :mod:`.precision`).
 
-The ``deepspeed`` dict holds only what is DeepSpeed's own (``zero_optimization``, ``bf16``,
-``communication_data_type``, ``train_batch_size`` as a cross-check, ...). DeepSpeed's spellings of the
-engine-neutral knobs (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
-``gradient_clipping``, ``optimizer``) and ``scheduler`` are errors there that name the field to use;
+The ``deepspeed`` dict holds only what is DeepSpeed's own (``zero_optimization``,
+``communication_data_type``, ``bf16`` tuning keys other than ``enabled``, ``train_batch_size`` as a
+cross-check, ...). DeepSpeed's spellings of the engine-neutral knobs (``train_micro_batch_size_per_gpu``,
+``gradient_accumulation_steps``, ``gradient_clipping``, ``optimizer``), ``scheduler`` and
+``bf16.enabled`` / ``fp16.enabled`` are errors there that name the field to use;
 :func:`~stormshard.training.engine.deepspeed_config.resolve_deepspeed_config` writes them into the
 config handed to DeepSpeed.
+
+The checks, one function per rule set: :func:`check_engine_sections` (layout-independent: the
+engine choice, the DeepSpeed section, compression, and :func:`check_precision`, every precision
+rule) runs when settings are validated; :func:`check_train_batch_size` (``deepspeed.train_batch_size``
+against the data-parallel size) is called by
+:func:`~stormshard.training.engine.build.check_engine_layout` and the DeepSpeed config generator.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from pydantic import (
     model_validator,
 )
 
-from stormshard.parallel.compression import PowerSGDConfig
+from stormshard.parallel.compression_plan import PowerSGDConfig
 from stormshard.training.schedule import LRScheduleSettings
 
 __all__ = [
@@ -50,6 +58,7 @@ __all__ = [
     "zero_stage",
     "section_enabled",
     "check_precision",
+    "check_train_batch_size",
     "COMMUNICATION_DTYPES",
 ]
 
@@ -88,6 +97,14 @@ class AdamWSettings(BaseModel):
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and len(value) != 2:
+            raise ValueError(f"optimizer.betas needs two values (beta1, beta2), got {list(value)}: use e.g. "
+                             "[0.9, 0.999]")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> AdamWSettings:
@@ -137,8 +154,10 @@ def zero_stage(deepspeed: dict[str, Any]) -> Any:
     return zero.get("stage", 0)
 
 
-def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: PowerSGDConfig | None) -> None:
-    """Layout-independent checks of the engine choice, the DeepSpeed section and compression.
+def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: PowerSGDConfig | None,
+                          precision: str, precision_field: str = "precision") -> None:
+    """Layout-independent checks of the engine choice, the DeepSpeed section, compression and the
+    precision (:func:`check_precision`; ``precision_field`` names the precision in messages).
 
     Raises ``ValueError`` naming the field and the fix (pydantic validators turn it into their error).
     """
@@ -160,11 +179,7 @@ def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: P
             f"deepspeed.zero_optimization.stage={stage!r} is not supported: use 0, 1 or 2 (ZeRO 3 "
             "partitions parameters, which clashes with model sharding)"
         )
-    if section_enabled(deepspeed.get("fp16")):
-        raise ValueError("deepspeed.fp16 is not supported (no loss scaling here): use training.precision='bf16' instead")
-    if "bf16" in deepspeed and not isinstance(deepspeed["bf16"], dict):
-        raise ValueError(f"deepspeed.bf16 must be an object like {{'enabled': true}}, got {deepspeed['bf16']!r}: "
-                         "better, remove it and set training.precision='bf16'")
+    check_precision(engine, precision, deepspeed, compression, precision_field)
     comm = deepspeed.get("communication_data_type")
     if comm is not None and comm not in COMMUNICATION_DTYPES:
         raise ValueError(f"deepspeed.communication_data_type={comm!r} is not supported: use one of "
@@ -187,12 +202,6 @@ def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: P
             "fails in engine.step() at ZeRO 1/2 once its own gradient all-reduce is off; set stage 0 "
             "or compression null"
         )
-    if section_enabled(deepspeed.get("bf16")):
-        raise ValueError(
-            "compression with deepspeed.bf16: DeepSpeed's bf16 optimizer copies gradients into its fp32 "
-            "buffers inside backward, before the compressor could reduce them; drop bf16 (fp32 + PowerSGD), "
-            "or use deepspeed.communication_data_type='bf16' instead of compression"
-        )
     if "communication_data_type" in deepspeed:
         raise ValueError(
             "deepspeed.communication_data_type and compression are both set: with compression DeepSpeed's "
@@ -200,21 +209,54 @@ def check_engine_sections(engine: str, deepspeed: dict[str, Any], compression: P
         )
 
 
-def check_precision(precision: str, deepspeed: dict[str, Any], field: str = "training.precision") -> None:
-    """``deepspeed.bf16.enabled``, when given, must agree with ``precision`` (one knob: the precision
-    field; DeepSpeed's ``bf16`` section is generated from it). Raises ``ValueError`` naming both."""
-    section = deepspeed.get("bf16")
-    if isinstance(section, dict) and section_enabled(section) != (precision == "bf16"):
+def check_precision(engine: str, precision: str, deepspeed: dict[str, Any], compression: PowerSGDConfig | None,
+                    field: str = "precision") -> None:
+    """Every precision rule, in one place: ``precision`` (``field``, ``training.precision`` in a config)
+    is the one setting, so the DeepSpeed section may not carry its own (``bf16.enabled``, an enabled
+    ``fp16``), and DeepSpeed's bf16 optimizer cannot run under PowerSGD. Raises ``ValueError`` naming
+    the field and the fix."""
+    if section_enabled(deepspeed.get("fp16")):
+        raise ValueError(f"deepspeed.fp16 is not supported (no loss scaling here): remove it and use "
+                         f"{field}='bf16' instead")
+    bf16 = deepspeed.get("bf16")
+    if bf16 is not None and not isinstance(bf16, dict):
+        raise ValueError(f"deepspeed.bf16 must be an object of DeepSpeed's bf16 settings, got {bf16!r}: "
+                         f"better, remove it and set {field}='bf16'")
+    if isinstance(bf16, dict) and "enabled" in bf16:
         raise ValueError(
-            f"deepspeed.bf16.enabled={section_enabled(section)} but {field}={precision!r}: the precision is set in "
-            f"one place, {field} ('fp32' or 'bf16', read by every engine); remove deepspeed.bf16 (it is generated "
-            f"from {field}) or make them agree"
+            f"deepspeed.bf16.enabled={bf16['enabled']!r} is set next to {field}={precision!r}: the precision is set "
+            f"in one place, {field} ('fp32' or 'bf16', read by every engine), and deepspeed.bf16.enabled is "
+            f"generated from it; remove deepspeed.bf16.enabled"
+        )
+    if precision == "bf16" and engine == "deepspeed" and compression is not None:
+        raise ValueError(
+            f"compression with {field}='bf16' on engine 'deepspeed': DeepSpeed's bf16 optimizer copies gradients "
+            f"into its fp32 buffers inside backward, before the compressor could reduce them; use {field} "
+            "'fp32' with compression, engine 'ddp' (bf16 autocast + PowerSGD), or "
+            "deepspeed.communication_data_type='bf16' instead of compression"
+        )
+
+
+def check_train_batch_size(settings: EngineSettings, data_parallel_size: int) -> None:
+    """``deepspeed.train_batch_size``, when given, equals micro batch x accumulation x ``data_parallel_size``
+    (it is generated from them). Raises :class:`EngineError` naming the fields and the fix."""
+    if settings.engine != "deepspeed" or "train_batch_size" not in settings.deepspeed:
+        return
+    given = settings.deepspeed["train_batch_size"]
+    micro, acc = settings.micro_batch_size, settings.accumulation
+    expected = micro * acc * data_parallel_size
+    if given != expected:
+        raise EngineError(
+            f"deepspeed.train_batch_size={given!r} but training.micro_batch_size {micro} x "
+            f"training.gradient_accumulation_steps {acc} x data-parallel size {data_parallel_size} = {expected}: "
+            "remove train_batch_size (it is generated), or set training.micro_batch_size (a --deepspeed_config "
+            "file sets it with train_micro_batch_size_per_gpu)"
         )
 
 
 class EngineSettings(BaseModel):
-    """How the model is trained in parallel. Validated on construction; layout-dependent checks run
-    in :func:`~stormshard.training.engine.build_engine` before anything is created."""
+    """How the model is trained in parallel. Validated on construction (:func:`check_engine_sections`);
+    the layout-dependent checks are :func:`~stormshard.training.engine.build.check_engine_layout`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -225,34 +267,19 @@ class EngineSettings(BaseModel):
     optimizer: AdamWSettings = Field(default_factory=AdamWSettings)
     schedule: LRScheduleSettings = Field(default_factory=LRScheduleSettings)
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="DeepSpeed's own settings (ZeRO, bf16, ...)")
-    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP bucket size; also the bucketed model-group sum")
+    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP bucket size; also the model-group sum's buckets after backward")
     broadcast_buffers: bool = Field(True, description="DDP: broadcast rank 0's buffers every forward")
     compression: CompressionSection = None
-    model_parallel_grad_reduction: Literal["hooks", "bucketed"] = "hooks"
+    model_parallel_grad_reduction: Literal["auto", "hooks", "bucketed"] = Field(
+        "auto", description="where replicated gradients are summed over the model group: 'auto' (one flat "
+                            "all-reduce where each engine allows; stormshard.training.engine.grad_sum), 'hooks' "
+                            "(one all-reduce per parameter during backward), 'bucketed' (after backward)")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="compute precision of the model; bf16 keeps fp32 master weights and moments")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _derive_precision(cls, data: Any) -> Any:
-        """``precision`` unset: taken from ``deepspeed.bf16.enabled`` (a DeepSpeed-style dict of settings)."""
-        if isinstance(data, dict) and "precision" not in data:
-            ds = data.get("deepspeed") or {}
-            if isinstance(ds, dict) and isinstance(ds.get("bf16"), dict):
-                data = {**data, "precision": "bf16" if section_enabled(ds["bf16"]) else "fp32"}
-        return data
-
     @model_validator(mode="after")
     def _check(self) -> EngineSettings:
-        check_engine_sections(self.engine, self.deepspeed, self.compression)
-        check_precision(self.precision, self.deepspeed, "precision")
-        if self.bf16 and self.engine == "deepspeed" and self.compression is not None:
-            raise ValueError(
-                "compression with precision='bf16' on engine 'deepspeed': DeepSpeed's bf16 optimizer copies gradients "
-                "into its fp32 buffers inside backward, before the compressor could reduce them; use precision "
-                "'fp32' with compression, engine 'ddp' (bf16 autocast + PowerSGD), or "
-                "deepspeed.communication_data_type='bf16' instead of compression"
-            )
+        check_engine_sections(self.engine, self.deepspeed, self.compression, self.precision)
         return self
 
     @property

@@ -1,0 +1,331 @@
+"""Open an anemoi checkpoint without anemoi installed and without running anything in it.
+
+An anemoi inference checkpoint (``inference-*.ckpt``) is ``torch.save`` of the whole model
+interface object, pickled classes included, plus ``<folder>/anemoi-metadata/anemoi.json``
+(``ai-models.json`` in older files) and the supporting arrays as raw ``.numpy`` entries, added by
+``anemoi.utils.checkpoints.save_metadata``. A Lightning ``last.ckpt`` is a pickled dict whose
+``state_dict`` holds the weights.
+
+:func:`open_anemoi_checkpoint` unpickles it with :class:`RestrictedUnpickler`, which resolves only
+an allow-list of globals (torch tensor / storage rebuilders, dtypes, ``torch.Size``,
+``collections.OrderedDict``, a few builtins, numpy array rebuilders) and turns every other class or
+function into an inert :class:`Stub`: calling a stub (the pickle ``REDUCE`` / ``NEWOBJ`` opcodes)
+only records the arguments, and its state (``BUILD``) is stored as a plain dict. Nothing named in
+the file is imported or executed, so a malicious ``__reduce__`` (``os.system``, ``eval``, ...) is
+inert. The model's tensors are then reachable as in ``nn.Module.state_dict``
+(:func:`module_tensors`: ``_parameters``, ``_buffers``, ``_modules`` of every stub).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stormshard.checkpoint.errors import ConversionError
+
+__all__ = ["Stub", "RestrictedUnpickler", "AnemoiCheckpoint", "open_anemoi_checkpoint", "module_tensors",
+           "stub_class_name", "NotAnemoiCheckpoint"]
+
+
+class NotAnemoiCheckpoint(ConversionError):
+    """The file is not an anemoi checkpoint (not a torch zip file, or no anemoi metadata / model)."""
+
+
+class Stub:
+    """An inert stand-in for a class (or function) the file names but that is not on the allow-list.
+
+    ``_stub_name`` is the ``module.qualname`` the file named; calling an instance or the class
+    records ``_stub_args``; ``__setstate__`` stores the state as attributes (dict state) or as
+    ``_stub_state``. No code of the named class runs."""
+
+    _stub_name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_stub_args"] = (args, kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (dict state, slot state)
+        if isinstance(state, dict):
+            self.__dict__.update({str(k): v for k, v in state.items()})
+        else:
+            self.__dict__["_stub_state"] = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Stub:
+        out = Stub()
+        out.__dict__.update(_stub_called=self._stub_name, _stub_args=(args, kwargs))
+        return out
+
+    def __repr__(self) -> str:
+        return f"<stub {self._stub_name}>"
+
+    # containers pickled as subclasses of dict/list use SETITEMS / APPENDS on the object
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.__dict__.setdefault("_stub_items", {})[key] = value
+
+    def append(self, value: Any) -> None:
+        self.__dict__.setdefault("_stub_list", []).append(value)
+
+    def extend(self, values: Any) -> None:
+        self.__dict__.setdefault("_stub_list", []).extend(values)
+
+
+def stub_class_name(obj: Any) -> str | None:
+    """``module.qualname`` of the class a stub stands for (None: not a stub)."""
+    return type(obj)._stub_name if isinstance(obj, Stub) else None
+
+
+_stub_classes: dict[str, type] = {}
+
+
+def _stub_class(name: str) -> type:
+    if name not in _stub_classes:
+        _stub_classes[name] = type(name.rsplit(".", 1)[-1], (Stub,), {"_stub_name": name, "__module__": "stub"})
+    return _stub_classes[name]
+
+
+def _reconstructor(cls: Any, base: Any, state: Any) -> Any:
+    """``copyreg._reconstructor`` for stubs and allowed classes only (never runs a constructor)."""
+    if isinstance(cls, type) and issubclass(cls, Stub):
+        return cls()
+    raise pickle.UnpicklingError(f"copyreg._reconstructor of {cls!r} is not allowed")
+
+
+def _new(cls: Any, *args: Any) -> Any:
+    if isinstance(cls, type) and issubclass(cls, Stub):
+        return cls(*args)
+    raise pickle.UnpicklingError(f"__newobj__ of {cls!r} is not allowed")
+
+
+_DTYPES = {name: getattr(torch, name) for name in (
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "complex128", "double", "float", "half", "long", "int", "short")}
+_STORAGE_DTYPES = {"DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+                   "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+                   "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+                   "ComplexDoubleStorage": torch.complex128}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: torch.dtype
+
+
+def _rebuild_tensor_v2(storage: Any, offset: int, size: Any, stride: Any, requires_grad: bool = False,
+                       backward_hooks: Any = None, metadata: Any = None) -> torch.Tensor:
+    t = torch.empty((0,), dtype=storage.dtype)
+    t.set_(storage, offset, tuple(size), tuple(stride))
+    return t
+
+
+def _rebuild_parameter(data: Any, requires_grad: bool = False, backward_hooks: Any = None, *state: Any) -> Any:
+    if not isinstance(data, torch.Tensor):
+        raise pickle.UnpicklingError("torch._utils._rebuild_parameter of something that is not a tensor")
+    return torch.nn.Parameter(data, requires_grad=bool(requires_grad))
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if func is not _rebuild_tensor_v2 and func is not _rebuild_parameter:
+        raise pickle.UnpicklingError("torch._tensor._rebuild_from_type_v2 of a non-tensor rebuilder")
+    return func(*args)
+
+
+def _numpy_reconstruct(cls: Any, shape: Any, dtype: Any) -> np.ndarray:
+    if cls is not np.ndarray:
+        raise pickle.UnpicklingError(f"numpy _reconstruct of {cls!r} is not allowed")
+    return np.ndarray.__new__(np.ndarray, shape, dtype)
+
+
+def _numpy_scalar(dtype: Any, data: bytes | None = None) -> Any:
+    return np.frombuffer(data or b"", dtype=dtype)[0] if data else dtype.type()
+
+
+def _codecs_encode(text: Any, encoding: str = "utf-8") -> bytes:
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise pickle.UnpicklingError("_codecs.encode of something other than a latin1/utf-8 string")
+    return text.encode(encoding)  # how pickle protocol 2 writes bytes (numpy scalars)
+
+
+def _numpy_dtype(spec: Any, align: bool = False, copy: bool = False) -> np.dtype:
+    return np.dtype(spec)  # a dtype from a type code string ("f4", "i8"); no code runs
+
+
+#: (module, name) -> the object the unpickler returns. Everything else becomes a Stub.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex, ("builtins", "bytearray"): bytearray, ("builtins", "object"): object,
+    ("__builtin__", "set"): set,
+    ("copyreg", "_reconstructor"): _reconstructor,
+    ("_codecs", "encode"): _codecs_encode,
+    ("copyreg", "__newobj__"): _new,
+    ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _numpy_reconstruct,
+    ("numpy.core.multiarray", "scalar"): _numpy_scalar,
+    ("numpy._core.multiarray", "scalar"): _numpy_scalar,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): _numpy_dtype,
+    **{("torch", name): _StorageType(dtype) for name, dtype in _STORAGE_DTYPES.items()},
+    **{("torch", name): dtype for name, dtype in _DTYPES.items()},
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles a torch zip checkpoint's ``data.pkl`` resolving only :data:`_ALLOWED`; every other
+    global becomes a :class:`Stub` class. ``storage(key, dtype, numel)`` reads a tensor storage."""
+
+    def __init__(self, data: bytes, storage: Any) -> None:
+        super().__init__(io.BytesIO(data))
+        self._storage = storage
+        self._cache: dict[str, Any] = {}
+        self.stubbed: set[str] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "numpy" and name.endswith("DType") or module == "numpy.dtypes":
+            return _numpy_dtype
+        self.stubbed.add(f"{module}.{name}")
+        return _stub_class(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage" and len(pid) >= 5):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}")
+        _, storage_type, key, _location, numel = pid[:5]
+        dtype = storage_type.dtype if isinstance(storage_type, _StorageType) else storage_type
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"storage {key!r} has no known dtype ({storage_type!r:.80})")
+        key = str(key)
+        if key not in self._cache:
+            self._cache[key] = self._storage(key, dtype, int(numel))
+        return self._cache[key]
+
+
+@dataclass
+class AnemoiCheckpoint:
+    """What :func:`open_anemoi_checkpoint` read. ``root`` is the unpickled object (stubs for
+    anemoi's classes); ``metadata`` the anemoi metadata dict (``{}`` if the file has none);
+    ``supporting_arrays`` the raw ``.numpy`` entries; ``kind`` ``"inference"`` (a pickled model) or
+    ``"lightning"`` (a dict with a ``state_dict``)."""
+
+    path: Path
+    root: Any
+    metadata: dict[str, Any]
+    supporting_arrays: dict[str, np.ndarray]
+    kind: str
+    stubbed: set[str] = field(default_factory=set)
+
+
+def _read_metadata(z: zipfile.ZipFile, names: list[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    meta_name = next((n for n in names if n.endswith("/anemoi-metadata/anemoi.json")), None)
+    meta_name = meta_name or next((n for n in names if n.endswith("/ai-models.json")), None)
+    if meta_name is None:
+        return {}, {}
+    metadata = json.loads(z.read(meta_name))
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(tree: Any, name: str) -> None:  # {"data": {"latitudes": {"path", "shape", "dtype"}}} (or flat)
+        if not isinstance(tree, dict):
+            return
+        if {"path", "shape", "dtype"} <= set(tree):
+            entry = tree["path"] if tree["path"] in names else next(
+                (n for n in names if n.endswith("/" + str(tree["path"]).rsplit("/", 1)[-1])), None)
+            if entry is not None:
+                raw = np.frombuffer(z.read(entry), dtype=np.dtype(str(tree["dtype"])))
+                arrays[name] = raw.reshape([int(d) for d in tree["shape"]]).copy()
+            return
+        for key, sub in tree.items():
+            walk(sub, f"{name}/{key}" if name else str(key))
+
+    walk(metadata.get("supporting_arrays_paths") or {}, "")
+    return metadata, arrays
+
+
+def open_anemoi_checkpoint(path: str | os.PathLike) -> AnemoiCheckpoint:
+    """Read an anemoi checkpoint (inference or Lightning) safely; raises :class:`NotAnemoiCheckpoint`
+    naming the path and why when it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise NotAnemoiCheckpoint(f"{p}: no such file", fix="give the path of an anemoi .ckpt file")
+    if not zipfile.is_zipfile(p):
+        raise NotAnemoiCheckpoint(f"{p} is not an anemoi checkpoint: not a torch zip file",
+                                  fix="give an anemoi-training inference-*.ckpt or last.ckpt")
+    with zipfile.ZipFile(p) as z:
+        names = z.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkl) != 1:
+            raise NotAnemoiCheckpoint(f"{p} is not an anemoi checkpoint: no torch data.pkl entry",
+                                      fix="give an anemoi-training inference-*.ckpt or last.ckpt")
+        prefix = pkl[0].rsplit("/", 1)[0]
+        metadata, arrays = _read_metadata(z, names)
+
+        def storage(key: str, dtype: torch.dtype, numel: int) -> Any:
+            raw = z.read(f"{prefix}/data/{key}")
+            return torch.frombuffer(bytearray(raw), dtype=dtype)[:numel].untyped_storage() if raw else \
+                torch.empty(0, dtype=dtype).untyped_storage()
+
+        unpickler = RestrictedUnpickler(z.read(pkl[0]), _TypedStorageReader(storage))
+        try:
+            root = unpickler.load()
+        except Exception as err:  # noqa: BLE001 - any malformed pickle is "not an anemoi checkpoint"
+            raise NotAnemoiCheckpoint(f"{p} could not be read as an anemoi checkpoint: {type(err).__name__}: {err}",
+                                      fix="give an anemoi-training inference-*.ckpt or last.ckpt") from None
+    if isinstance(root, dict) and "state_dict" in root:
+        kind = "lightning"
+        if not metadata:
+            metadata = dict(root.get("hyper_parameters", {}) or {}).get("metadata", {}) or {}
+    elif isinstance(root, Stub) and "_modules" in root.__dict__:
+        kind = "inference"
+    else:
+        raise NotAnemoiCheckpoint(f"{p} is not an anemoi checkpoint: it holds a {type(root).__name__}, "
+                                  "not an anemoi model or a Lightning checkpoint dict",
+                                  fix="give an anemoi-training inference-*.ckpt or last.ckpt")
+    if not metadata:
+        raise NotAnemoiCheckpoint(f"{p} is not an anemoi checkpoint: no anemoi-metadata/anemoi.json "
+                                  "(or ai-models.json) entry",
+                                  fix="give a checkpoint written by anemoi-training's checkpoint callback")
+    return AnemoiCheckpoint(p, root, metadata, arrays, kind, set(unpickler.stubbed))
+
+
+class _TypedStorageReader:
+    """Reads storages as tensors' typed storages (dtype attached), as ``_rebuild_tensor_v2`` wants."""
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+
+    def __call__(self, key: str, dtype: torch.dtype, numel: int) -> Any:
+        return torch.storage.TypedStorage(wrap_storage=self._read(key, dtype, numel), dtype=dtype, _internal=True)
+
+
+def module_tensors(obj: Any, prefix: str = "", *, persistent_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a (stubbed) module tree, named as ``nn.Module.state_dict`` names
+    them (``persistent_only``: leave out non-persistent buffers, as ``state_dict`` does)."""
+    out: dict[str, torch.Tensor] = {}
+    state = obj.__dict__ if hasattr(obj, "__dict__") else {}
+    skip = set(state.get("_non_persistent_buffers_set", ()) or ()) if persistent_only else set()
+    for key in ("_parameters", "_buffers"):
+        for name, t in (state.get(key) or {}).items():
+            if isinstance(t, torch.Tensor) and not (key == "_buffers" and name in skip):
+                out[prefix + name] = t
+    for name, child in (state.get("_modules") or {}).items():
+        if child is not None:
+            out.update(module_tensors(child, f"{prefix}{name}.", persistent_only=persistent_only))
+    return out

@@ -1,0 +1,133 @@
+"""Upgrade checkpoints of the pickled format to the current one, in place.
+
+Checkpoint format 1 (training) and consolidated version 1 stored the optimizer, scheduler, RNG and
+data state as pickled python objects: ``torch.load(weights_only=False)`` runs code from the file.
+This release reads them only here, behind an explicit command, for one release::
+
+    python launch/convert_checkpoint.py upgrade runs/old/checkpoints   # every step_NNNNNNNN in it
+    python launch/convert_checkpoint.py upgrade runs/old/checkpoints/step_00000120
+    python launch/convert_checkpoint.py upgrade runs/old/full          # a consolidated checkpoint
+
+Each checkpoint is rewritten atomically (a temporary directory, then a rename over the old one):
+its state files as tensors plus a JSON skeleton (:mod:`stormshard.checkpoint.state_codec`), every
+other file copied byte for byte, and ``metadata.json`` with the new format and the size and sha256
+of every file. The state is the same, bit for bit: ``--resume`` continues the run as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from stormshard.checkpoint.consolidate import CONSOLIDATED_FORMAT, CONSOLIDATED_VERSION, atomic_directory
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.format import (
+    FORMAT_VERSION,
+    METADATA,
+    PICKLED_FORMAT,
+    CheckpointError,
+    list_checkpoints,
+    rank_name,
+    read_metadata,
+)
+from stormshard.checkpoint.integrity import FILES, record_files
+from stormshard.checkpoint.state_codec import read_pickled_file, write_state_file
+
+__all__ = ["upgrade_checkpoints"]
+
+
+def _targets(path: Path) -> list[Path]:
+    if (path / METADATA).is_file():
+        return [path]
+    steps = list_checkpoints(path)
+    if not steps:
+        raise ConversionError(f"{path} is not a checkpoint: no {METADATA} in it and no complete step_NNNNNNNN "
+                              "below it", fix="pass a run's checkpoints directory, a step_NNNNNNNN directory or a "
+                                              "consolidated checkpoint")
+    return steps
+
+
+def _rewrite(step_dir: Path, meta: dict[str, Any], state_files: dict[str, Any], fields: dict[str, Any]) -> None:
+    """``step_dir`` again: ``state_files`` (name -> state) in the new encoding, the other files copied,
+    ``metadata.json`` updated with ``fields`` and the file records; atomically."""
+    with atomic_directory(step_dir, overwrite=True) as tmp:
+        for f in sorted(step_dir.iterdir()):
+            if f.name == METADATA or f.name in state_files:
+                continue
+            if f.is_dir():
+                shutil.copytree(f, tmp / f.name)
+            else:
+                shutil.copy2(f, tmp / f.name)
+        for name, state in state_files.items():
+            write_state_file(state, tmp / name)
+        new = {**meta, **fields}
+        new[FILES] = record_files(sorted(p for p in tmp.iterdir() if p.is_file()))
+        (tmp / METADATA).write_text(json.dumps(new, indent=1))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _upgrade_training(step_dir: Path, meta: dict[str, Any]) -> None:
+    world = meta.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise ConversionError(f"{step_dir / METADATA} has world_size {world!r}: not a stormshard training checkpoint")
+    problems, states = [], {}
+    for r in range(world):
+        f = step_dir / f"{rank_name(r)}.pt"
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+            continue
+        try:
+            payload = read_pickled_file(f)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if not isinstance(payload, dict) or payload.get("rank") != r or payload.get("step") != meta.get("step"):
+            problems.append(f"{f}: does not hold rank {r} of step {meta.get('step')}")
+            continue
+        states[f.name] = {**payload, "format": FORMAT_VERSION}
+    if problems:
+        raise ConversionError(f"cannot upgrade {step_dir}: it is damaged", problems,
+                              fix="upgrade an intact checkpoint (an earlier step_NNNNNNNN)")
+    _rewrite(step_dir, meta, states, {"format": FORMAT_VERSION, "upgraded_from": PICKLED_FORMAT})
+
+
+def _upgrade_consolidated(path: Path, meta: dict[str, Any]) -> None:
+    names = ["trainer.pt"] + (["optimizer.pt"] if meta.get("optimizer") else [])
+    states = {}
+    for name in names:
+        try:
+            states[name] = read_pickled_file(path / name)
+        except CheckpointError as exc:
+            raise ConversionError(f"cannot upgrade {path}: {exc}") from None
+    _rewrite(path, meta, states, {"version": CONSOLIDATED_VERSION, "upgraded_from": 1})
+
+
+def upgrade_checkpoints(path: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Upgrade the checkpoint(s) at ``path`` (a checkpoints directory: every complete step in it; a step
+    directory; a consolidated checkpoint) to the current format, in place. Returns ``(path, what was
+    done)`` per checkpoint. Opens pickled files: only for checkpoints you wrote yourself."""
+    done = []
+    for target in _targets(Path(path)):
+        try:
+            meta = read_metadata(target)
+        except CheckpointError as exc:
+            raise ConversionError(str(exc)) from None
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        if fmt == PICKLED_FORMAT:
+            _upgrade_training(target, meta)
+            done.append((target, f"upgraded from format {PICKLED_FORMAT} to {FORMAT_VERSION}"))
+        elif fmt == CONSOLIDATED_FORMAT and meta.get("version") == 1:
+            _upgrade_consolidated(target, meta)
+            done.append((target, f"upgraded from consolidated version 1 to {CONSOLIDATED_VERSION}"))
+        elif fmt in (FORMAT_VERSION, CONSOLIDATED_FORMAT):
+            done.append((target, "already in the current format"))
+        else:
+            raise ConversionError(f"{target / METADATA} has format {fmt!r}: not a stormshard checkpoint")
+    return done
