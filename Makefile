@@ -36,7 +36,7 @@ lint: setup
 
 train: setup
 	$(PY) -m stormshard.data.synthetic --grid o16 --steps 600 --out data/synthetic.zarr --if-missing
-	DS_ACCELERATOR=cpu $(VENV)/bin/deepspeed --num_accelerators $(NPROC) launch/train.py --config configs/quickstart.json
+	DS_ACCELERATOR=cpu $(VENV)/bin/deepspeed --quiet --num_accelerators $(NPROC) launch/train.py --config configs/quickstart.json
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b --quick"; $(PY) $$b --quick || exit 1; done

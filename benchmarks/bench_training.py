@@ -41,6 +41,7 @@ import copy
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -103,6 +104,7 @@ def _write_config(case: Case, workdir: Path, warmup: int) -> Path:
     raw = json.loads((ROOT / CONFIGS[case.config]).read_text())
     cfg = copy.deepcopy(raw)
     run_dir = workdir / case.name.replace("/", "_")
+    shutil.rmtree(run_dir / "output", ignore_errors=True)  # a kept (--keep) earlier run: train refuses to reuse it
     cfg["name"] = f"bench_{case.name.replace('/', '_')}"
     cfg["parallel"] = {"gpus_per_model": case.gpus_per_model, "shard_strategy": "shard_sequence",
                        "read_group_size": case.gpus_per_model}

@@ -6,6 +6,7 @@
         [--shard-strategy tensor] [--world-size N] --out runs/k4/checkpoints
     python launch/convert_checkpoint.py export runs/quickstart/checkpoints --out bundles/quickstart
     python launch/convert_checkpoint.py upgrade runs/old/checkpoints   # pickled format 1 -> current, in place
+    python launch/convert_checkpoint.py import-anemoi inference-last.ckpt --out bundles/aifs  # no anemoi needed
 
 A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
 or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
@@ -24,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stormshard.checkpoint.anemoi_import import import_anemoi  # noqa: E402
 from stormshard.checkpoint.consolidate import (  # noqa: E402
     check_output_path,
     consolidate_checkpoint,
@@ -34,6 +36,7 @@ from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint 
 from stormshard.checkpoint.reshard import reshard_checkpoint  # noqa: E402
 from stormshard.checkpoint.upgrade import upgrade_checkpoints  # noqa: E402
 from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
+from stormshard.errors import check_writable_directory  # noqa: E402
 from stormshard.parallel.shard import SHARD_STRATEGIES  # noqa: E402
 from stormshard.progress import reporting  # noqa: E402
 
@@ -68,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
                                        "(opens the pickles: only checkpoints you wrote yourself)")
     p.add_argument("checkpoint", help="a run's checkpoints directory (every step in it), a step_NNNNNNNN "
                                       "directory or a consolidated checkpoint")
+    p = sub.add_parser("import-anemoi", help="an inference bundle from an anemoi inference checkpoint (read without "
+                                             "anemoi and without running anything in the file)")
+    p.add_argument("checkpoint", help="an anemoi-training inference-*.ckpt (anemoi-models 0.19 layout)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
     for sp in sub.choices.values():
         add_debug_flag(sp)
     return parser
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> None:
     """The subcommand; failures are reported by ``stormshard.cli.run_cli``."""
+    if args.command not in ("inspect", "upgrade"):  # upgrade rewrites in place: no --out
+        check_writable_directory(Path(args.out).parent, "--out", args.out)  # before anything is read
     if args.command == "inspect":
         info = inspect_checkpoint(args.checkpoint)
         print(json.dumps(info, indent=1) if args.json else format_inspection(info, parameters=not args.brief))
@@ -106,6 +116,10 @@ def _run(args: argparse.Namespace) -> None:
                                  world_size=args.world_size, dataset=args.dataset, graph=args.graph,
                                  overwrite=args.overwrite)
         print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
+    elif args.command == "import-anemoi":
+        check_output_path(args.checkpoint, args.out, args.overwrite)
+        out = import_anemoi(args.checkpoint, args.out, overwrite=args.overwrite)
+        print(f"imported {args.checkpoint} into {out}: load it with stormshard.load_model({str(out)!r})")
     else:
         out = export_bundle(args.checkpoint, args.out, dataset=args.dataset, graph=args.graph,
                             overwrite=args.overwrite)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                         "optimizer keys move to the engine-neutral fields)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the DeepSpeed launcher")
     add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may stand before or after the options
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 

@@ -4,8 +4,8 @@ Subpackages, bottom to top: :mod:`stormshard.parallel` (process groups, collecti
 tensor / graph parallelism), :mod:`stormshard.layers`, :mod:`stormshard.graphs`,
 :mod:`stormshard.data`, :mod:`stormshard.models`, :mod:`stormshard.checkpoint` (the checkpoint
 format and conversion), :mod:`stormshard.inference`, :mod:`stormshard.training`; under them all,
-:mod:`stormshard.errors` (exit statuses and shared failure classes). Importing the package is
-cheap: subpackages load on first use.
+:mod:`stormshard.errors` (exit statuses and shared failure classes) and :mod:`stormshard.progress`
+(progress lines). Importing the package is cheap: subpackages load on first use.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 - **Bad input** (a config, a flag, a dataset, a checkpoint or a path that cannot work: every
   ``ValueError`` such as ``ConfigError``, ``LayoutError``, ``AnemoiLayoutError``,
   ``CheckpointError``, pydantic's ``ValidationError``; and ``FileNotFoundError``,
-  ``FileExistsError``, ``NotADirectoryError``, ``IsADirectoryError``, ``PermissionError``) prints
+  ``FileExistsError``, ``NotADirectoryError``, ``IsADirectoryError``, ``PermissionError``, and an
+  ``OSError`` refusing a path: a read-only file system) prints
   ``error: <message>`` on rank 0 only (every rank runs the same checks and reaches the same
   verdict) and exits with status 2.
 - **A failure one rank reports for the job** (:class:`~stormshard.errors.ReportedByRank`: a rank
@@ -37,17 +38,18 @@ from collections.abc import Callable
 from typing import TextIO
 
 from stormshard.errors import (
-    BAD_INPUT,
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
     ReportedByRank,
     format_validation_errors,
+    is_bad_input,
 )
 
 __all__ = ["add_debug_flag", "process_rank", "report_failure", "run_cli", "write_elastic_error_file"]
 
-# rank variables of the launchers stormshard.training.launch knows, in its order
-_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+# (rank, world size) variables of the launchers stormshard.training.launch knows, in its order
+_RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                   ("SLURM_PROCID", "SLURM_NTASKS"))
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
@@ -62,11 +64,11 @@ def process_rank() -> int:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    for name in _RANK_VARIABLES:
-        value = os.environ.get(name, "")
-        if value.isdigit():
+    for name, size_name in _RANK_VARIABLES:
+        value, size = os.environ.get(name, ""), os.environ.get(size_name, "")
+        if value.isdigit() and size.isdigit() and int(value) < int(size):
             return int(value)
-    return 0
+    return 0  # no launcher, or a rank without a (valid) world: this process is the one to report
 
 
 def _world_size() -> int:
@@ -88,6 +90,8 @@ def _message(exc: BaseException) -> str:
         fix = {FileNotFoundError: "check the path", FileExistsError: "remove it or pass --overwrite",
                PermissionError: "check its permissions or choose another path"}.get(type(exc), "check the path")
         return f"{exc.filename}: {reason}: {fix}"
+    if isinstance(exc, OSError) and is_bad_input(exc) and exc.filename is not None:  # e.g. a read-only file system
+        return f"{exc.filename}: {exc.strerror or type(exc).__name__}: choose another path (one this user can write)"
     text = str(exc).strip()
     return text or type(exc).__name__
 
@@ -98,7 +102,7 @@ def report_failure(exc: BaseException, debug: bool = False, stream: TextIO | Non
     rank = process_rank()
     if isinstance(exc, ReportedByRank):  # e.g. rank 0 prints its own exception, the others this one
         status, printer, text = EXIT_FAILURE, exc.reporter == rank, f"error: {exc}"
-    elif isinstance(exc, BAD_INPUT):
+    elif is_bad_input(exc):
         status, printer, text = EXIT_BAD_INPUT, rank == 0, f"error: {_message(exc)}"
     else:
         status, printer = EXIT_FAILURE, True

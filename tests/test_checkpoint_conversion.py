@@ -5,6 +5,7 @@ inspect, and damaged or mismatched checkpoints fail with a list of differences a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -28,6 +29,7 @@ from stormshard.checkpoint.stored_config import stored_shard_strategy
 from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.models.registry import build_model
 from tests.distributed import run_distributed
+from tests.test_checkpoint import assert_loads_without_pickle, to_pickled_format
 from tests.tiny_run import tiny_config, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -290,6 +292,88 @@ def test_inspect_and_cli(runs, tmp_path, capsys):
     assert cli.main(["reshard", str(sharded_dir), "--gpus-per-model", "3", "--out", str(tmp_path / "r3")]) == 2
     assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "r3").exists()
+
+
+# ------------------------------------------------------------------------------ no pickled code; never into the source
+
+
+def _same_tree(a, b, where: str = "") -> None:  # noqa: ANN001
+    """``a == b`` for nested checkpoint state: types, keys, tensors bit for bit, objects by their fields."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _same_tree(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same_tree(x, y, f"{where}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif hasattr(a, "__dict__") and not isinstance(a, int):
+        assert vars(a) == vars(b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_files_load_without_pickle_and_the_pickled_format_upgrades(runs, tmp_path, capsys):
+    zero_dir, _ = runs["zero"]  # ZeRO 2: DeepSpeed's loss scaler, fragment addresses and stage enum inside
+    for step_dir in (runs["tensor"][1], runs["graph"][1], zero_dir):
+        assert_loads_without_pickle(sorted(step_dir.iterdir()))
+    reference = consolidate_checkpoint(zero_dir)
+    full = save_consolidated(reference, tmp_path / "full")
+    assert_loads_without_pickle(sorted(full.iterdir()))
+    assert_loads_without_pickle(sorted(export_bundle(full, tmp_path / "bundle").iterdir()))
+
+    old = _copy(zero_dir, tmp_path / "old" / "checkpoints" / zero_dir.name)
+    to_pickled_format(old)
+    cli = _cli()
+    assert cli.main(["consolidate", str(old.parent), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and f"python launch/convert_checkpoint.py upgrade {old}" in err, err
+    assert not (tmp_path / "c").exists()
+    assert cli.main(["upgrade", str(old.parent)]) == 0
+    assert "upgraded from format 1 to 2" in capsys.readouterr().out
+    assert_loads_without_pickle(sorted(old.iterdir()))
+    _same_tree(dataclasses.asdict(consolidate_checkpoint(old)), dataclasses.asdict(reference))
+
+    # a consolidated checkpoint of the earlier release (pickled optimizer.pt / trainer.pt) too
+    old_full = _copy(full, tmp_path / "old_full")
+    meta = json.loads((old_full / "metadata.json").read_text())
+    for name in ("optimizer.pt", "trainer.pt"):
+        torch.save(read_state_file(old_full / name), old_full / name)
+    meta.update(version=1)
+    meta.pop("files")
+    (old_full / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(ConversionError, match=f"upgrade {old_full}"):
+        load_consolidated(old_full)
+    assert cli.main(["upgrade", str(old_full)]) == 0
+    _same_tree(dataclasses.asdict(load_consolidated(old_full)), dataclasses.asdict(load_consolidated(full)))
+
+
+def test_conversion_never_writes_into_its_source(runs, tmp_path, capsys):
+    checkpoints = _copy(runs["tensor"][1].parent, tmp_path / "run" / "checkpoints")
+    step = checkpoints / runs["tensor"][1].name
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    cli = _cli()
+    cases = [  # (arguments, what the error says)
+        (["consolidate", str(checkpoints), "--out", str(checkpoints), "--overwrite"], "is the source"),
+        (["consolidate", str(step), "--out", str(step / "full"), "--overwrite"], "is inside the source"),
+        (["consolidate", str(checkpoints), "--out", str(step / "full")], "is inside the source"),
+        (["reshard", str(checkpoints), "--gpus-per-model", "1", "--out", str(checkpoints), "--overwrite"],
+         "is the source"),
+        (["reshard", str(step), "--gpus-per-model", "1", "--out", str(checkpoints), "--overwrite"],
+         "--overwrite would replace it"),
+        (["export", str(checkpoints), "--out", str(checkpoints / "bundle")], "is inside the source"),
+        (["export", str(step), "--out", str(tmp_path / "run"), "--overwrite"], "--overwrite would replace it"),
+    ]
+    for args, what in cases:
+        assert cli.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("error:") == 1 and what in err and "Traceback" not in err, (args, err)
+        assert "conversion never writes into its source" in err or "holds the source" in err, err
+    after = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    assert after == before  # the source untouched, nothing written next to it
 
 
 # ------------------------------------------------------------------------------ damaged / mismatched

@@ -513,3 +513,31 @@ def test_bad_engine_layouts():
         build_engine(make_model(0), object(), EngineSettings(engine="local"))
     with pytest.raises(EngineError, match="needs torch.distributed"):
         build_engine(make_model(0), build_process_groups(ParallelLayout(world_size=1)), EngineSettings(engine="ddp"))
+
+
+def test_lean_adamw_matches_torch_and_skips_dynamo():
+    """The torch engines' AdamW (foreach kernels, no torch._dynamo import) takes the same steps as torch's
+    default per-tensor AdamW on a CPU, bit for bit, and its state dict loads into torch's."""
+    import subprocess
+    import sys
+
+    from stormshard.training.engine.adamw import LeanAdamW, build_adamw
+
+    kwargs = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    ours, ref = make_model(3), make_model(3)
+    opt, ref_opt = build_adamw(ours.parameters(), **kwargs), torch.optim.AdamW(ref.parameters(), **kwargs)
+    assert isinstance(opt, LeanAdamW) and opt.defaults["foreach"] is True
+    for step in range(3):
+        x, target = batch(step, 2)
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            (model(x) - target).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    ref_opt.load_state_dict(opt.state_dict())
+    code = ("import sys, torch; from stormshard.training.engine.adamw import build_adamw; "
+            "p = [torch.nn.Parameter(torch.ones(3))]; o = build_adamw(p, lr=0.1); p[0].grad = torch.ones(3); "
+            "o.step(); o.zero_grad(); o.load_state_dict(o.state_dict()); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False", out

@@ -1,6 +1,9 @@
 """Faults: a rank killed mid-step ends the job naming it, a process killed mid-save leaves the previous
 checkpoint for --resume, an unwritable output_dir or a full disk stops the run before it loses work,
-and a graph build that fails on rank 0 ends every rank with rank 0's message (CPU, gloo)."""
+a graph build that fails on rank 0 ends every rank with rank 0's message (CPU, gloo); no data is lost:
+a new run in an earlier run's output_dir is refused, a resumed run logs every step once, and a damaged
+newest checkpoint (truncated, zeroed or missing rank file, truncated metadata.json) stops --resume
+naming the file and the previous complete checkpoint."""
 
 from __future__ import annotations
 
@@ -16,11 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from stormshard.checkpoint.format import latest_checkpoint, list_checkpoints
+from stormshard.checkpoint.format import CheckpointError, latest_checkpoint, list_checkpoints
+from stormshard.checkpoint.upgrade import upgrade_checkpoints
+from stormshard.training.config import ConfigError
 from stormshard.training.diskspace import DiskSpaceError
 from stormshard.training.launch import run_training
+from tests.distributed import run_distributed
+from tests.test_checkpoint import to_pickled_format
 from tests.test_launch import ROOT, dataset, finish, start_ranks, write_config  # noqa: F401 - dataset is a fixture
-from tests.tiny_run import tiny_config
+from tests.tiny_run import tiny_config, train_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -184,3 +191,148 @@ def test_graph_build_failure_on_rank_zero_ends_every_rank(dataset, tmp_path):  #
     assert rc0 == 1 and rc1 == 1, out0 + out1
     assert out0.count("error:") == 1 and "the graph builder ran out of memory" in out0 and "Traceback" not in out0
     assert "error:" not in out1 and "Traceback" not in out1, out1  # rank 0's message is the one message
+
+
+# ------------------------------------------------------------------------------ data is never lost
+
+
+def _local(data: str, out: Path, **changes) -> dict:  # noqa: ANN003
+    return tiny_config(data, out, **{"training.max_steps": 3, "training.checkpoint_interval": 1,
+                                        "training.keep_checkpoints": 3, "data.validation_samples": 1,
+                                        "engine": "local", "deepspeed": {}, **changes})
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    """Every file of a run but config.json (the resolved config each start writes, not the run's data)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "config.json"}
+
+
+def _train_cli():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "launch" / "train.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_a_new_run_in_an_earlier_runs_output_dir_is_refused(dataset, tmp_path, capsys):  # noqa: F811
+    cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2})
+    run_training(cfg)
+    before = _snapshot(tmp_path / "run")
+    with pytest.raises(ConfigError) as err:
+        run_training(cfg)
+    msg = str(err.value)
+    assert f"training.output_dir={str(tmp_path / 'run')!r} already holds a run" in msg, msg
+    assert "step_00000002" in msg and "metrics.jsonl with" in msg and "--resume" in msg and "new training.output_dir" in msg
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg))
+    assert _train_cli().main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "already holds a run" in err and "Traceback" not in err, err
+    assert _snapshot(tmp_path / "run") == before  # nothing overwritten, nothing appended
+    # metrics of a run that never reached a checkpoint count too (it cannot be resumed)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    with pytest.raises(ConfigError, match="no complete checkpoint to --resume from"):
+        run_training(_local(dataset, tmp_path / "other"))
+
+
+def test_resume_logs_every_step_once(dataset, tmp_path):  # noqa: F811
+    """A run stopped after its step-2 checkpoint but with metrics up to step 4 (a kill after step 4, before its
+    save) resumes from step 2: the records past step 2 are dropped, so each step appears once."""
+    cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 4, "training.checkpoint_interval": 2,
+                                               "training.validation_interval": 2})
+    full = run_training(cfg).losses
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    checkpoints = tmp_path / "run" / "checkpoints"
+    import shutil
+
+    shutil.rmtree(checkpoints / "step_00000004")  # the kill came before step 4's checkpoint
+    (checkpoints / "latest").write_text("step_00000002\n")
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "loss"')  # and cut a line short
+    records = [json.loads(line) for line in metrics.read_text().splitlines()[:-1]]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    resumed = run_training(cfg, resume=True).losses
+    assert resumed == full[2:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "val_rmse/tracer_1" in r] == [2, 4]
+    assert [r["loss"] for r in records if "loss" in r][2:] == pytest.approx(full[2:], rel=0, abs=0)
+
+
+def _damage(step_dir: Path, how: str) -> Path:
+    """Damage one file of ``step_dir`` as a crash, a full disk or a bad copy would; returns the file."""
+    if how == "truncated metadata.json":
+        f = step_dir / "metadata.json"
+        f.write_text(f.read_text()[:200])
+        return f
+    f = step_dir / "rank_00000.pt"
+    if how == "truncated rank file":
+        f.write_bytes(f.read_bytes()[:1000])
+    elif how == "zeroed rank file":
+        f.write_bytes(b"\0" * f.stat().st_size)
+    else:
+        f.unlink()
+    return f
+
+
+def test_damaged_newest_checkpoint_stops_resume_naming_the_file(dataset, tmp_path, capsys):  # noqa: F811
+    import shutil
+
+    base = tmp_path / "base"
+    cfg = _local(dataset, base)
+    full = run_training(cfg).losses
+    for how in ("truncated rank file", "zeroed rank file", "truncated metadata.json", "missing rank file"):
+        run = tmp_path / how.replace(" ", "_").replace(".", "_")
+        shutil.copytree(base, run)
+        damaged = _damage(run / "checkpoints" / "step_00000003", how)
+        before = _snapshot(run)
+        with pytest.raises(CheckpointError) as err:
+            run_training(_local(dataset, run), resume=True)
+        msg = str(err.value)
+        assert f"checkpoint {run / 'checkpoints' / 'step_00000003'} is damaged" in msg and str(damaged) in msg, msg
+        assert f"previous complete checkpoint is {run / 'checkpoints' / 'step_00000002'} (step 2)" in msg, msg
+        for raw in ("PytorchStreamReader", "storages", "Expecting ", "Traceback"):
+            assert raw not in msg, (how, msg)
+        assert _snapshot(run) == before, how  # nothing written: metrics, checkpoints, latest untouched
+    # through the launcher: one error line, exit status 2
+    config = tmp_path / "zeroed.json"
+    config.write_text(json.dumps(_local(dataset, tmp_path / "zeroed_rank_file")))
+    assert _train_cli().main(["--config", str(config), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "rank_00000.pt: its contents differ from the sha256" in err, err
+    # the advice works: the damaged checkpoint moved aside, --resume continues from step 2
+    step3 = tmp_path / "zeroed_rank_file" / "checkpoints" / "step_00000003"
+    step3.rename(step3.with_name("step_00000003.damaged"))
+    assert run_training(_local(dataset, tmp_path / "zeroed_rank_file"), resume=True).losses == full[2:]
+    # a checkpoint of the earlier, pickled format: refused before any work, until upgraded
+    old = tmp_path / "old"
+    shutil.copytree(base, old)
+    for step_dir in list_checkpoints(old / "checkpoints"):
+        to_pickled_format(step_dir)
+    with pytest.raises(CheckpointError, match=r"convert_checkpoint.py upgrade .*old/checkpoints"):
+        run_training(_local(dataset, old, **{"training.max_steps": 4}), resume=True)
+    upgrade_checkpoints(old / "checkpoints")
+    cont = run_training(_local(dataset, base, **{"training.max_steps": 4}), resume=True).losses
+    assert run_training(_local(dataset, old, **{"training.max_steps": 4}), resume=True).losses == cont
+
+
+def _resume_message(rank: int, world: int, cfg: dict) -> str:
+    try:
+        run_training(cfg, resume=True)
+    except CheckpointError as exc:
+        return str(exc)
+    return "resumed"
+
+
+def test_a_damaged_file_of_one_rank_stops_every_rank(dataset, tmp_path):  # noqa: F811
+    cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2, "parallel.gpus_per_model": 2})
+    run_distributed(train_losses, 2, cfg)
+    f = tmp_path / "run" / "checkpoints" / "step_00000002" / "rank_00001.pt"
+    f.write_bytes(b"\0" * f.stat().st_size)
+    messages = run_distributed(_resume_message, 2, cfg)
+    assert messages[0] == messages[1] and f"{f}: its contents differ from the sha256" in messages[0], messages
+    assert "step_00000001 (step 1)" in messages[0]

@@ -446,3 +446,37 @@ def test_bad_configs_raise_clear_errors():
         build_graph(
             GraphConfig(data_grid="o16", hidden="ico0", decoder={"kind": "knn", "num_neighbours": 13})
         )
+
+
+def test_hetero_graph_container():
+    """The graph container: stores by node / edge type, attribute and item access, counts, validation;
+    and building a graph never imports torch-geometric (~130 MiB per process)."""
+    import subprocess
+    import sys
+
+    from stormshard.graphs.hetero import HeteroGraph
+
+    g = HeteroGraph()
+    g["data"].x = torch.zeros(5, 2)
+    g["hidden"]["x"] = torch.zeros(3, 2)
+    g[ENCODER].edge_index = torch.tensor([[0, 4, 2], [0, 1, 2]])
+    g[ENCODER].edge_attr = torch.zeros(3, 3)
+    g.config_hash = "abc"
+    assert g.node_types == ["data", "hidden"] and g.edge_types == [ENCODER]
+    assert g["data"].num_nodes == 5 and g[ENCODER].num_edges == 3 and g["hidden"].x is g["hidden"]["x"]
+    assert g[ENCODER].keys() == ["edge_index", "edge_attr"] and g.config_hash == "abc"
+    assert g.validate()
+    g[ENCODER].edge_index = torch.tensor([[0, 5], [0, 3]])  # source 5 of 5 data nodes, destination 3 of 3
+    with pytest.raises(ValueError, match=r"row 0 leaves \[0, 5\) of 'data'.*row 1 leaves \[0, 3\) of 'hidden'"):
+        g.validate()
+    assert not g.validate(raise_on_error=False)
+    with pytest.raises(AttributeError, match="has no 'area_weight'"):
+        _ = g["data"].area_weight
+    with pytest.raises(KeyError, match="node type"):
+        _ = g[("data", "to")]
+    code = ("import sys; from stormshard.graphs.builder import GraphConfig, build_graph; "
+            "import stormshard.models.registry, stormshard.training.loop; "
+            "build_graph(GraphConfig(data_grid='o8', hidden='ico1')); "
+            "print([m for m in ('torch_geometric', 'pandas') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out

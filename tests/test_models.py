@@ -29,6 +29,15 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=3)),
     "transformer-checkpointed": dict(name="transformer", activation_checkpointing=True),
     "gnn-checkpointed": dict(name="gnn", activation_checkpointing=True, processor=dict(num_chunks=3)),
+    # anemoi's AIFS features (an imported anemoi model): trainable edge features, latent skip, the
+    # decoder's own input embedding, ReLU bounding of an output
+    "graphtransformer-anemoi": dict(name="graphtransformer", latent_skip=True, decoder_embedding=True,
+                                    relu_bounded=("precip",),
+                                    processor=dict(num_chunks=2, self_projection=True, trainable_edge_size=2),
+                                    encoder=dict(self_projection=True, trainable_edge_size=3),
+                                    decoder=dict(self_projection=True, trainable_edge_size=2)),
+    "transformer-anemoi": dict(name="transformer", latent_skip=True, decoder_embedding=True, relu_bounded=("u",),
+                               encoder=dict(trainable_edge_size=2), decoder=dict(trainable_edge_size=1)),
 }
 
 
@@ -47,8 +56,10 @@ def _config(case: str) -> tuple[ModelConfig, str]:
     strategy = spec.pop("strategy", "shard_sequence")
     proc = dict(num_layers=2, num_heads=12, window_size=9, mlp_ratio=2)
     proc.update(spec.pop("processor", {}))
+    encoder = dict(num_heads=2, mlp_ratio=2.0, **spec.pop("encoder", {}))
+    decoder = dict(num_heads=2, mlp_ratio=1.0, **spec.pop("decoder", {}))
     config = ModelConfig(num_channels=24, multistep_input=2, trainable_size=3, processor=proc,
-                         encoder=dict(num_heads=2, mlp_ratio=2.0), decoder=dict(num_heads=2, mlp_ratio=1.0), **spec)
+                         encoder=encoder, decoder=decoder, **spec)
     return config, strategy
 
 

@@ -79,7 +79,11 @@ def test_metrics_log_jsonl_and_progress(tmp_path):
 
     from stormshard.training.metrics_log import MetricsLogger
 
-    stream = io.StringIO()
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()  # a terminal: a tqdm bar
     with MetricsLogger(tmp_path, total_steps=3, stream=stream) as log:
         for step in (1, 2, 3):
             log.log(step, {"loss": torch.tensor(1.0 / step), "lr": 0.1, "bad": float("nan")}, samples=8)
@@ -90,6 +94,14 @@ def test_metrics_log_jsonl_and_progress(tmp_path):
     assert "samples_per_s" not in lines[0] and lines[2]["samples_per_s"] > 0
     out = stream.getvalue()
     assert "done" in out and "3/3" in out and "loss=0.3333" in out and "samples/s=" in out
+    # a log file (not a terminal): plain lines at the first and the last step (every_s apart between), no \r
+    stream = io.StringIO()
+    with MetricsLogger(tmp_path / "file", total_steps=3, stream=stream) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"loss": 1.0 / step}, samples=8)
+        log.write("done")
+    out = stream.getvalue()
+    assert "\r" not in out and [x.split(" |")[0] for x in out.splitlines()] == ["step 1/3 (33%)", "step 3/3 (100%)", "done"]
     # other ranks write nothing
     other = MetricsLogger(tmp_path / "rank1", rank=1, wandb=True)
     assert other.log(1, {"loss": 1.0}) == {} and not (tmp_path / "rank1").exists()

@@ -1,6 +1,8 @@
-"""Checkpoints below training: the on-disk format (:mod:`stormshard.checkpoint.format`), the stored
-config's sections (:mod:`stormshard.checkpoint.stored_config`), and conversion driven by partition
-metadata: consolidate, reshard, export, inspect. Nothing here imports :mod:`stormshard.training`."""
+"""Checkpoints below training: the on-disk format (:mod:`stormshard.checkpoint.format`; state as tensors
+plus JSON, no pickles: :mod:`~stormshard.checkpoint.state_codec`; per-file checksums:
+:mod:`~stormshard.checkpoint.integrity`; the pickled format 1: :mod:`~stormshard.checkpoint.upgrade`),
+the stored config's sections (:mod:`stormshard.checkpoint.stored_config`), and conversion driven by
+partition metadata: consolidate, reshard, export, inspect. Nothing here imports :mod:`stormshard.training`."""
 
 from __future__ import annotations
 

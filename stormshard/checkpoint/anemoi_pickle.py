@@ -198,6 +198,11 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._cache: dict[str, Any] = {}
         self.stubbed: set[str] = set()
 
+    @property
+    def storage_keys(self) -> set[str]:
+        """The storage keys read so far."""
+        return set(self._cache)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
@@ -232,6 +237,7 @@ class AnemoiCheckpoint:
     supporting_arrays: dict[str, np.ndarray]
     kind: str
     stubbed: set[str] = field(default_factory=set)
+    storages_read: set[str] = field(default_factory=set)  # the data/<key> entries the pickle referenced
 
 
 def _read_metadata(z: zipfile.ZipFile, names: list[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -302,7 +308,7 @@ def open_anemoi_checkpoint(path: str | os.PathLike) -> AnemoiCheckpoint:
         raise NotAnemoiCheckpoint(f"{p} is not an anemoi checkpoint: no anemoi-metadata/anemoi.json "
                                   "(or ai-models.json) entry",
                                   fix="give a checkpoint written by anemoi-training's checkpoint callback")
-    return AnemoiCheckpoint(p, root, metadata, arrays, kind, set(unpickler.stubbed))
+    return AnemoiCheckpoint(p, root, metadata, arrays, kind, set(unpickler.stubbed), set(unpickler.storage_keys))
 
 
 class _TypedStorageReader:

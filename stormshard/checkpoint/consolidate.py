@@ -145,6 +145,7 @@ def checked_metadata(path: Path) -> dict[str, Any]:
         raise ConversionError(str(exc)) from None
     if isinstance(meta, dict) and (meta.get("format") == PICKLED_FORMAT or meta.get("format") ==
                                    CONSOLIDATED_FORMAT and meta.get("version") == 1):
+        check_metadata(meta, str(path / METADATA), CONSOLIDATED_FORMAT, PICKLED_FORMAT)  # foreign keys first
         raise ConversionError(str(pickled_format_error(path)))
     return check_metadata(meta, str(path / METADATA), CONSOLIDATED_FORMAT, TRAINING_FORMAT)
 

@@ -110,13 +110,18 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` points at, else the newest complete one, else None."""
+    """The checkpoint ``latest`` points at, else (no pointer, or a dangling or damaged one) the newest
+    complete one, else None."""
     root = Path(directory)
     pointer = root / LATEST
     if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if (target / METADATA).is_file():
-            return target
+        try:
+            name = pointer.read_text().strip()
+            target = root / name
+            if _step_of(name) is not None and (target / METADATA).is_file():
+                return target
+        except (OSError, UnicodeDecodeError, ValueError):  # a damaged pointer (e.g. zeroed: a NUL in the name)
+            pass
     complete = list_checkpoints(root)
     return complete[-1] if complete else None
 

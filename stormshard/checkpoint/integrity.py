@@ -93,18 +93,19 @@ def _metadata(step_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     return meta, None
 
 
-def checkpoint_problems(step_dir: str | os.PathLike, contents: bool = False, ranks: Iterable[int] | None = None,
-                        allow_pickled: bool = False) -> list[str]:
+def checkpoint_problems(step_dir: str | os.PathLike, contents: bool = False,
+                        ranks: Iterable[int] | None = None) -> list[str]:
     """What is damaged in the training checkpoint ``step_dir``: ``metadata.json`` unreadable, rank files
     missing, files whose size (and, with ``contents``, sha256) differs from the recorded one. ``ranks``:
     check only these ranks' files (default: all). A checkpoint of the pickled format raises
-    :func:`~stormshard.checkpoint.format.pickled_format_error` unless ``allow_pickled``."""
+    :func:`~stormshard.checkpoint.format.pickled_format_error` (naming the checkpoints directory to
+    upgrade)."""
     root = Path(step_dir)
     meta, problem = _metadata(root)
     if meta is None:
         return [problem or f"{root / METADATA}: unreadable"]
-    if meta.get("format") == PICKLED_FORMAT and not allow_pickled:
-        raise pickled_format_error(root)
+    if meta.get("format") == PICKLED_FORMAT:
+        raise pickled_format_error(root.parent)  # the checkpoints directory: `upgrade` takes every step in it
     world = meta["world_size"]
     wanted = range(world) if ranks is None else list(ranks)
     names = [f"{rank_name(r)}.pt" for r in wanted]

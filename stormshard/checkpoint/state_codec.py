@@ -59,6 +59,10 @@ STATE_CLASSES = (  # plain-data classes DeepSpeed puts into its optimizer state 
 _MARK = "state"
 
 
+def _child(path: str, key: Any) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -81,10 +85,10 @@ class _Encoder:
         return self.leaf(k, path)
 
     def leaf(self, x: Any, path: str) -> Any:  # noqa: C901, PLR0911, PLR0912 - one branch per stored type
-        if x is None or isinstance(x, (bool, str)):
-            return x
-        if isinstance(x, enum.Enum):
+        if isinstance(x, enum.Enum):  # before str / int: an IntEnum or StrEnum keeps its class
             return self._enum(x, path)
+        if x is None or type(x) in (bool, str):
+            return x
         if isinstance(x, int) and type(x) is int:
             return x
         if isinstance(x, float) and type(x) is float:
@@ -108,13 +112,13 @@ class _Encoder:
         if isinstance(x, torch.Size):
             return {"size": list(x)}
         if isinstance(x, tuple) and type(x) is tuple:
-            return {"tuple": [self.leaf(v, f"{path}/{i}") for i, v in enumerate(x)]}
+            return {"tuple": [self.leaf(v, _child(path, i)) for i, v in enumerate(x)]}
         if isinstance(x, list) and type(x) is list:
-            return [self.leaf(v, f"{path}/{i}") for i, v in enumerate(x)]
+            return [self.leaf(v, _child(path, i)) for i, v in enumerate(x)]
         if type(x) in (dict, OrderedDict):
             return self._dict(x, path)
         if _qualified(type(x)) in STATE_CLASSES and hasattr(x, "__dict__"):
-            attrs = {k: self.leaf(v, f"{path}/{k}") for k, v in vars(x).items()}
+            attrs = {k: self.leaf(v, _child(path, k)) for k, v in vars(x).items()}
             return {"object": _qualified(type(x)), "attrs": attrs}
         raise TypeError(
             f"checkpoint state at {path or '<root>'}: a {_qualified(type(x))} cannot be stored without pickle; store "
@@ -131,14 +135,14 @@ class _Encoder:
     def _dict(self, x: Mapping[Any, Any], path: str) -> dict[str, Any]:
         node: dict[str, Any]
         if all(isinstance(k, str) for k in x):
-            node = {"dict": {k: self.leaf(v, f"{path}/{k}") for k, v in x.items()}}
+            node = {"dict": {k: self.leaf(v, _child(path, k)) for k, v in x.items()}}
         else:
-            node = {"items": [[self.key(k, path), self.leaf(v, f"{path}/{k}")] for k, v in x.items()]}
+            node = {"items": [[self.key(k, path), self.leaf(v, _child(path, k))] for k, v in x.items()]}
         if isinstance(x, OrderedDict):
             node["ordered"] = True
         meta = getattr(x, "_metadata", None)
         if meta is not None:
-            node["meta"] = self.leaf(meta, f"{path}/_metadata")
+            node["meta"] = self.leaf(meta, _child(path, "_metadata"))
         return node
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import tempfile
 import time
 from pathlib import Path
@@ -204,8 +205,12 @@ def save_graph(graph: HeteroGraph, path: str | os.PathLike, config: GraphConfig 
 
 
 def load_graph(path: str | os.PathLike) -> HeteroGraph:
-    """Read a graph written by ``save_graph``."""
-    payload = torch.load(path, weights_only=True)
+    """Read a graph written by ``save_graph``; a file that is not one is a ``ValueError`` naming it."""
+    try:
+        payload = torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # not a torch file, truncated, foreign objects
+        raise ValueError(f"{path} is not a stormshard graph file (it cannot be read: {str(exc).splitlines()[0][:120]}); "
+                         "pass the graph file of the run, or delete it to rebuild") from None
     if not isinstance(payload, dict) or payload.get("format") != GRAPH_FORMAT_VERSION:
         raise ValueError(
             f"{path} is not a stormshard graph file of format {GRAPH_FORMAT_VERSION}; delete it to rebuild"
@@ -238,7 +243,7 @@ def load_or_build_graph(
             if graph is not None and graph.config_hash == digest:
                 note(f"graph: loaded {path} (built from this config)")
                 return graph
-        graph = _build_graph(config, data_latlon)
+        graph = build_graph(config, data_latlon)  # its phases print inside this reporting
         save_graph(graph, path, config)
         note(f"graph: saved {path}")
     return graph

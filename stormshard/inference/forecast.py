@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -157,7 +158,10 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         dates=date_list, steps=steps, out=out, members=members, world_size=world, gpus_per_model=gpus_per_model,
         precision=precision or info.precision, formats=formats, plot_variables=plot_variables or [],
         plot_steps=plot_steps, cells_per_chunk=cells_per_chunk, verify=verify, seed=seed, overwrite=overwrite,
-        model_name=info.name)
+        model_name=info.name, train_range=info.train_range)
+    if verbose and rank == 0:
+        for warning in req.warnings:  # e.g. in-sample scores
+            print(warning, file=sys.stderr, flush=True)
     _barrier()  # every rank has checked before rank 0 creates anything
 
     layout = ParallelLayout(world_size=world, gpus_per_model=req.gpus_per_model)

@@ -2,12 +2,15 @@
 
 :func:`check_request` validates the initial dates, lead steps, members, model-group size,
 precision, output formats and paths against the model (its grid, variables, timestep) and the
-dataset (its coordinates, dates, missing dates), and returns a frozen :class:`ForecastRequest`.
-Every error names the argument, the value and the fix.
+dataset (its coordinates, dates, missing dates), and that ``out`` can be written, and returns a
+frozen :class:`ForecastRequest`. Every error names the argument, the value and the fix. A request
+that is legitimate but worth a word gets a line in ``ForecastRequest.warnings``: scores of initial
+dates whose lead times fall inside the model's training range are in-sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,12 +20,14 @@ from typing import Any
 import numpy as np
 
 from stormshard.data.anemoi_layout import AnemoiDataset, as_datetime64, frequency_to_string, parse_frequency
+from stormshard.data.dataset import date_range_bounds
+from stormshard.errors import check_writable_directory
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.inference.loader import PRECISIONS
 from stormshard.inference.outputs import netcdf_engine
 from stormshard.models.variables import VariableIndex
 
-__all__ = ["FORMATS", "ForecastRequest", "check_request", "date_directory", "default_members"]
+__all__ = ["FORMATS", "ForecastRequest", "check_request", "date_directory", "default_members", "in_sample_warning"]
 
 FORMATS = ("zarr", "netcdf")
 COORDINATE_TOLERANCE_DEG = 1e-4
@@ -52,6 +57,7 @@ class ForecastRequest:
     cells_per_chunk: int | None
     verify: bool
     seed: int
+    warnings: tuple[str, ...] = ()  # lines rank 0 prints before the forecast (e.g. in-sample scores)
 
     def indices(self, i: int) -> np.ndarray:
         """Dataset indices of initial date ``i``: its ``multistep`` inputs, then the ``steps`` lead times."""
@@ -101,6 +107,26 @@ def _check_grid(ds: AnemoiDataset, graph: HeteroGraph, dataset: Any) -> None:
             "grid, in the same cell order")
 
 
+def in_sample_warning(ds: AnemoiDataset, init_indices: Sequence[int], indices: Sequence[np.ndarray],
+                      train_range: tuple[Any, Any] | None) -> str | None:
+    """A warning when a forecast's lead times fall inside the model's training range (``data.train``
+    of its config; an open end is this dataset's first or last date): its scores are in-sample."""
+    if train_range is None:
+        return None
+    try:
+        lo, hi = date_range_bounds(ds, *train_range)
+    except ValueError:
+        return None
+    inside = [str(ds.dates[t0]) for t0, idx in zip(init_indices, indices, strict=True)
+              if any(lo <= ds.dates[i] <= hi for i in idx)]
+    if not inside:
+        return None
+    shown = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+    return (f"warning: the forecast from {shown} uses dates inside the model's training range (data.train: "
+            f"{lo} to {hi}): the model trained on them, so its scores are "
+            "in-sample (better than on unseen dates); forecast from dates after the training range for honest scores")
+
+
 def _stride(timestep: str | None, ds: AnemoiDataset) -> tuple[int, str]:
     step = parse_frequency(timestep) if timestep else ds.frequency
     ratio = step / ds.frequency
@@ -115,8 +141,9 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
                   dates: Sequence[Any], steps: int, out: str | os.PathLike, members: int | None, world_size: int,
                   gpus_per_model: int, precision: str, formats: Sequence[str], plot_variables: Sequence[str],
                   plot_steps: Sequence[int] | None, cells_per_chunk: int | None, verify: bool, seed: int,
-                  overwrite: bool, model_name: str) -> ForecastRequest:
-    """Validate a request (see the module docstring); nothing is created."""
+                  overwrite: bool, model_name: str, train_range: tuple[Any, Any] | None = None) -> ForecastRequest:
+    """Validate a request (see the module docstring); nothing is created. ``train_range``: the model's
+    ``data.train`` ``(start, end)``, for the in-sample warning."""
     steps = _positive_int("steps", steps)
     k = _positive_int("gpus_per_model", gpus_per_model)
     n_data, n_hidden = graph["data"].num_nodes, graph["hidden"].num_nodes
@@ -178,6 +205,7 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
     if bad:
         raise ValueError(f"plot steps {bad} are outside 1..{steps}")
     out = Path(out)
+    check_writable_directory(out, "--out")
     several = len(init_dates) > 1
     date_dirs = tuple(date_directory(out, d, several) for d in init_dates)
     if not overwrite:
@@ -185,6 +213,9 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
         taken += [str(out / "scores.json")] if (out / "scores.json").exists() else []
         if taken:
             raise FileExistsError(f"{taken[0]} exists: choose another --out or pass --overwrite")
-    return ForecastRequest(str(dataset), tuple(init_idx), tuple(init_dates), stride, step_text, multistep, steps,
-                           members, k, precision, fmts, out, date_dirs, tuple(plot_variables), tuple(plot_steps),
-                           cells_per_chunk, verify, seed)
+    req = ForecastRequest(str(dataset), tuple(init_idx), tuple(init_dates), stride, step_text, multistep, steps,
+                          members, k, precision, fmts, out, date_dirs, tuple(plot_variables), tuple(plot_steps),
+                          cells_per_chunk, verify, seed)
+    warning = in_sample_warning(ds, req.init_indices, [req.indices(i) for i in range(len(init_idx))], train_range) \
+        if verify else None
+    return req if warning is None else dataclasses.replace(req, warnings=(warning,))

@@ -45,6 +45,7 @@ class ProcessorConfig(_Strict):
     window_size: int = Field(64, description="sliding-window half width in hidden nodes, at least 1")
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graphtransformer: anemoi's lin_self in every block
+    trainable_edge_size: int = Field(0, ge=0)  # graph processors: trainable features per edge (anemoi's)
 
     @field_validator("window_size")
     @classmethod
@@ -67,6 +68,7 @@ class MapperConfig(_Strict):
     mlp_ratio: float = Field(4.0, gt=0)
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graph-transformer mapper: anemoi's lin_self
+    trainable_edge_size: int = Field(0, ge=0)  # trainable features per edge, appended to the edge attributes
 
 
 class EnsembleConfig(_Strict):
@@ -93,6 +95,10 @@ class ModelConfig(_Strict):
     decoder: MapperConfig = MapperConfig()
     ensemble: EnsembleConfig | None = None
     activation_checkpointing: bool = False
+    # anemoi's AIFS features (all off by default; an imported anemoi model sets them):
+    latent_skip: bool = False  # the processor's input added to its output
+    decoder_embedding: bool = False  # the decoder's own embedding of the data-node inputs (anemoi's emb_nodes_dst)
+    relu_bounded: tuple[str, ...] = ()  # output variables passed through a ReLU (normalised; anemoi's ReluBounding)
     options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")

@@ -30,7 +30,7 @@ from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.models.config import ModelConfig
-from stormshard.models.processors import GraphProcessor, WindowTransformerProcessor
+from stormshard.models.processors import GraphProcessor, TrainableEdges, WindowTransformerProcessor
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.models.variables import VariableIndex
 from stormshard.parallel.graph import GraphShardPlan
@@ -76,14 +76,29 @@ class EncoderProcessorDecoder(nn.Module):
         self.hidden_embedding = nn.Parameter(torch.randn(self.plan.num_hidden, t) * 0.02)
         self.embed_data = nn.Linear(config.multistep_input * n_in + 4 + t, c)
         self.embed_hidden = nn.Linear(4 + t, c)
+        # anemoi's decoder emb_nodes_dst: its own embedding of the data-node inputs (else: the encoder's)
+        self.embed_data_decoder = (nn.Linear(config.multistep_input * n_in + 4 + t, c)
+                                   if config.decoder_embedding else None)
 
         enc_attr, dec_attr = graph[ENCODER].edge_attr, graph[DECODER].edge_attr
-        self.register_buffer("encoder_edge_attr", self.plan.encoder.shard_edges(enc_attr), persistent=False)
-        self.register_buffer("decoder_edge_attr", self.plan.decoder.shard_edges(dec_attr), persistent=False)
-        self.encoder = self._mapper(config.encoder, enc_attr.shape[1], self.plan.encoder)
+        if config.encoder.trainable_edge_size or config.decoder.trainable_edge_size:
+            self.encoder_edges = TrainableEdges(enc_attr, self.plan.encoder, config.encoder.trainable_edge_size)
+            self.decoder_edges = TrainableEdges(dec_attr, self.plan.decoder, config.decoder.trainable_edge_size)
+            enc_channels, dec_channels = self.encoder_edges.channels, self.decoder_edges.channels
+        else:  # the original layout: plain buffers (parameter and buffer names unchanged)
+            self.register_buffer("encoder_edge_attr", self.plan.encoder.shard_edges(enc_attr), persistent=False)
+            self.register_buffer("decoder_edge_attr", self.plan.decoder.shard_edges(dec_attr), persistent=False)
+            enc_channels, dec_channels = enc_attr.shape[1], dec_attr.shape[1]
+        self.encoder = self._mapper(config.encoder, enc_channels, self.plan.encoder)
         self.processor = self.build_processor(graph)
-        self.decoder = self._mapper(config.decoder, dec_attr.shape[1], self.plan.decoder)
+        self.decoder = self._mapper(config.decoder, dec_channels, self.plan.decoder)
         self.head = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, n_out))
+        unknown = sorted(set(config.relu_bounded) - set(variables.output_names))
+        if unknown:
+            raise ValueError(f"model.relu_bounded names {unknown}, which are not output variables "
+                             f"({list(variables.output_names)}): name output variables or drop them")
+        self.register_buffer("relu_columns", torch.tensor(
+            [variables.output_names.index(v) for v in config.relu_bounded], dtype=torch.long), persistent=False)
 
         # residual prediction: output column prognostic_in_output[i] adds input column prognostic_in_input[i]
         self.register_buffer("prognostic_in_input", torch.tensor(variables.prognostic_in_input, dtype=torch.long),
@@ -129,22 +144,36 @@ class EncoderProcessorDecoder(nn.Module):
         dtype = self.embed_data.weight.dtype  # compute dtype: bf16 under DeepSpeed's bf16 mode, else the parameters'
         states = rearrange(x, "b t g v -> g b (t v)").to(dtype)
         data_static = torch.cat([self.data_coords.to(dtype), self.data_embedding[data_slice]], dim=-1)
-        x_data = self.embed_data(torch.cat([states, data_static.unsqueeze(1).expand(-1, batch, -1)], dim=-1))
+        data_in = torch.cat([states, data_static.unsqueeze(1).expand(-1, batch, -1)], dim=-1)
+        x_data = self.embed_data(data_in)
         hidden_static = torch.cat([self.hidden_coords.to(dtype), self.hidden_embedding[hidden_slice]], dim=-1)
         x_hidden = self.embed_hidden(hidden_static).unsqueeze(1).expand(-1, batch, -1)
-        x_hidden = self.encoder(x_data, x_hidden, self.encoder_edge_attr)
+        x_hidden = self.encoder(x_data, x_hidden, self.edges("encoder"))
+        if self.embed_data_decoder is not None:  # anemoi: the decoder embeds the raw data-node inputs itself
+            x_data = self.embed_data_decoder(data_in)
         return x_data, x_hidden
+
+    def edges(self, which: str) -> Tensor:
+        """This rank's edge features of the encoder or decoder graph (trainable ones appended)."""
+        module = getattr(self, f"{which}_edges", None)
+        return module() if module is not None else getattr(self, f"{which}_edge_attr")
 
     def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor) -> Tensor:
         """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
-        x_data = self.decoder(x_hidden, x_data, self.decoder_edge_attr)
+        x_data = self.decoder(x_hidden, x_data, self.edges("decoder"))
         out = rearrange(self.head(x_data), "g b v -> b g v")
         # the carried state is added in the input's dtype (fp32 in training), never rounded to bf16
         last = x[:, -1]
         residual = last.new_zeros(out.shape).index_copy(-1, self.prognostic_in_output,
                                                         last.index_select(-1, self.prognostic_in_input))
-        return out.to(last.dtype) + residual
+        out = out.to(last.dtype) + residual
+        if self.relu_columns.numel():  # anemoi's ReluBounding, after the residual (normalised units)
+            out = out.index_copy(-1, self.relu_columns, torch.relu(out.index_select(-1, self.relu_columns)))
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         x_data, x_hidden = self.encode(x)
-        return self.decode(self.processor(x_hidden), x_data, x)
+        x_proc = self.processor(x_hidden)
+        if self.config.latent_skip:  # anemoi's latent skip around the processor
+            x_proc = x_proc + x_hidden
+        return self.decode(x_proc, x_data, x)

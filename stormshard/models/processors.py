@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import torch
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -17,8 +18,33 @@ from stormshard.layers.graph_transformer import GraphTransformerProcessorBlock
 from stormshard.layers.transformer import TransformerProcessor
 from stormshard.models.config import ModelConfig
 from stormshard.models.sharding import ModelShardPlan
+from stormshard.parallel.graph import GraphShardPlan
 
-__all__ = ["WindowTransformerProcessor", "GraphProcessor"]
+__all__ = ["WindowTransformerProcessor", "GraphProcessor", "TrainableEdges"]
+
+class TrainableEdges(nn.Module):
+    """Fixed edge attributes of this rank's edges, with ``size`` trainable features per edge appended
+    (anemoi's ``edge_trainable_parameters``; ``size`` 0: the fixed attributes alone).
+
+    The trainable tensor ``trainable`` ``(num_edges, size)`` covers every edge of the graph (replicated
+    over the model group like the node embeddings); a rank reads its edges' rows (``plan.edge_ids``),
+    so the gradients summed over the group are the single-process ones. ``forward()`` returns
+    ``(local_edges, edge_channels + size)``.
+    """
+
+    def __init__(self, edge_attr: Tensor, plan: GraphShardPlan, size: int) -> None:
+        super().__init__()
+        self.register_buffer("edge_attr", plan.shard_edges(edge_attr), persistent=False)
+        self.register_buffer("edge_ids", plan.edge_ids.clone(), persistent=False)
+        self.trainable = nn.Parameter(torch.zeros(edge_attr.shape[0], size)) if size else None
+        self.channels = edge_attr.shape[1] + size
+
+    def forward(self) -> Tensor:
+        if self.trainable is None:
+            return self.edge_attr
+        local = self.trainable.index_select(0, self.edge_ids)
+        return torch.cat([self.edge_attr.to(local.dtype), local], dim=-1)
+
 
 
 class WindowTransformerProcessor(nn.Module):
@@ -70,8 +96,12 @@ class GraphProcessor(nn.Module):
             raise ValueError("a graph processor needs the processor plan: build ModelShardPlan with processor_graph=True")
         p, c, graph_plan = config.processor, config.num_channels, plan.processor
         self.kind = config.name
-        self.register_buffer("edge_attr", graph_plan.shard_edges(edge_attr), persistent=False)
-        edge_channels = edge_attr.shape[1]
+        if p.trainable_edge_size:  # anemoi's trainable edge features (parameter "edges.trainable")
+            self.edges = TrainableEdges(edge_attr, graph_plan, p.trainable_edge_size)
+            edge_channels = self.edges.channels
+        else:
+            self.register_buffer("edge_attr", graph_plan.shard_edges(edge_attr), persistent=False)
+            edge_channels = edge_attr.shape[1]
         if self.kind == "gnn":
             pool = EdgeBufferPool() if buffer_pool is None else buffer_pool
             self.blocks = nn.ModuleList(
@@ -87,7 +117,8 @@ class GraphProcessor(nn.Module):
             )
 
     def forward(self, x: Tensor) -> Tensor:
-        edge_attr = self.edge_attr
+        edges = getattr(self, "edges", None)
+        edge_attr = edges() if edges is not None else self.edge_attr
         for block in self.blocks:
             x, edge_attr = block(x, edge_attr)
         return x

@@ -8,17 +8,18 @@ the loss is summed over the group with ``reduce_tensor`` (backward: identity). S
   model group;
 - a *partitioned* (tensor-parallel slice) parameter's gradient is already complete.
 
-Averaging over the data-parallel group is a separate, later step (DeepSpeed, DDP or the
-compressor does it). Both sums are linear, so their order does not matter for exact all-reduce;
-a compressor is not linear, so the model-group sum must come first (use the hooks then).
+Averaging over the data-parallel group is a separate step (DeepSpeed, DDP or the compressor does
+it). Both sums are linear, so their order does not matter for exact all-reduce; a compressor is not
+linear, so the model-group sum must come first.
 
-Two ways to do the model-group sum:
+The tools (where each engine uses which: :mod:`stormshard.training.engine.grad_sum`):
 
-- :func:`reduce_model_parallel_gradients` after backward: one flat all-reduce per gradient dtype
-  (optionally split into buckets of ``bucket_cap_mb``);
+- :func:`all_reduce_flat_`: sum a list of tensors over a group with one flat all-reduce per dtype
+  (optionally in buckets of ``bucket_cap_mb``);
+- :func:`reduce_model_parallel_gradients`: that, on the replicated parameters' ``.grad`` after backward;
 - :func:`register_model_parallel_grad_hooks`: a tensor hook per replicated parameter that sums its
-  gradient during backward, before it is accumulated into ``.grad`` (works when DeepSpeed ZeRO 1/2
-  or DDP reduce and partition gradients in their own hooks).
+  gradient during backward, before it is accumulated into ``.grad`` (one blocking all-reduce per
+  parameter: the slow fallback that works inside any engine's own hooks).
 """
 
 from __future__ import annotations

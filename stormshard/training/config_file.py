@@ -86,14 +86,15 @@ def _lines_of(text: str, key: str) -> list[int]:
     return [text.count("\n", 0, m.start()) + 1 for m in pattern.finditer(text)]
 
 
-def loads_json(text: str, source: str) -> Any:
+def loads_json(text: str, source: str, prefix: str = "") -> Any:
     """``json.loads`` that refuses a key given twice in one object (:class:`ConfigError` naming
-    ``source``, the dotted key, both values and their lines); :class:`json.JSONDecodeError` as usual."""
+    ``source``, the dotted key (under ``prefix``), both values and their lines); :class:`json.JSONDecodeError`
+    as usual."""
     value = json.loads(text, object_pairs_hook=_object_pairs)
-    found = _first_duplicate(value)
+    found = _first_duplicate(value, prefix)
     if found is not None:
         dotted, first, last = found
-        lines = _lines_of(text, dotted.rsplit(".", 1)[-1])
+        lines = sorted(set(_lines_of(text, dotted.rsplit(".", 1)[-1])))
         where = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
         raise ConfigError(
             f"{source}: the key {dotted} is given twice{where}, first {json.dumps(_plain(first))}, then "
@@ -143,7 +144,7 @@ def parse_override(item: str, source: str = "override") -> tuple[list[str], Any]
     if any(not p for p in parts):
         raise ConfigError(f"{source} {item!r}: the key {key!r} has an empty part; write section.key=value")
     try:
-        value = loads_json(text, f"{source} {item!r}")
+        value = loads_json(text, f"{source} {item!r}", prefix=key)
     except json.JSONDecodeError as exc:
         if text.lstrip().startswith(("{", "[")):
             raise ConfigError(f"{source} {item!r}: the value is not valid JSON ({exc.msg} at column {exc.colno}); "

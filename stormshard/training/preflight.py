@@ -31,8 +31,6 @@ there, and raises :class:`~stormshard.training.config.ConfigError` (or ``LayoutE
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +45,7 @@ from stormshard.data.dataset import (
     split_by_dates,
 )
 from stormshard.data.normalisation import Normaliser, nan_fill_values
+from stormshard.errors import check_writable_directory, nearest_existing_parent
 from stormshard.graphs.builder import KNNEdges
 from stormshard.models.parallelize import check_parallel_strategy
 from stormshard.models.variables import VariableIndex
@@ -194,39 +193,12 @@ def check_resume(config: ExperimentConfig, world: int | None = None) -> tuple[st
     return tuple(f"resume: {d} (allowed on --resume)" for d in allowed)
 
 
-def nearest_existing_parent(path: Path) -> Path:
-    """``path`` itself when it exists, else its closest existing ancestor."""
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def _check_directory(path: Path, field: str) -> None:
-    base = nearest_existing_parent(path)
-    if not base.is_dir():
-        raise ConfigError(
-            f"{field}={str(path)!r} cannot be created: {base} is a file, not a directory; choose another path"
-        )
-    reason = None if os.access(base, os.W_OK | os.X_OK) else "it does not allow writing for this user"
-    if reason is None:  # permissions can lie (root, read-only or virtual file systems): probe, then remove
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".stormshard-probe-", dir=base))
-        except OSError as exc:
-            reason = exc.strerror or type(exc).__name__
-    if reason is not None:
-        raise ConfigError(
-            f"{field}={str(path)!r} is not writable ({base}: {reason}): fix its permissions or choose another "
-            "path; nothing was started"
-        )
-
-
 def check_output_dir(config: ExperimentConfig) -> None:
     """``training.output_dir`` and ``data.graph_cache`` can be created and written (checked on the nearest
     existing directory; the probe directory is removed at once)."""
-    _check_directory(Path(config.training.output_dir), "training.output_dir")
+    check_writable_directory(config.training.output_dir, "training.output_dir")
     if config.data.graph_cache:
-        _check_directory(Path(config.data.graph_cache).parent, "data.graph_cache")
+        check_writable_directory(Path(config.data.graph_cache).parent, "data.graph_cache")
 
 
 def open_dataset(config: ExperimentConfig) -> tuple[AnemoiDataset, VariableIndex]:

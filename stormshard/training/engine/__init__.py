@@ -3,8 +3,10 @@
 ``build_engine(model, groups, settings)`` wraps ``model`` for the parallel layout of ``groups``:
 
 - gradients of replicated parameters are **summed over the model group** (see
-  :mod:`stormshard.parallel.grads`; ``model_parallel_grad_reduction`` = ``"hooks"`` during backward,
-  or ``"bucketed"``: one flat all-reduce before the optimizer step);
+  :mod:`stormshard.parallel.grads`): by default (``model_parallel_grad_reduction="auto"``) one flat
+  all-reduce per optimizer step where each engine allows it (:mod:`.grad_sum`; inside DeepSpeed ZeRO
+  1/2 on its reduced gradient partition, :mod:`.zero_grad_sum`), or the old ``"hooks"`` (one
+  all-reduce per parameter during backward) / ``"bucketed"`` (after backward);
 - then **averaged over the data-parallel group** (size ``world / gpus_per_model``): by DeepSpeed
   (``mpu=groups``, ZeRO 0-2), by torch DDP (``process_group=groups.data_parallel_group``), or by the
   PowerSGD compressor (DeepSpeed ZeRO 0 with its backward all-reduce switched off, or a DDP
@@ -21,8 +23,9 @@ Every engine follows DeepSpeed's calling convention, once per micro-batch::
 ``engine: "local"`` has no data parallelism (world == gpus_per_model): tests and one-process runs.
 
 Modules, one job each: :mod:`.settings` (the engine-neutral settings and their checks),
-:mod:`.base` (the interface), :mod:`.torch_engines` (local and DDP), :mod:`.deepspeed_engine`,
-:mod:`.deepspeed_config` (the generated DeepSpeed config) and :mod:`.build` (``build_engine``).
+:mod:`.base` (the interface), :mod:`.torch_engines` (local and DDP), :mod:`.adamw` (their optimizer),
+:mod:`.deepspeed_engine`, :mod:`.deepspeed_config` (the generated DeepSpeed config), :mod:`.grad_sum`
+and :mod:`.zero_grad_sum` (the model-group gradient sum) and :mod:`.build` (``build_engine``).
 """
 
 from __future__ import annotations

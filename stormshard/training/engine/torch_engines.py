@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from stormshard.parallel.compression import PowerSGDCompressor
 from stormshard.parallel.grads import clip_grad_norm_, reduce_model_parallel_gradients
 from stormshard.parallel.topology import ProcessGroups
+from stormshard.training.engine.adamw import build_adamw
 from stormshard.training.engine.base import TrainingEngine, check_state_keys
 from stormshard.training.engine.grad_sum import Placement, model_group_sum_placement
 from stormshard.training.engine.precision import autocast, cast_floating, compute_device_type
@@ -42,9 +43,8 @@ class _TorchEngine(TrainingEngine):
         self.grad_sum_placement: Placement = model_group_sum_placement(settings, groups.layout)
         params = [p for p in module.parameters() if p.requires_grad]
         self._params = params
-        # foreach: a few multi-tensor kernels instead of ~10 ops per parameter; on CPU too, where torch's
-        # default is the per-tensor loop (the same arithmetic: bit-identical steps, 1.6x faster here)
-        self.optimizer = torch.optim.AdamW(params, foreach=True, **settings.adamw_kwargs())
+        # torch's AdamW with foreach kernels, without importing torch._dynamo (.adamw): bit-identical steps
+        self.optimizer = build_adamw(params, **settings.adamw_kwargs())
         self.scheduler: LambdaLR = build_scheduler(self.optimizer, settings.schedule)
         self._global_step = 0
         self._micro_steps = 0

@@ -1,0 +1,355 @@
+"""Import an anemoi checkpoint (anemoi-models 0.19 layout) as a stormshard inference bundle.
+
+``import_anemoi(ckpt, out)`` reads the file with :mod:`stormshard.checkpoint.anemoi_pickle` (no
+anemoi needed, nothing in the file runs), then builds from it, never rebuilding anything:
+
+- the model config: processor kind (``GraphTransformerProcessor`` -> ``graphtransformer``,
+  ``TransformerProcessor`` -> ``transformer``), channels, layers, heads, MLP ratios, window, the
+  trainable node and edge sizes, ``latent_skip``, the decoder's own input embedding
+  (``decoder_embedding``), ReLU bounding (``relu_bounded``), ``self_projection`` (anemoi's ``lin_self``);
+- the graph: node coordinates from the model's ``latlons_*`` buffers, edges and edge attributes
+  from its graph providers' buffers (sorted by destination, the order the trainable edge tensors
+  follow);
+- the variables (dataset order, forcing, diagnostic) from ``data_indices``, and the normaliser
+  statistics from ``_norm_mul`` / ``_norm_add`` (anemoi normalises ``x * mul + add``: exactly
+  mean-std with ``mean = -add / mul``, ``stdev = 1 / mul``, whatever anemoi's method was);
+- the weights, mapped by name (:func:`anemoi_parameter_map`), shape-checked against the model.
+
+What stormshard's model cannot represent (another mapper or processor kind, several datasets,
+another bounding, an ``emb_nodes_src`` in the decoder, ...) is a :class:`ConversionError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from stormshard.checkpoint.anemoi_pickle import (
+    AnemoiCheckpoint,
+    module_tensors,
+    open_anemoi_checkpoint,
+    stub_class_name,
+)
+from stormshard.checkpoint.consolidate import atomic_directory, save_safetensors
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.export import BUNDLE_FORMAT
+from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, save_graph
+from stormshard.graphs.hetero import HeteroGraph
+from stormshard.models.config import MapperConfig, ModelConfig, ProcessorConfig
+from stormshard.models.registry import build_model
+from stormshard.models.variables import VariableIndex
+
+__all__ = ["import_anemoi", "anemoi_model_parts"]
+
+_PROCESSORS = {"GraphTransformerProcessor": "graphtransformer", "TransformerProcessor": "transformer"}
+_UNSUPPORTED_FIX = "only anemoi-models 0.19 encoder-processor-decoders with graph-transformer mappers import"
+
+
+def _attr(obj: Any, *path: str) -> Any:
+    for name in path:
+        d = obj.__dict__ if hasattr(obj, "__dict__") else {}
+        if name in d:
+            obj = d[name]
+        elif name in (d.get("_modules") or {}):
+            obj = d["_modules"][name]
+        elif isinstance(obj, dict) and name in obj:
+            obj = obj[name]
+        else:
+            raise KeyError(".".join(path))
+    return obj
+
+
+def _short(obj: Any) -> str:
+    return (stub_class_name(obj) or type(obj).__name__).rsplit(".", 1)[-1]
+
+
+def _plain(obj: Any) -> Any:
+    """An omegaconf container pickled in the model (a stub) as plain lists / dicts / values."""
+    name = stub_class_name(obj) or ""
+    d = obj.__dict__ if hasattr(obj, "__dict__") else {}
+    if name.endswith("ListConfig"):
+        return [_plain(v) for v in d.get("_content") or []]
+    if name.endswith("DictConfig"):
+        return {k: _plain(v) for k, v in (d.get("_content") or {}).items()}
+    if name.startswith("omegaconf.nodes."):
+        return d.get("_val")
+    return obj
+
+
+def _latlon(sincos: Tensor) -> Tensor:
+    """anemoi's ``latlons_*`` buffer ``[sin lat, sin lon, cos lat, cos lon]`` -> ``(nodes, 2)`` radians."""
+    s = sincos.double()
+    return torch.stack([torch.atan2(s[:, 0], s[:, 2]), torch.atan2(s[:, 1], s[:, 3])], dim=-1)
+
+
+def anemoi_model_parts(ckpt: AnemoiCheckpoint) -> dict[str, Any]:
+    """The pieces of the pickled anemoi model the import reads (raises naming what is missing)."""
+    if ckpt.kind != "inference":
+        raise ConversionError(f"{ckpt.path} is a Lightning training checkpoint: importing one is not supported yet",
+                              fix="import the inference-*.ckpt file anemoi-training writes next to it")
+    try:
+        model = _attr(ckpt.root, "model")
+        parts = {"model": model, "tensors": module_tensors(ckpt.root),
+                 "processor": _attr(model, "processor"), "encoder": _attr(model, "encoder"),
+                 "decoder": _attr(model, "decoder")}
+    except KeyError as err:
+        raise ConversionError(f"{ckpt.path}: the pickled model has no {err}", fix=_UNSUPPORTED_FIX) from None
+    return parts
+
+
+def _check_kinds(ckpt: AnemoiCheckpoint, parts: dict[str, Any]) -> tuple[str, Any, Any]:
+    problems = []
+    kind = _PROCESSORS.get(_short(parts["processor"]))
+    if kind is None:
+        problems.append(f"processor {_short(parts['processor'])} (supported: {sorted(_PROCESSORS)})")
+    encoders = dict(_attr(parts["encoder"], "_modules"))
+    decoders = dict(_attr(parts["decoder"], "_modules"))
+    if len(encoders) != 1 or len(decoders) != 1:
+        problems.append(f"{len(encoders)} encoders and {len(decoders)} decoders (one dataset only)")
+    enc, dec = next(iter(encoders.values()), None), next(iter(decoders.values()), None)
+    if enc is not None and _short(enc) != "GraphTransformerForwardMapper":
+        problems.append(f"encoder {_short(enc)} (only GraphTransformerForwardMapper)")
+    if dec is not None and _short(dec) != "GraphTransformerBackwardMapper":
+        problems.append(f"decoder {_short(dec)} (only GraphTransformerBackwardMapper)")
+    if problems:
+        raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent:", problems,
+                              fix=_UNSUPPORTED_FIX)
+    return kind, enc, dec
+
+
+def _variables(ckpt: AnemoiCheckpoint) -> tuple[VariableIndex, dict[str, Any]]:
+    try:
+        idx = ckpt.metadata["data_indices"]["data"]
+    except (KeyError, TypeError):
+        raise ConversionError(f"{ckpt.path}: the metadata has no data_indices.data (metadata 1.0 / older layout)",
+                              fix="older anemoi layouts are not supported yet: migrate the checkpoint with "
+                                  "anemoi-models' migration tool first") from None
+    name_to_index = idx["data"]["input"]["name_to_index"]
+    names = [n for n, _ in sorted(name_to_index.items(), key=lambda kv: kv[1])]
+    forcing = [names[i] for i in idx["data"]["input"]["forcing"]]
+    diagnostic = [names[i] for i in idx["data"]["output"]["diagnostic"]]
+    variables = VariableIndex.build(names, forcing, diagnostic)
+    problems = []
+    if list(idx["data"]["input"]["full"]) != list(variables.input_idx):
+        problems.append(f"input columns {idx['data']['input']['full']} != dataset order minus diagnostics "
+                        f"{list(variables.input_idx)}")
+    if list(idx["data"]["output"]["full"]) != list(variables.output_idx):
+        problems.append(f"output columns {idx['data']['output']['full']} != dataset order minus forcings "
+                        f"{list(variables.output_idx)}")
+    if problems:
+        raise ConversionError(f"{ckpt.path}: variable layout stormshard cannot represent:", problems,
+                              fix="variables must be in dataset order (anemoi's default)")
+    return variables, idx
+
+
+def _graph(t: dict[str, Tensor], kind: str) -> HeteroGraph:
+    g = HeteroGraph()
+    g["data"].x = _latlon(t["model.node_attributes.latlons_data"]).float()
+    g["hidden"].x = _latlon(t["model.node_attributes.latlons_hidden"]).float()
+    for node in ("data", "hidden"):
+        g[node].area_weight = torch.ones(g[node].x.shape[0])
+    providers = {ENCODER: "model.encoder_graph_provider.data", DECODER: "model.decoder_graph_provider.data"}
+    if kind == "graphtransformer":
+        providers[PROCESSOR] = "model.processor_graph_provider"
+    for edge_type, prefix in providers.items():
+        g[edge_type].edge_index = t[f"{prefix}.edge_index_base"].long()
+        g[edge_type].edge_attr = t[f"{prefix}.edge_attr"].float()
+    g.config_hash = "anemoi-import"
+    g.coverage_edges = {}
+    g.validate()
+    return g
+
+
+def _permute(weight: Tensor, first: int) -> Tensor:
+    """anemoi's node inputs ``[x..., sin lat, sin lon, cos lat, cos lon, trainable...]`` -> stormshard's
+    ``[x..., sin lat, cos lat, sin lon, cos lon, trainable...]`` (input columns of a Linear)."""
+    order = list(range(first)) + [first, first + 2, first + 1, first + 3] + list(range(first + 4, weight.shape[1]))
+    return weight[:, order]
+
+
+_GT_BLOCK = {"lin_query": "to_q", "lin_key": "to_k", "lin_value": "to_v", "lin_edge": "to_e", "lin_self": "to_self",
+             "projection": "proj", "layer_norm_mlp_dst": "norm_mlp", "node_dst_mlp.mlp.0": "mlp.0",
+             "node_dst_mlp.mlp.2": "mlp.2", "layer_norm_attention_src": "norm_src",
+             "layer_norm_attention_dest": "norm_dst", "layer_norm_attention": "norm"}
+
+
+def _map_gt_block(t: dict[str, Tensor], src: str, dst: str, out: dict[str, Tensor], mapper: bool) -> None:
+    for a, s in _GT_BLOCK.items():
+        if mapper and a == "layer_norm_attention" or not mapper and a.startswith("layer_norm_attention_"):
+            continue  # anemoi's mapper blocks carry an unused layer_norm_attention
+        for p in ("weight", "bias"):
+            if f"{src}.{a}.{p}" in t:
+                out[f"{dst}.{s}.{p}"] = t[f"{src}.{a}.{p}"]
+
+
+def _map_transformer_block(t: dict[str, Tensor], src: str, dst: str, out: dict[str, Tensor], heads: int) -> None:
+    a = f"{src}.attention"
+    q, k, v = (t[f"{a}.lin_{n}.weight"] for n in "qkv")
+    c = q.shape[0]
+    # stormshard's lin_qkv rows are "(heads three d)": per head its q, k and v rows
+    qkv = torch.stack([w.reshape(heads, c // heads, -1) for w in (q, k, v)], dim=1).reshape(3 * c, -1)
+    out[f"{dst}.attention.lin_qkv.weight"] = qkv
+    out[f"{dst}.attention.lin_qkv.bias"] = torch.zeros(3 * c)  # anemoi's q/k/v projections have no bias
+    for p in ("weight", "bias"):
+        out[f"{dst}.attention.projection.{p}"] = t[f"{a}.projection.{p}"]
+        out[f"{dst}.norm_attention.{p}"] = t[f"{src}.layer_norm_attention.{p}"]
+        out[f"{dst}.norm_mlp.{p}"] = t[f"{src}.layer_norm_mlp.{p}"]
+        out[f"{dst}.mlp.fc1.{p}"] = t[f"{src}.mlp.mlp.0.{p}"]
+        out[f"{dst}.mlp.fc2.{p}"] = t[f"{src}.mlp.mlp.2.{p}"]
+
+
+def _weights(t: dict[str, Tensor], kind: str, config: ModelConfig, n_in: int) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    first = config.multistep_input * n_in
+    out["data_embedding"] = t["model.node_attributes.trainable_tensors.data.trainable"]
+    out["hidden_embedding"] = t["model.node_attributes.trainable_tensors.hidden.trainable"]
+    out["embed_data.weight"] = _permute(t["model.encoder.0.emb_nodes_src.weight"], first)
+    out["embed_data.bias"] = t["model.encoder.0.emb_nodes_src.bias"]
+    out["embed_hidden.weight"] = _permute(t["model.encoder.0.emb_nodes_dst.weight"], 0)
+    out["embed_hidden.bias"] = t["model.encoder.0.emb_nodes_dst.bias"]
+    out["embed_data_decoder.weight"] = _permute(t["model.decoder.0.emb_nodes_dst.weight"], first)
+    out["embed_data_decoder.bias"] = t["model.decoder.0.emb_nodes_dst.bias"]
+    _map_gt_block(t, "model.encoder.0.proc", "encoder", out, mapper=True)
+    _map_gt_block(t, "model.decoder.0.proc", "decoder", out, mapper=True)
+    for i in range(config.processor.num_layers):
+        if kind == "graphtransformer":
+            _map_gt_block(t, f"model.processor.proc.{i}", f"processor.blocks.{i}", out, mapper=False)
+        else:
+            _map_transformer_block(t, f"model.processor.proc.{i}", f"processor.processor.blocks.{i}", out,
+                                   config.processor.num_heads)
+    for ours, theirs in (("encoder_edges", "model.encoder_graph_provider.data"),
+                         ("decoder_edges", "model.decoder_graph_provider.data"),
+                         ("processor.edges", "model.processor_graph_provider")):
+        if f"{theirs}.trainable.trainable" in t:
+            out[f"{ours}.trainable"] = t[f"{theirs}.trainable.trainable"]
+    for p in ("weight", "bias"):
+        out[f"head.0.{p}"] = t[f"model.decoder.0.node_data_extractor.0.{p}"]
+        out[f"head.1.{p}"] = t[f"model.decoder.0.node_data_extractor.1.{p}"]
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def _model_config(ckpt: AnemoiCheckpoint, parts: dict[str, Any], kind: str, enc: Any, dec: Any,
+                  variables: VariableIndex) -> ModelConfig:
+    t, model, proc = parts["tensors"], parts["model"], parts["processor"]
+    problems = []
+    if "model.decoder.0.emb_nodes_src.weight" in t:
+        problems.append("decoder emb_nodes_src (processor width != decoder width)")
+    c = t["model.encoder.0.emb_nodes_src.weight"].shape[0]
+    relu: list[str] = []
+    for bounding in dict(_attr(model, "boundings", "_modules")).get("data", {}).__dict__.get("_modules", {}).values():
+        if _short(bounding) != "ReluBounding":
+            problems.append(f"output bounding {_short(bounding)} (only ReluBounding)")
+            continue
+        relu += [str(v) for v in _plain(bounding.__dict__.get("variables")) or []]
+    n_step = int(model.__dict__.get("n_step_input", 0) or ckpt.metadata["config"]["task"]["multistep_input"])
+    if int(model.__dict__.get("n_step_output", 1) or 1) != 1:
+        problems.append(f"n_step_output={model.__dict__.get('n_step_output')} (one output step only)")
+
+    def mlp_ratio(prefix: str) -> float:
+        return t[f"{prefix}.mlp.0.weight"].shape[0] / c if f"{prefix}.mlp.0.weight" in t else \
+            t[f"{prefix}.node_dst_mlp.mlp.0.weight"].shape[0] / c
+
+    def edge_size(prefix: str) -> int:
+        w = t.get(f"{prefix}.trainable.trainable")
+        return 0 if w is None else int(w.shape[1])
+
+    def heads(block: Any) -> int:
+        return int(_attr(block, "proc").__dict__["num_heads"])
+
+    proc_blocks = dict(_attr(proc, "proc", "_modules"))
+    block0 = next(iter(proc_blocks.values()))
+    if kind == "graphtransformer":
+        p_heads, p_ratio = int(block0.__dict__["num_heads"]), mlp_ratio("model.processor.proc.0")
+        window = ProcessorConfig().window_size  # unused by graph processors
+    else:
+        attention = _attr(block0, "attention")
+        p_heads = int(attention.__dict__["num_heads"])
+        p_ratio = t["model.processor.proc.0.mlp.mlp.0.weight"].shape[0] / c
+        window = attention.__dict__.get("window_size")
+        window = int(window[0] if isinstance(window, (tuple, list)) else window or 0)
+        if attention.__dict__.get("qk_norm") or attention.__dict__.get("use_alibi_slopes") or \
+                attention.__dict__.get("use_rotary_embeddings") or attention.__dict__.get("softcap"):
+            problems.append("transformer attention with qk_norm / ALiBi / rotary embeddings / softcap")
+    if p_ratio != int(p_ratio):
+        problems.append(f"processor mlp_hidden_ratio {p_ratio} (stormshard's processor takes whole ratios)")
+    if problems:
+        raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent:", problems,
+                              fix=_UNSUPPORTED_FIX)
+    return ModelConfig(
+        name=kind, num_channels=c, multistep_input=n_step,
+        trainable_size=int(t["model.node_attributes.trainable_tensors.data.trainable"].shape[1]),
+        processor=ProcessorConfig(num_layers=len(proc_blocks), num_heads=p_heads, mlp_ratio=int(p_ratio),
+                                  window_size=window, self_projection=kind == "graphtransformer",
+                                  trainable_edge_size=edge_size("model.processor_graph_provider")),
+        encoder=MapperConfig(num_heads=heads(enc), mlp_ratio=mlp_ratio("model.encoder.0.proc"), self_projection=True,
+                             trainable_edge_size=edge_size("model.encoder_graph_provider.data")),
+        decoder=MapperConfig(num_heads=heads(dec), mlp_ratio=mlp_ratio("model.decoder.0.proc"), self_projection=True,
+                             trainable_edge_size=edge_size("model.decoder_graph_provider.data")),
+        latent_skip=bool(model.__dict__.get("latent_skip", False)), decoder_embedding=True,
+        relu_bounded=tuple(relu),
+    )
+
+
+def _statistics(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], variables: VariableIndex) -> dict[str, dict[str, float]]:
+    mul = t["pre_processors.data.processors.normalizer._norm_mul"].double()
+    add = t["pre_processors.data.processors.normalizer._norm_add"].double()
+    if mul.numel() != len(variables.variables) or bool((mul == 0).any()):
+        raise ConversionError(f"{ckpt.path}: the normaliser has {mul.numel()} factors for "
+                              f"{len(variables.variables)} variables (or a zero factor)", fix=_UNSUPPORTED_FIX)
+    mean, std = (-add / mul).tolist(), (1.0 / mul).tolist()
+    return {n: {"mean": mean[i], "stdev": std[i], "minimum": mean[i] - std[i], "maximum": mean[i] + std[i]}
+            for i, n in enumerate(variables.variables)}
+
+
+def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write a stormshard bundle (``load_model(out)``) from an anemoi inference checkpoint."""
+    ckpt = open_anemoi_checkpoint(source)
+    parts = anemoi_model_parts(ckpt)
+    kind, enc, dec = _check_kinds(ckpt, parts)
+    variables, _ = _variables(ckpt)
+    config = _model_config(ckpt, parts, kind, enc, dec, variables)
+    t = parts["tensors"]
+    graph = _graph(t, kind)
+    weights = _weights(t, kind, config, len(variables.input_names))
+    target = build_model(config, graph, variables, None, shard_strategy="shard_sequence")
+    expected = {k: tuple(v.shape) for k, v in target.state_dict().items()}
+    problems = [f"{k}: missing from the mapping" for k in expected if k not in weights]
+    problems += [f"{k}: anemoi {tuple(weights[k].shape)} vs stormshard {expected[k]}" for k in expected
+                 if k in weights and tuple(weights[k].shape) != expected[k]]
+    problems += [f"{k}: mapped but not in the model" for k in weights if k not in expected]
+    if problems:
+        raise ConversionError(f"{ckpt.path}: the weights do not map onto the stormshard model:", problems,
+                              fix=_UNSUPPORTED_FIX)
+    config_json = ckpt.metadata.get("config") or {}
+    timestep = (config_json.get("task") or {}).get("timestep") or (config_json.get("data") or {}).get("timestep")
+    meta = {
+        "format": BUNDLE_FORMAT, "version": 1, "step": int((ckpt.metadata.get("training") or {}).get("global_step", 0)),
+        "time": time.time(), "source": str(source), "model": config.model_dump(mode="json"),
+        "experiment": {"model": config.model_dump(mode="json"), "parallel": {"shard_strategy": "shard_sequence"}},
+        "variables": {"dataset": list(variables.variables), "forcing": list(variables.forcing),
+                      "diagnostic": list(variables.diagnostic)},
+        "normalisation": {"default": "mean-std", "methods": {}},
+        "timestep": str(timestep).lower() if timestep else None,
+        "dataset": {"path": str((ckpt.metadata.get("dataset") or {}).get("path", "")), "resolution": None},
+        "parameters": [{"name": n, "shape": list(w.shape)} for n, w in weights.items()],
+        "anemoi": {"run_id": ckpt.metadata.get("run_id"), "uuid": ckpt.metadata.get("uuid"),
+                   "metadata_version": ckpt.metadata.get("version")},
+    }
+    stats = _statistics(ckpt, t, variables)
+    with atomic_directory(out, overwrite) as tmp:
+        save_safetensors(weights, tmp / "model.safetensors", {"step": str(meta["step"])})
+        (tmp / "statistics.json").write_text(json.dumps(stats, indent=1))
+        save_graph(graph, tmp / "graph.pt")
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
+        lat = ckpt.supporting_arrays.get("data/latitudes")
+        if lat is not None:
+            np.savez(tmp / "anemoi_supporting_arrays.npz", **{k.replace("/", "_"): v
+                                                              for k, v in ckpt.supporting_arrays.items()})
+    return Path(out)

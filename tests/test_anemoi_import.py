@@ -1,0 +1,108 @@
+"""``convert_checkpoint.py import-anemoi``: anemoi inference checkpoints -> stormshard bundles that
+predict what anemoi's ``predict_step`` predicts (fixtures and reference outputs written by anemoi
+itself: ``tests/fixtures/anemoi/make_fixtures.py``). No anemoi needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import stormshard
+from launch.convert_checkpoint import main as convert_main
+from stormshard.checkpoint.anemoi_import import import_anemoi
+from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_checkpoint
+from stormshard.checkpoint.errors import ConversionError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
+
+
+def _parameters(module, prefix=""):
+    """The parameter names of a stubbed module tree (``nn.Module.named_parameters`` without dedup)."""
+    state = module.__dict__
+    names = [prefix + n for n in (state.get("_parameters") or {})]
+    for name, child in (state.get("_modules") or {}).items():
+        if child is not None:
+            names += _parameters(child, f"{prefix}{name}.")
+    return names
+
+
+@pytest.mark.parametrize("variant", ["gt", "transformer"])
+def test_import_predicts_what_anemoi_predicts(variant, tmp_path, capsys):
+    out = tmp_path / "bundle"
+    assert convert_main(["import-anemoi", str(FIXTURES / variant / "inference.ckpt"), "--out", str(out)]) == 0
+    assert "imported" in capsys.readouterr().out
+    model = stormshard.load_model(out)
+    ref = json.loads((FIXTURES / variant / "reference.json").read_text())
+    assert list(model.variables.input_names) == ref["input_variables"]
+    assert list(model.variables.output_names) == ref["output_variables"]
+    assert model.timestep == "6h" and model.multistep_input == ref["multistep_input"]
+    cfg = model.config
+    assert cfg.name == {"gt": "graphtransformer", "transformer": "transformer"}[variant]
+    assert cfg.latent_skip and cfg.decoder_embedding and cfg.relu_bounded == ("tracer_2",)
+    assert cfg.encoder.trainable_edge_size == 2 and cfg.decoder.trainable_edge_size == 2
+    # every anemoi parameter arrives: same count (anemoi's unused mapper layer_norm_attention aside,
+    # and stormshard's zero q/k/v bias in the transformer)
+    ours = sum(p.numel() for p in model.model.parameters())
+    c, layers = cfg.num_channels, cfg.processor.num_layers
+    unused = 2 * 2 * c  # encoder + decoder layer_norm_attention (weight, bias)
+    extra = 3 * c * layers if variant == "transformer" else 0
+    ckpt = open_anemoi_checkpoint(FIXTURES / variant / "inference.ckpt")
+    buffers = set(module_tensors(ckpt.root)) - set(_parameters(ckpt.root))
+    theirs = sum(t.numel() for n, t in module_tensors(ckpt.root).items() if n not in buffers)
+    assert ours == theirs - unused + extra
+    x = torch.from_numpy(np.load(FIXTURES / variant / "input.npy"))
+    expected = np.load(FIXTURES / variant / "output.npy")
+    got = model.predict(x).numpy()
+    assert got.shape == expected.shape
+    spread = expected.reshape(-1, expected.shape[-1]).std(axis=0)
+    err = np.abs(got - expected).reshape(-1, expected.shape[-1]).max(axis=0)
+    assert (err <= 1e-4 * spread).all(), err / spread
+    with torch.no_grad():  # ReLU bounding: the bounded column is >= 0 in normalised units
+        normalised = model.model(model.normaliser.normalise(x.double()).float())
+    assert (normalised[..., ref["output_variables"].index("tracer_2")] >= 0).all()
+
+
+def test_import_errors(tmp_path, capsys):
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint")
+    assert convert_main(["import-anemoi", str(text), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: {text} is not an anemoi checkpoint: not a torch zip file"]
+    assert not (tmp_path / "b").exists()
+    lightning = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"model.w": torch.ones(1)}, "hyper_parameters": {"metadata": {"version": "2.0"}}},
+               lightning)
+    with pytest.raises(ConversionError, match="Lightning training checkpoint"):
+        import_anemoi(lightning, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def _forecast(rank: int, world: int, bundle: str, dataset: str, out: str, k: int) -> list[str]:
+    from stormshard.inference.forecast import run_forecast
+
+    result = run_forecast(bundle, dataset, ["2020-01-03T00"], 3, out, precision="fp64", verbose=False,
+                          gpus_per_model=k, verify=False)
+    return [str(s) for s in result.stores]
+
+
+@pytest.mark.parametrize("variant", ["gt", "transformer"])
+def test_imported_bundle_forecasts_sharded_as_one_process(variant, tmp_path):
+    """``launch/forecast.py`` on an imported bundle at gpus_per_model 2 equals one process (fp64):
+    the trainable edge features, latent skip, decoder embedding and bounding shard like the rest."""
+    from stormshard.data.anemoi_layout import AnemoiDataset
+    from stormshard.data.synthetic import generate_synthetic_dataset
+    from tests.distributed import run_distributed
+
+    bundle = import_anemoi(FIXTURES / variant / "inference.ckpt", tmp_path / "bundle")
+    dataset = tmp_path / "o16.zarr"
+    generate_synthetic_dataset(dataset, grid="o16", steps=16, seed=3)
+    one = _forecast(0, 1, str(bundle), str(dataset), str(tmp_path / "one"), 1)
+    two = run_distributed(_forecast, 2, str(bundle), str(dataset), str(tmp_path / "two"), 2)[0]
+    a, b = (np.asarray(AnemoiDataset.open(s[0]).data[:]) for s in (one, two))
+    assert not np.isnan(b).any()
+    np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-9)
