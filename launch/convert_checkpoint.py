@@ -7,6 +7,7 @@
     python launch/convert_checkpoint.py export runs/quickstart/checkpoints --out bundles/quickstart
     python launch/convert_checkpoint.py upgrade runs/old/checkpoints   # pickled format 1 -> current, in place
     python launch/convert_checkpoint.py import-anemoi inference-last.ckpt --out bundles/aifs  # no anemoi needed
+    python launch/convert_checkpoint.py export-anemoi bundles/aifs --out aifs-finetuned.ckpt  # for anemoi-inference
 
 A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
 or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
@@ -25,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stormshard.checkpoint.anemoi_export import export_anemoi  # noqa: E402
 from stormshard.checkpoint.anemoi_import import import_anemoi  # noqa: E402
 from stormshard.checkpoint.consolidate import (  # noqa: E402
     check_output_path,
@@ -76,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="an anemoi-training inference-*.ckpt (anemoi-models 0.19 layout)")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
+    p = sub.add_parser("export-anemoi", help="an anemoi inference checkpoint from a bundle made by import-anemoi")
+    p.add_argument("checkpoint", help="a bundle made by import-anemoi (its weights possibly changed since)")
+    p.add_argument("--out", required=True, help="the .ckpt file to write")
+    p.add_argument("--overwrite", action="store_true")
     for sp in sub.choices.values():
         add_debug_flag(sp)
     return parser
@@ -116,6 +122,10 @@ def _run(args: argparse.Namespace) -> None:
                                  world_size=args.world_size, dataset=args.dataset, graph=args.graph,
                                  overwrite=args.overwrite)
         print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
+    elif args.command == "export-anemoi":
+        check_output_path(args.checkpoint, args.out, args.overwrite)
+        out = export_anemoi(args.checkpoint, args.out, overwrite=args.overwrite)
+        print(f"exported {args.checkpoint} to {out}: load it with anemoi-inference (or torch.load(weights_only=False))")
     elif args.command == "import-anemoi":
         check_output_path(args.checkpoint, args.out, args.overwrite)
         out = import_anemoi(args.checkpoint, args.out, overwrite=args.overwrite)

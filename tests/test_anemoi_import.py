@@ -5,6 +5,8 @@ itself: ``tests/fixtures/anemoi/make_fixtures.py``). No anemoi needed."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +108,64 @@ def test_imported_bundle_forecasts_sharded_as_one_process(variant, tmp_path):
     a, b = (np.asarray(AnemoiDataset.open(s[0]).data[:]) for s in (one, two))
     assert not np.isnan(b).any()
     np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-9)
+
+
+ANEMOI_PYTHON = Path(os.environ.get("ANEMOI_TRAINING_ENV", Path.home() / "anemoi-training-env")) / "bin" / "python"
+
+
+@pytest.mark.skipif(not ANEMOI_PYTHON.exists(), reason="needs an anemoi-training venv (ANEMOI_TRAINING_ENV)")
+@pytest.mark.parametrize("variant", ["gt", "transformer"])
+def test_export_round_trip_in_anemoi(variant, tmp_path):
+    """import -> change every weight (as fine-tuning would) -> export-anemoi: anemoi's own
+    ``torch.load`` + ``predict_step`` equals stormshard's ``predict`` of the changed bundle, and
+    ``load_metadata`` gives metadata 2.0 with the same variables and timestep."""
+    from safetensors.torch import load_file, save_file
+
+    bundle = tmp_path / "bundle"
+    import_anemoi(FIXTURES / variant / "inference.ckpt", bundle)
+    weights = load_file(str(bundle / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    changed = {n: (w if n.endswith("lin_qkv.bias") else w * 1.05 + 0.01 * torch.randn(w.shape, generator=g))
+               for n, w in weights.items()}
+    save_file(changed, str(bundle / "model.safetensors"))
+    out = tmp_path / "exported.ckpt"
+    assert convert_main(["export-anemoi", str(bundle), "--out", str(out)]) == 0
+    x = FIXTURES / variant / "input.npy"
+    subprocess.run([str(ANEMOI_PYTHON), str(FIXTURES / "anemoi_predict.py"), str(out), str(x),
+                    str(tmp_path / "y.npy"), str(tmp_path / "meta.json")], check=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    theirs = np.load(tmp_path / "y.npy")
+    ours = stormshard.load_model(bundle).predict(torch.from_numpy(np.load(x))).numpy()
+    spread = theirs.reshape(-1, theirs.shape[-1]).std(axis=0)
+    err = np.abs(ours - theirs).reshape(-1, theirs.shape[-1]).max(axis=0)
+    assert (err <= 1e-4 * spread).all(), err / spread
+    assert not np.allclose(theirs, np.load(FIXTURES / variant / "output.npy"), atol=1e-3)  # the new weights
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["version"].startswith("2") and meta["timestep"] == "6h"
+    assert meta["variables"] == list(stormshard.load_model(bundle).variables.variables)
+
+
+def test_export_needs_an_imported_bundle(tmp_path, capsys):
+    assert convert_main(["export-anemoi", str(tmp_path / "nothing"), "--out", str(tmp_path / "x.ckpt")]) == 2
+    assert "not a stormshard inference bundle" in capsys.readouterr().err
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_older_layout_is_a_clear_error(tmp_path, capsys):
+    """A metadata 1.0 file (no data_indices per dataset): exit 2, one error line naming it, nothing written."""
+    import zipfile
+
+    src, old = FIXTURES / "gt" / "inference.ckpt", tmp_path / "aifs1.ckpt"
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(old, "w", zipfile.ZIP_STORED) as out:
+        for info in z.infolist():
+            data = z.read(info)
+            if info.filename.endswith("anemoi-metadata/anemoi.json"):
+                meta = json.loads(data)
+                meta["version"] = "1.0"
+                meta.pop("data_indices")
+                data = json.dumps(meta).encode()
+            out.writestr(info, data)
+    assert convert_main(["import-anemoi", str(old), "--out", str(tmp_path / "b")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "metadata 1.0 / older layout" in errors[0]
+    assert not (tmp_path / "b").exists()

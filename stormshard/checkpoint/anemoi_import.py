@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -46,7 +46,10 @@ from stormshard.models.config import MapperConfig, ModelConfig, ProcessorConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
-__all__ = ["import_anemoi", "anemoi_model_parts"]
+__all__ = ["import_anemoi", "anemoi_model_parts", "anemoi_weights", "TEMPLATE"]
+
+#: the anemoi checkpoint an imported bundle keeps (``export-anemoi`` writes its weights into it)
+TEMPLATE = "anemoi_source.ckpt"
 
 _PROCESSORS = {"GraphTransformerProcessor": "graphtransformer", "TransformerProcessor": "transformer"}
 _UNSUPPORTED_FIX = "only anemoi-models 0.19 encoder-processor-decoders with graph-transformer mappers import"
@@ -167,9 +170,10 @@ def _graph(t: dict[str, Tensor], kind: str) -> HeteroGraph:
     return g
 
 
-def _permute(weight: Tensor, first: int) -> Tensor:
-    """anemoi's node inputs ``[x..., sin lat, sin lon, cos lat, cos lon, trainable...]`` -> stormshard's
-    ``[x..., sin lat, cos lat, sin lon, cos lon, trainable...]`` (input columns of a Linear)."""
+def _permute(weight: Tensor, first: int, inverse: bool = False) -> Tensor:
+    """anemoi's node inputs ``[x..., sin lat, sin lon, cos lat, cos lon, trainable...]`` <-> stormshard's
+    ``[x..., sin lat, cos lat, sin lon, cos lon, trainable...]`` (input columns of a Linear; the
+    swap of columns ``first + 1`` and ``first + 2`` is its own inverse)."""
     order = list(range(first)) + [first, first + 2, first + 1, first + 3] + list(range(first + 4, weight.shape[1]))
     return weight[:, order]
 
@@ -180,59 +184,95 @@ _GT_BLOCK = {"lin_query": "to_q", "lin_key": "to_k", "lin_value": "to_v", "lin_e
              "layer_norm_attention_dest": "norm_dst", "layer_norm_attention": "norm"}
 
 
-def _map_gt_block(t: dict[str, Tensor], src: str, dst: str, out: dict[str, Tensor], mapper: bool) -> None:
+def _gt_block(src: str, dst: str, mapper: bool) -> list[tuple[str, str]]:
+    pairs = []
     for a, s in _GT_BLOCK.items():
         if mapper and a == "layer_norm_attention" or not mapper and a.startswith("layer_norm_attention_"):
             continue  # anemoi's mapper blocks carry an unused layer_norm_attention
-        for p in ("weight", "bias"):
-            if f"{src}.{a}.{p}" in t:
-                out[f"{dst}.{s}.{p}"] = t[f"{src}.{a}.{p}"]
+        pairs += [(f"{dst}.{s}.{p}", f"{src}.{a}.{p}") for p in ("weight", "bias")]
+    return pairs
 
 
-def _map_transformer_block(t: dict[str, Tensor], src: str, dst: str, out: dict[str, Tensor], heads: int) -> None:
-    a = f"{src}.attention"
-    q, k, v = (t[f"{a}.lin_{n}.weight"] for n in "qkv")
-    c = q.shape[0]
-    # stormshard's lin_qkv rows are "(heads three d)": per head its q, k and v rows
-    qkv = torch.stack([w.reshape(heads, c // heads, -1) for w in (q, k, v)], dim=1).reshape(3 * c, -1)
-    out[f"{dst}.attention.lin_qkv.weight"] = qkv
-    out[f"{dst}.attention.lin_qkv.bias"] = torch.zeros(3 * c)  # anemoi's q/k/v projections have no bias
+def _transformer_block(src: str, dst: str) -> list[tuple[str, str]]:
+    pairs = []
     for p in ("weight", "bias"):
-        out[f"{dst}.attention.projection.{p}"] = t[f"{a}.projection.{p}"]
-        out[f"{dst}.norm_attention.{p}"] = t[f"{src}.layer_norm_attention.{p}"]
-        out[f"{dst}.norm_mlp.{p}"] = t[f"{src}.layer_norm_mlp.{p}"]
-        out[f"{dst}.mlp.fc1.{p}"] = t[f"{src}.mlp.mlp.0.{p}"]
-        out[f"{dst}.mlp.fc2.{p}"] = t[f"{src}.mlp.mlp.2.{p}"]
+        pairs += [(f"{dst}.attention.projection.{p}", f"{src}.attention.projection.{p}"),
+                  (f"{dst}.norm_attention.{p}", f"{src}.layer_norm_attention.{p}"),
+                  (f"{dst}.norm_mlp.{p}", f"{src}.layer_norm_mlp.{p}"),
+                  (f"{dst}.mlp.fc1.{p}", f"{src}.mlp.mlp.0.{p}"), (f"{dst}.mlp.fc2.{p}", f"{src}.mlp.mlp.2.{p}")]
+    return pairs
 
 
-def _weights(t: dict[str, Tensor], kind: str, config: ModelConfig, n_in: int) -> dict[str, Tensor]:
-    out: dict[str, Tensor] = {}
-    first = config.multistep_input * n_in
-    out["data_embedding"] = t["model.node_attributes.trainable_tensors.data.trainable"]
-    out["hidden_embedding"] = t["model.node_attributes.trainable_tensors.hidden.trainable"]
-    out["embed_data.weight"] = _permute(t["model.encoder.0.emb_nodes_src.weight"], first)
-    out["embed_data.bias"] = t["model.encoder.0.emb_nodes_src.bias"]
-    out["embed_hidden.weight"] = _permute(t["model.encoder.0.emb_nodes_dst.weight"], 0)
-    out["embed_hidden.bias"] = t["model.encoder.0.emb_nodes_dst.bias"]
-    out["embed_data_decoder.weight"] = _permute(t["model.decoder.0.emb_nodes_dst.weight"], first)
-    out["embed_data_decoder.bias"] = t["model.decoder.0.emb_nodes_dst.bias"]
-    _map_gt_block(t, "model.encoder.0.proc", "encoder", out, mapper=True)
-    _map_gt_block(t, "model.decoder.0.proc", "decoder", out, mapper=True)
+def _renames(config: ModelConfig, first: int) -> tuple[list[tuple[str, str]], list[tuple[str, str, int]]]:
+    """(stormshard, anemoi) parameter names that map unchanged, and those whose input columns are
+    permuted (with the index of the first coordinate column)."""
+    same = [("data_embedding", "model.node_attributes.trainable_tensors.data.trainable"),
+            ("hidden_embedding", "model.node_attributes.trainable_tensors.hidden.trainable"),
+            ("embed_data.bias", "model.encoder.0.emb_nodes_src.bias"),
+            ("embed_hidden.bias", "model.encoder.0.emb_nodes_dst.bias"),
+            ("embed_data_decoder.bias", "model.decoder.0.emb_nodes_dst.bias")]
+    permuted = [("embed_data.weight", "model.encoder.0.emb_nodes_src.weight", first),
+                ("embed_hidden.weight", "model.encoder.0.emb_nodes_dst.weight", 0),
+                ("embed_data_decoder.weight", "model.decoder.0.emb_nodes_dst.weight", first)]
+    same += _gt_block("model.encoder.0.proc", "encoder", True) + _gt_block("model.decoder.0.proc", "decoder", True)
     for i in range(config.processor.num_layers):
-        if kind == "graphtransformer":
-            _map_gt_block(t, f"model.processor.proc.{i}", f"processor.blocks.{i}", out, mapper=False)
+        if config.name == "graphtransformer":
+            same += _gt_block(f"model.processor.proc.{i}", f"processor.blocks.{i}", False)
         else:
-            _map_transformer_block(t, f"model.processor.proc.{i}", f"processor.processor.blocks.{i}", out,
-                                   config.processor.num_heads)
-    for ours, theirs in (("encoder_edges", "model.encoder_graph_provider.data"),
-                         ("decoder_edges", "model.decoder_graph_provider.data"),
-                         ("processor.edges", "model.processor_graph_provider")):
-        if f"{theirs}.trainable.trainable" in t:
-            out[f"{ours}.trainable"] = t[f"{theirs}.trainable.trainable"]
+            same += _transformer_block(f"model.processor.proc.{i}", f"processor.processor.blocks.{i}")
+    for ours, theirs, size in (("encoder_edges", "model.encoder_graph_provider.data", config.encoder.trainable_edge_size),
+                               ("decoder_edges", "model.decoder_graph_provider.data", config.decoder.trainable_edge_size),
+                               ("processor.edges", "model.processor_graph_provider",
+                                config.processor.trainable_edge_size)):
+        if size:
+            same.append((f"{ours}.trainable", f"{theirs}.trainable.trainable"))
     for p in ("weight", "bias"):
-        out[f"head.0.{p}"] = t[f"model.decoder.0.node_data_extractor.0.{p}"]
-        out[f"head.1.{p}"] = t[f"model.decoder.0.node_data_extractor.1.{p}"]
+        same += [(f"head.0.{p}", f"model.decoder.0.node_data_extractor.0.{p}"),
+                 (f"head.1.{p}", f"model.decoder.0.node_data_extractor.1.{p}")]
+    return same, permuted
+
+
+def _qkv_names(config: ModelConfig) -> list[tuple[str, str]]:
+    """(stormshard ``lin_qkv`` prefix, anemoi attention prefix) of each transformer block."""
+    if config.name != "transformer":
+        return []
+    return [(f"processor.processor.blocks.{i}.attention.lin_qkv", f"model.processor.proc.{i}.attention")
+            for i in range(config.processor.num_layers)]
+
+
+def _weights(t: dict[str, Tensor], config: ModelConfig, n_in: int) -> dict[str, Tensor]:
+    """anemoi tensors -> stormshard parameters."""
+    same, permuted = _renames(config, config.multistep_input * n_in)
+    out = {ours: t[theirs] for ours, theirs in same if theirs in t}
+    out.update({ours: _permute(t[theirs], first) for ours, theirs, first in permuted})
+    heads = config.processor.num_heads
+    for ours, theirs in _qkv_names(config):
+        q, k, v = (t[f"{theirs}.lin_{n}.weight"] for n in "qkv")
+        c = q.shape[0]
+        # stormshard's lin_qkv rows are "(heads three d)": per head its q, k and v rows
+        out[f"{ours}.weight"] = torch.stack([w.reshape(heads, c // heads, -1) for w in (q, k, v)],
+                                            dim=1).reshape(3 * c, -1)
+        out[f"{ours}.bias"] = torch.zeros(3 * c)  # anemoi's q/k/v projections have no bias
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def anemoi_weights(weights: dict[str, Tensor], config: ModelConfig, n_in: int) -> dict[str, Tensor]:
+    """stormshard parameters -> anemoi tensors (the inverse of the import's mapping). A non-zero
+    ``lin_qkv`` bias (anemoi's q/k/v have none) is a :class:`ConversionError`."""
+    same, permuted = _renames(config, config.multistep_input * n_in)
+    out = {theirs: weights[ours] for ours, theirs in same if ours in weights}
+    out.update({theirs: _permute(weights[ours], first) for ours, theirs, first in permuted})
+    heads = config.processor.num_heads
+    for ours, theirs in _qkv_names(config):
+        if bool(weights[f"{ours}.bias"].any()):
+            raise ConversionError(f"{ours}.bias is not zero: anemoi's q/k/v projections have no bias",
+                                  fix="fine-tune imported transformer models with that bias frozen at zero")
+        w = weights[f"{ours}.weight"]
+        c = w.shape[0] // 3
+        q, k, v = w.reshape(heads, 3, c // heads, -1).unbind(1)
+        for name, part in zip("qkv", (q, k, v), strict=True):
+            out[f"{theirs}.lin_{name}.weight"] = part.reshape(c, -1)
+    return {k: v.detach().contiguous() for k, v in out.items()}
 
 
 def _model_config(ckpt: AnemoiCheckpoint, parts: dict[str, Any], kind: str, enc: Any, dec: Any,
@@ -314,10 +354,17 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
     parts = anemoi_model_parts(ckpt)
     kind, enc, dec = _check_kinds(ckpt, parts)
     variables, _ = _variables(ckpt)
-    config = _model_config(ckpt, parts, kind, enc, dec, variables)
     t = parts["tensors"]
-    graph = _graph(t, kind)
-    weights = _weights(t, kind, config, len(variables.input_names))
+    try:
+        config = _model_config(ckpt, parts, kind, enc, dec, variables)
+        graph = _graph(t, kind)
+        weights = _weights(t, config, len(variables.input_names))
+    except KeyError as err:  # a tensor or attribute of the 0.19 layout is absent: an older (or newer) layout
+        raise ConversionError(
+            f"{ckpt.path}: the anemoi model has no {err.args[0]!r}: not the anemoi-models 0.19 layout "
+            f"(metadata {ckpt.metadata.get('version')!r})",
+            fix="older layouts (AIFS 1.x, metadata 1.0: chunked processor keys, edge tensors inside the mappers) "
+                "are not supported yet: load and save the checkpoint with anemoi-models 0.19 first") from None
     target = build_model(config, graph, variables, None, shard_strategy="shard_sequence")
     expected = {k: tuple(v.shape) for k, v in target.state_dict().items()}
     problems = [f"{k}: missing from the mapping" for k in expected if k not in weights]
@@ -340,7 +387,7 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
         "dataset": {"path": str((ckpt.metadata.get("dataset") or {}).get("path", "")), "resolution": None},
         "parameters": [{"name": n, "shape": list(w.shape)} for n, w in weights.items()],
         "anemoi": {"run_id": ckpt.metadata.get("run_id"), "uuid": ckpt.metadata.get("uuid"),
-                   "metadata_version": ckpt.metadata.get("version")},
+                   "metadata_version": ckpt.metadata.get("version"), "template": TEMPLATE},
     }
     stats = _statistics(ckpt, t, variables)
     with atomic_directory(out, overwrite) as tmp:
@@ -348,8 +395,5 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
         (tmp / "statistics.json").write_text(json.dumps(stats, indent=1))
         save_graph(graph, tmp / "graph.pt")
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
-        lat = ckpt.supporting_arrays.get("data/latitudes")
-        if lat is not None:
-            np.savez(tmp / "anemoi_supporting_arrays.npz", **{k.replace("/", "_"): v
-                                                              for k, v in ckpt.supporting_arrays.items()})
+        shutil.copyfile(ckpt.path, tmp / TEMPLATE)  # for export-anemoi (read with the restricted unpickler)
     return Path(out)

@@ -238,6 +238,17 @@ class AnemoiCheckpoint:
     kind: str
     stubbed: set[str] = field(default_factory=set)
     storages_read: set[str] = field(default_factory=set)  # the data/<key> entries the pickle referenced
+    # the bytes behind every storage (the tensors view them: writing a tensor changes them), by key
+    buffers: dict[str, bytearray] = field(default_factory=dict)
+    prefix: str = ""  # the zip's folder (``<prefix>/data.pkl``)
+
+    def storage_key(self, tensor: torch.Tensor) -> str:
+        """The ``data/<key>`` entry a tensor read from this file views."""
+        ptr = tensor.untyped_storage().data_ptr()
+        for key, buf in self.buffers.items():
+            if buf and torch.frombuffer(buf, dtype=torch.uint8).data_ptr() == ptr:
+                return key
+        raise KeyError("the tensor is not one of this checkpoint's storages")
 
 
 def _read_metadata(z: zipfile.ZipFile, names: list[str]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -283,9 +294,11 @@ def open_anemoi_checkpoint(path: str | os.PathLike) -> AnemoiCheckpoint:
         prefix = pkl[0].rsplit("/", 1)[0]
         metadata, arrays = _read_metadata(z, names)
 
+        buffers: dict[str, bytearray] = {}
+
         def storage(key: str, dtype: torch.dtype, numel: int) -> Any:
-            raw = z.read(f"{prefix}/data/{key}")
-            return torch.frombuffer(bytearray(raw), dtype=dtype)[:numel].untyped_storage() if raw else \
+            raw = buffers[key] = bytearray(z.read(f"{prefix}/data/{key}"))
+            return torch.frombuffer(raw, dtype=dtype)[:numel].untyped_storage() if raw else \
                 torch.empty(0, dtype=dtype).untyped_storage()
 
         unpickler = RestrictedUnpickler(z.read(pkl[0]), _TypedStorageReader(storage))
@@ -308,7 +321,8 @@ def open_anemoi_checkpoint(path: str | os.PathLike) -> AnemoiCheckpoint:
         raise NotAnemoiCheckpoint(f"{p} is not an anemoi checkpoint: no anemoi-metadata/anemoi.json "
                                   "(or ai-models.json) entry",
                                   fix="give a checkpoint written by anemoi-training's checkpoint callback")
-    return AnemoiCheckpoint(p, root, metadata, arrays, kind, set(unpickler.stubbed), set(unpickler.storage_keys))
+    return AnemoiCheckpoint(p, root, metadata, arrays, kind, set(unpickler.stubbed), set(unpickler.storage_keys),
+                           buffers, prefix)
 
 
 class _TypedStorageReader:

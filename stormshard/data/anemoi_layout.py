@@ -256,6 +256,9 @@ class AnemoiDataset:
     dtype: np.dtype
     missing_dates: frozenset[int] = frozenset()
     _data: Any = field(default=None, repr=False, compare=False)
+    #: coordinate arrays listed in the store but without one stored chunk (an interrupted copy; or every
+    #: value equal to the fill value): their values are the fill value. See :meth:`check_coordinates`.
+    unwritten_coordinates: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------- open / validate
     @classmethod
@@ -322,16 +325,14 @@ class AnemoiDataset:
             if key in attrs and as_datetime64(attrs[key], f"attribute '{key}'") != value:
                 raise err(f"attribute '{key}' is {attrs[key]} but the array 'dates' has {value}")
 
-        coords = []
+        coords, unwritten = [], []
         for names in (("latitudes", "latitude"), ("longitudes", "longitude")):
             name = next((n for n in names if n in arrays), None)
             if name is None:
                 raise err(f"missing the array '{names[0]}'")
             array = root[name]
-            if array.nchunks_initialized == 0 and array.size:  # listed, but no value was ever written
-                raise err(f"array '{name}' holds no values (its chunks are missing; reading it would give "
-                          f"{array.fill_value} everywhere): the store is incomplete; copy or rewrite it with its "
-                          "coordinates")
+            if array.size and array.nchunks_initialized == 0:  # listed, but no value was ever written
+                unwritten.append(f"{name} (fill value {array.fill_value})")
             values = np.asarray(array[:], dtype=np.float64)
             if values.shape != (n_cells,):
                 raise err(f"array '{name}' has shape {values.shape} but 'data' has {n_cells} cells")
@@ -378,7 +379,19 @@ class AnemoiDataset:
             dtype=np.dtype(data.dtype),
             missing_dates=frozenset(missing),
             _data=data,
+            unwritten_coordinates=tuple(unwritten),
         )
+
+    def check_coordinates(self) -> None:
+        """Raise :class:`AnemoiLayoutError` naming the store when a coordinate array holds no stored
+        value (:attr:`unwritten_coordinates`): a graph built on it would put every cell at one point.
+        Called before the coordinates are used (the graph build, a forecast's grid check)."""
+        if self.unwritten_coordinates:
+            raise AnemoiLayoutError(
+                f"{self.path}: the array(s) {', '.join(self.unwritten_coordinates)} hold no stored values (their "
+                "chunks are missing, so every cell would sit at the same point): the store is incomplete; copy it "
+                "again or rewrite its latitudes and longitudes"
+            )
 
     # ---------------------------------------------------------------- properties
     @property

@@ -173,6 +173,7 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
     if missing:
         raise ValueError(f"the dataset {dataset} lacks the model's variables {missing}: use the dataset the model was "
                          "trained on (or one with the same variables)")
+    ds.check_coordinates()  # a store whose coordinates were never written: name it, not a grid mismatch
     _check_grid(ds, graph, dataset)
     stride, step_text = _stride(timestep, ds)
     if not dates:

@@ -6,7 +6,9 @@ coordinates), ``data``, ``parallel`` (the layout), ``training`` (steps, schedule
 accumulation, clipping), ``optimizer`` (AdamW), ``engine`` ("deepspeed", "ddp" or "local"),
 ``deepspeed`` (DeepSpeed's own settings only), ``ddp``, ``compression`` and ``logging``. Unknown keys
 are errors that name them; :func:`load_experiment_config` adds the file name and the fix to every
-message.
+message. It reads the file strictly and applies ``dotted.key=value`` command-line overrides
+(:mod:`stormshard.training.config_file`). This module and the schema modules it reads import no torch
+(``launch/train.py`` validates a config before torch or DeepSpeed loads: a bad one fails at once).
 
 One place per knob: micro batch, accumulation, clipping and the optimizer are engine-neutral and
 read by all three engines. Their DeepSpeed spellings in the ``deepspeed`` section are errors naming

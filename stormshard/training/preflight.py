@@ -210,6 +210,8 @@ def open_dataset(config: ExperimentConfig) -> tuple[AnemoiDataset, VariableIndex
             "stormshard.data.synthetic --out data/synthetic.zarr` or point to an anemoi-layout dataset"
         )
     dataset = AnemoiDataset.open(data_path)
+    if config.graph.data_grid is None:  # the graph is built on the dataset's own coordinates: they must exist
+        dataset.check_coordinates()
     try:
         variables = VariableIndex.build(dataset.variables, config.data.forcing, config.data.diagnostic)
     except ValueError as exc:

@@ -1,0 +1,76 @@
+"""Export a bundle imported from anemoi (and possibly fine-tuned since) back to an anemoi inference checkpoint.
+
+``export_anemoi(bundle, out)`` takes the anemoi checkpoint the bundle was imported from (kept in the
+bundle as ``anemoi_source.ckpt``), writes the bundle's weights into its tensors (the inverse of
+:func:`stormshard.checkpoint.anemoi_import.anemoi_weights`) and writes the zip again with every
+other entry (the pickled model, ``anemoi-metadata/anemoi.json``, the supporting arrays) unchanged,
+so anemoi-inference loads it as it loaded the original: ``torch.load(out, weights_only=False)``
+gives a model whose ``predict_step`` equals the bundle's ``predict``. Nothing is unpickled with
+code: the template is read by :mod:`stormshard.checkpoint.anemoi_pickle` and its pickle copied
+byte for byte. No anemoi is needed to export.
+
+A bundle not imported from anemoi has no anemoi equivalent here: a :class:`ConversionError`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import torch
+
+from stormshard.checkpoint.anemoi_import import TEMPLATE, anemoi_weights
+from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_checkpoint
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.stored_config import stored_model_config
+from stormshard.models.variables import VariableIndex
+
+__all__ = ["export_anemoi"]
+
+
+def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write ``out`` (an anemoi inference checkpoint) from a bundle made by ``import-anemoi``."""
+    from safetensors.torch import load_file
+
+    b, target = Path(bundle), Path(out)
+    try:
+        meta = json.loads((b / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{b} is not a stormshard inference bundle: {exc}",
+                              fix="export a bundle first (convert_checkpoint.py export / import-anemoi)") from None
+    template = b / str((meta.get("anemoi") or {}).get("template", ""))
+    if not (meta.get("anemoi") or {}).get("template") or not template.is_file():
+        raise ConversionError(f"{b} has no anemoi equivalent: only bundles made by `import-anemoi` (which keep the "
+                              f"anemoi checkpoint they came from, {TEMPLATE}) export to anemoi",
+                              fix="import the model from an anemoi checkpoint, fine-tune it, then export it")
+    if target.exists() and not overwrite:
+        raise ConversionError(f"--out {target} exists", fix="choose another --out or pass --overwrite")
+    config = stored_model_config(meta["model"])
+    roles = meta["variables"]
+    variables = VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"])
+    weights = load_file(str(b / "model.safetensors"))
+    ckpt = open_anemoi_checkpoint(template)
+    tensors = module_tensors(ckpt.root)
+    theirs = anemoi_weights(weights, config, len(variables.input_names))
+    problems = [f"{n}: not in the anemoi model" for n in theirs if n not in tensors]
+    problems += [f"{n}: stormshard {tuple(w.shape)} vs anemoi {tuple(tensors[n].shape)}" for n, w in theirs.items()
+                 if n in tensors and tuple(w.shape) != tuple(tensors[n].shape)]
+    if problems:
+        raise ConversionError(f"{b}: the weights do not fit the anemoi model they were imported from:", problems)
+    changed: set[str] = set()
+    with torch.no_grad():
+        for name, w in theirs.items():
+            tensors[name].copy_(w.to(tensors[name].dtype))  # writes into the storage bytes of the template
+            changed.add(ckpt.storage_key(tensors[name]))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".partial")
+    with zipfile.ZipFile(template) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            key = info.filename.rsplit("/", 1)[-1]
+            is_storage = info.filename == f"{ckpt.prefix}/data/{key}"
+            data = bytes(ckpt.buffers[key]) if is_storage and key in changed else src.read(info)
+            dst.writestr(info, data)
+    os.replace(tmp, target)
+    return target
