@@ -12,7 +12,7 @@ MAX_LINES = 600
 #: The floors, lowest first. A package imports only packages on lower floors (and itself):
 #: parallel knows nothing of weather; checkpoint/ and inference/ stand below training/.
 FLOORS: dict[str, int] = {
-    "errors": 0, "progress": 0,
+    "errors": 0, "lazy": 0, "progress": 0,
     "parallel": 1,
     "graphs": 2, "layers": 2,
     "data": 3, "models": 3,

@@ -7,8 +7,7 @@ compression, communication accounting. Everything else stays in its module (e.g.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from stormshard.lazy import lazy_exports
 
 # name -> module: loaded on first use, so that importing a torch-free module of the package (the
 # shard strategies, the PowerSGD settings: read by the experiment config) does not load torch
@@ -42,18 +41,4 @@ __all__ = [
     "PowerSGDConfig", "PowerSGDCompressor", "register_powersgd_hook", "CommCounter",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """An exported name (imported from its module on first use) or a submodule."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from stormshard.lazy import lazy_exports
 
 # name -> module, loaded on first use: importing the package (e.g. stormshard.training.config, which
 # launch/train.py validates before anything else) does not load torch or DeepSpeed
@@ -30,18 +29,4 @@ __all__ = [
     "LaunchEnvironment", "LaunchError", "detect_launch", "RankFailure", "DiskSpaceError",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """An exported name (imported from its module on first use) or a submodule."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

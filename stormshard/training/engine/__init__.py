@@ -30,8 +30,7 @@ and :mod:`.zero_grad_sum` (the model-group gradient sum) and :mod:`.build` (``bu
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from stormshard.lazy import lazy_exports
 
 # name -> module, loaded on first use: importing the package (e.g. the torch-free engine settings, read by
 # the experiment config) does not load torch or DeepSpeed
@@ -55,18 +54,4 @@ __all__ = [
     "resolve_deepspeed_config",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """An exported name (imported from its module on first use) or a submodule."""
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    try:
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -84,15 +84,18 @@ class DeepSpeedEngine(TrainingEngine):
         return cast_floating(out, torch.float32) if self.settings.bf16 else out
 
     def backward(self, loss: Tensor) -> None:
+        """DeepSpeed's backward; at the accumulation boundary then the model-group sum of the replicated
+        gradients (:mod:`.grad_sum`): on ``.grad`` at ZeRO 0, on DeepSpeed's reduced partition at ZeRO 1/2."""
         self.ds.backward(loss)
-
-    def step(self) -> bool:
-        boundary = self.ds.is_gradient_accumulation_boundary()
-        if boundary:
+        if self.ds.is_gradient_accumulation_boundary():
             if self.grad_sum_placement == "after_backward":
                 reduce_model_parallel_gradients(self._params, self.groups.model_group, self.settings.bucket_cap_mb)
             elif self._zero_sum is not None:
                 self._zero_sum()
+
+    def step(self) -> bool:
+        boundary = self.ds.is_gradient_accumulation_boundary()
+        if boundary:
             if self.compressor is not None:
                 self.compressor.reduce_gradients()
         self.ds.step()

@@ -11,9 +11,9 @@ into a :data:`Placement`:
 
 ==================  ==============================================================================
 ``"none"``          ``gpus_per_model`` 1: nothing to sum
-``"after_backward"`` one flat all-reduce of the replicated ``.grad`` at the accumulation boundary,
-                    before clipping and the optimizer (``local``, ``ddp``, DeepSpeed ZeRO 0 with or
-                    without PowerSGD)
+``"after_backward"`` one flat all-reduce of the replicated ``.grad`` at the end of the accumulation
+                    boundary's ``backward()``, before PowerSGD, clipping and the optimizer (``local``,
+                    ``ddp``, DeepSpeed ZeRO 0 with or without PowerSGD)
 ``"compression_hook"`` ``ddp`` with PowerSGD: one flat all-reduce inside the communication hook, once
                     DDP has handed every bucket and before the compressor runs
 ``"zero_partition"`` DeepSpeed ZeRO 1/2: one flat all-reduce of the replicated elements of the

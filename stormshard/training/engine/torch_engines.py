@@ -1,9 +1,9 @@
 """The torch engines: torch AdamW, the warm-up + cosine schedule and stormshard's clipping over a
 plain module (:class:`LocalEngine`) or a torch DDP wrapper (:class:`DDPEngine`).
 
-At the accumulation boundary ``step()`` runs, in order: the model-group sum of the replicated
-gradients (one flat all-reduce, placement ``"after_backward"`` of :mod:`.grad_sum`: the default), clipping
-to ``gradient_clipping`` (the norm counts each tensor-parallel slice once; all-reduced over the model
+At the accumulation boundary ``backward()`` ends with the model-group sum of the replicated gradients
+(one flat all-reduce, placement ``"after_backward"`` of :mod:`.grad_sum`: the default), and ``step()`` runs,
+in order: clipping to ``gradient_clipping`` (the norm counts each tensor-parallel slice once; all-reduced over the model
 group), the AdamW step, the schedule step. Data-parallel averaging happens inside backward (DDP's
 buckets, or the PowerSGD communication hook, which sums over the model group before it compresses).
 
@@ -59,8 +59,12 @@ class _TorchEngine(TrainingEngine):
         return cast_floating(out, torch.float32)
 
     def backward(self, loss: Tensor) -> None:
+        """Backward of ``loss / accumulation``; at the accumulation boundary the replicated gradients are then
+        summed over the model group (placement ``"after_backward"``), so ``.grad`` is complete on return."""
         scale = self.accumulation
         (loss / scale if scale > 1 else loss).backward()
+        if self.grad_sum_placement == "after_backward" and self.is_accumulation_boundary():
+            reduce_model_parallel_gradients(self._params, self.groups.model_group, self.settings.bucket_cap_mb)
 
     def step(self) -> bool:
         boundary = self.is_accumulation_boundary()
@@ -68,8 +72,6 @@ class _TorchEngine(TrainingEngine):
         if not boundary:
             return False
         params = self._params
-        if self.grad_sum_placement == "after_backward":
-            reduce_model_parallel_gradients(params, self.groups.model_group, self.settings.bucket_cap_mb)
         if self.settings.clipping > 0:
             clip_grad_norm_(params, self.settings.clipping, self.groups.model_group)
         self.optimizer.step()

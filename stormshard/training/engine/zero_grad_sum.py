@@ -63,7 +63,7 @@ class ZeroPartitionGradSum:
     """Sums the replicated parameters' part of a ZeRO 1/2 gradient partition over ``model_group``.
 
     Call it at the accumulation boundary, after DeepSpeed's backward (its reduce-scatter) and before
-    ``engine.step()``. Check :func:`partition_sum_blocker` first.
+    ``engine.step()`` (``DeepSpeedEngine.backward`` does). Check :func:`partition_sum_blocker` first.
 
     Communicates: one all-reduce (sum) over the model group of the replicated elements of this
     rank's gradient partition (the whole partition when no parameter is partitioned), per
