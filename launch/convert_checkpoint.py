@@ -129,7 +129,8 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "import-anemoi":
         check_output_path(args.checkpoint, args.out, args.overwrite)
         out = import_anemoi(args.checkpoint, args.out, overwrite=args.overwrite)
-        print(f"imported {args.checkpoint} into {out}: load it with stormshard.load_model({str(out)!r})")
+        print(f"imported {args.checkpoint} into {out}: load it with stormshard.load_model({str(out)!r}); "
+              f"fine-tune it with launch/train.py --config {out / 'finetune_config.json'} data.path=DATASET")
     else:
         out = export_bundle(args.checkpoint, args.out, dataset=args.dataset, graph=args.graph,
                             overwrite=args.overwrite)

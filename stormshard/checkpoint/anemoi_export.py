@@ -9,7 +9,9 @@ gives a model whose ``predict_step`` equals the bundle's ``predict``. Nothing is
 code: the template is read by :mod:`stormshard.checkpoint.anemoi_pickle` and its pickle copied
 byte for byte. No anemoi is needed to export.
 
-A bundle not imported from anemoi has no anemoi equivalent here: a :class:`ConversionError`.
+A bundle exported from a run fine-tuned from an imported bundle (or an anemoi checkpoint:
+``training.init_weights``) uses that model's anemoi checkpoint as its template. A bundle with no
+anemoi ancestor has no anemoi equivalent here: a :class:`ConversionError`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,29 @@ from stormshard.models.variables import VariableIndex
 __all__ = ["export_anemoi"]
 
 
+def _template(bundle: Path, meta: dict) -> Path | None:
+    """The anemoi checkpoint a bundle descends from: its own (``import-anemoi``), or, for a bundle
+    exported from a fine-tuning run, that of the run's ``training.init_weights`` (an imported bundle
+    or an anemoi checkpoint), followed back through earlier fine-tunes."""
+    seen: set[Path] = set()
+    while bundle not in seen:
+        seen.add(bundle)
+        name = (meta.get("anemoi") or {}).get("template")
+        if name and (bundle / str(name)).is_file():
+            return bundle / str(name)
+        source = ((meta.get("experiment") or {}).get("training") or {}).get("init_weights")
+        if not source:
+            return None
+        src = Path(source)
+        if src.is_file():
+            return src if zipfile.is_zipfile(src) else None
+        try:
+            meta, bundle = json.loads((src / "metadata.json").read_text()), src
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``out`` (an anemoi inference checkpoint) from a bundle made by ``import-anemoi``."""
     from safetensors.torch import load_file
@@ -40,8 +65,8 @@ def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrit
     except (OSError, json.JSONDecodeError) as exc:
         raise ConversionError(f"{b} is not a stormshard inference bundle: {exc}",
                               fix="export a bundle first (convert_checkpoint.py export / import-anemoi)") from None
-    template = b / str((meta.get("anemoi") or {}).get("template", ""))
-    if not (meta.get("anemoi") or {}).get("template") or not template.is_file():
+    template = _template(b, meta)
+    if template is None:
         raise ConversionError(f"{b} has no anemoi equivalent: only bundles made by `import-anemoi` (which keep the "
                               f"anemoi checkpoint they came from, {TEMPLATE}) export to anemoi",
                               fix="import the model from an anemoi checkpoint, fine-tune it, then export it")

@@ -14,6 +14,11 @@ anemoi needed, nothing in the file runs), then builds from it, never rebuilding 
   statistics from ``_norm_mul`` / ``_norm_add`` (anemoi normalises ``x * mul + add``: exactly
   mean-std with ``mean = -add / mul``, ``stdev = 1 / mul``, whatever anemoi's method was);
 - the weights, mapped by name (:func:`anemoi_parameter_map`), shape-checked against the model.
+- ``finetune_config.json`` (:func:`finetune_config`): a training config that fine-tunes the bundle
+  (its graph file, statistics and weights; ``data.path`` a placeholder the user overrides).
+
+:func:`read_anemoi` does all of it without writing (``training.init_weights`` reads an anemoi
+checkpoint with it).
 
 What stormshard's model cannot represent (another mapper or processor kind, several datasets,
 another bounding, an ``emb_nodes_src`` in the decoder, ...) is a :class:`ConversionError` naming it.
@@ -25,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +52,8 @@ from stormshard.models.config import MapperConfig, ModelConfig, ProcessorConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
-__all__ = ["import_anemoi", "anemoi_model_parts", "anemoi_weights", "TEMPLATE"]
+__all__ = ["import_anemoi", "read_anemoi", "ImportedAnemoi", "finetune_config", "anemoi_model_parts", "anemoi_weights",
+           "TEMPLATE", "FINETUNE_DATA_PLACEHOLDER"]
 
 #: the anemoi checkpoint an imported bundle keeps (``export-anemoi`` writes its weights into it)
 TEMPLATE = "anemoi_source.ckpt"
@@ -348,8 +355,22 @@ def _statistics(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], variables: Variabl
             for i, n in enumerate(variables.variables)}
 
 
-def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Write a stormshard bundle (``load_model(out)``) from an anemoi inference checkpoint."""
+@dataclass(frozen=True)
+class ImportedAnemoi:
+    """What an anemoi inference checkpoint holds, in stormshard terms (nothing written)."""
+
+    path: Path
+    config: ModelConfig
+    graph: HeteroGraph
+    variables: VariableIndex
+    weights: dict[str, Tensor]  # stormshard parameter name -> full tensor
+    statistics: dict[str, dict[str, float]]
+    metadata: dict[str, Any]  # the bundle's metadata.json
+
+
+def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
+    """Read an anemoi inference checkpoint (restricted unpickler, nothing runs) and map it onto a
+    stormshard model; raises :class:`ConversionError` naming what does not map."""
     ckpt = open_anemoi_checkpoint(source)
     parts = anemoi_model_parts(ckpt)
     kind, enc, dec = _check_kinds(ckpt, parts)
@@ -389,11 +410,44 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
         "anemoi": {"run_id": ckpt.metadata.get("run_id"), "uuid": ckpt.metadata.get("uuid"),
                    "metadata_version": ckpt.metadata.get("version"), "template": TEMPLATE},
     }
-    stats = _statistics(ckpt, t, variables)
+    return ImportedAnemoi(ckpt.path, config, graph, variables, weights, _statistics(ckpt, t, variables), meta)
+
+
+def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict[str, Any]:
+    """A complete training config (``launch/train.py --config``) that fine-tunes the bundle at
+    ``bundle``: its model, its graph file (never rebuilt), its statistics and variables, starting from
+    its weights; ``data.path`` is a placeholder the user overrides. A transformer's ``lin_qkv`` biases
+    (anemoi's q/k/v have none) are frozen at zero, so the result exports back to anemoi."""
+    b = Path(bundle).resolve()
+    v, config = imported.variables, imported.config
+    freeze = [name for name, _ in _qkv_names(config)]
+    return {
+        "name": f"finetune-{b.name}",
+        "model": config.model_dump(mode="json"),
+        "data": {"path": FINETUNE_DATA_PLACEHOLDER, "forcing": list(v.forcing), "diagnostic": list(v.diagnostic),
+                 "timestep": imported.metadata.get("timestep"), "graph_file": str(b / "graph.pt"),
+                 "statistics": str(b / "statistics.json")},
+        "parallel": {"gpus_per_model": 1, "shard_strategy": "shard_sequence"},
+        "training": {"max_steps": 1000, "lr": 1e-4, "lr_min": 1e-6, "warmup_steps": 100,
+                     "output_dir": f"runs/finetune-{b.name}", "init_weights": str(b),
+                     "freeze": [f"{name}.bias" for name in freeze]},
+    }
+
+
+#: ``data.path`` of a ``finetune_config.json``: the user points it at an anemoi dataset
+FINETUNE_DATA_PLACEHOLDER = "SET-ME/anemoi-dataset.zarr"
+
+
+def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write a stormshard bundle (``load_model(out)``) from an anemoi inference checkpoint, with a
+    ``finetune_config.json`` (:func:`finetune_config`)."""
+    imported = read_anemoi(source)
+    meta = imported.metadata
     with atomic_directory(out, overwrite) as tmp:
-        save_safetensors(weights, tmp / "model.safetensors", {"step": str(meta["step"])})
-        (tmp / "statistics.json").write_text(json.dumps(stats, indent=1))
-        save_graph(graph, tmp / "graph.pt")
+        save_safetensors(imported.weights, tmp / "model.safetensors", {"step": str(meta["step"])})
+        (tmp / "statistics.json").write_text(json.dumps(imported.statistics, indent=1))
+        save_graph(imported.graph, tmp / "graph.pt")
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
-        shutil.copyfile(ckpt.path, tmp / TEMPLATE)  # for export-anemoi (read with the restricted unpickler)
+        (tmp / "finetune_config.json").write_text(json.dumps(finetune_config(imported, out), indent=1) + "\n")
+        shutil.copyfile(imported.path, tmp / TEMPLATE)  # for export-anemoi (read with the restricted unpickler)
     return Path(out)

@@ -340,7 +340,10 @@ def _master_weights(module: dict[str, Tensor], master: dict[str, Tensor], proble
     checking that every module tensor is its master rounded to the module's dtype."""
     out = {}
     for name, weight in module.items():
-        fp32 = master[name]
+        fp32 = master.get(name)
+        if fp32 is None:  # frozen (training.freeze): no optimizer master, the module's weight is it
+            out[name] = weight
+            continue
         if fp32.shape != weight.shape or not torch.equal(fp32.to(weight.dtype), weight):
             diff = "shape" if fp32.shape != weight.shape else \
                 f"{(fp32.double() - weight.double()).abs().max().item():.3g}"
@@ -360,10 +363,12 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
     masters: dict[int, dict[str, Tensor]] = {}
     hyper: list[dict[str, Any]] = []
     group0 = layout.model_groups()[0]
+    frozen = [n for n in names if not tables[0][n].get("trainable", True)]  # training.freeze: no optimizer state
+    trained = [n for n in names if n not in frozen]
     if is_zero_state(first["optimizer"]):
         # ZeRO 1/2: model rank m's flat buffer is partitioned over its data-parallel group
         for m, dp_ranks in enumerate(layout.data_parallel_groups()):
-            rows = [tables[dp_ranks[0]][n] for n in names]
+            rows = [tables[dp_ranks[0]][n] for n in trained]
             states = [engines[r]["optimizer"] for r in dp_ranks]
             if not all(is_zero_state(s) for s in states):
                 problems.append(f"ranks {dp_ranks}: mixed optimizer state formats")
@@ -374,7 +379,7 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
             except ConversionError as exc:
                 problems.extend(exc.problems or [str(exc)])
                 return None, "", None
-        hyper = [{**h, "param_names": list(names)} for h in hyper] or [{"param_names": list(names)}]
+        hyper = [{**h, "param_names": list(trained)} for h in hyper] or [{"param_names": list(trained)}]
     elif is_flat_master_state(first["optimizer"]):
         # bf16 at ZeRO 0: every data-parallel replica holds the same unpartitioned fp32 master
         for m, dp_ranks in enumerate(layout.data_parallel_groups()):
@@ -382,7 +387,7 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
             if not all(is_flat_master_state(s) for s in states):
                 problems.append(f"ranks {dp_ranks}: mixed optimizer state formats")
                 return None, "", None
-            rows = [tables[dp_ranks[0]][n] for n in names]
+            rows = [tables[dp_ranks[0]][n] for n in trained]
             try:
                 unflat = [unflatten_flat_master(st, rows, f"model rank {m} (rank {r})")
                           for r, st in zip(dp_ranks, states, strict=True)]
@@ -391,31 +396,35 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
                 return None, "", None
             per_rank[group0[m]], masters[group0[m]], hyper = unflat[0]
             for r, (_, other, _) in zip(dp_ranks[1:], unflat[1:], strict=True):
-                differ = [n for n in names if not torch.equal(other[n], masters[group0[m]][n])]
+                differ = [n for n in trained if not torch.equal(other[n], masters[group0[m]][n])]
                 if differ:
                     problems.append(f"rank {r}: its fp32 master of {differ[:3]} differs from data-parallel replica 0 "
                                     f"(rank {dp_ranks[0]})")
         if problems:
             return None, "", None
-        hyper = [{**h, "param_names": list(names)} for h in hyper] or [{"param_names": list(names)}]
+        hyper = [{**h, "param_names": list(trained)} for h in hyper] or [{"param_names": list(trained)}]
     elif _optimizer_kind(first["optimizer"]) == "torch":
         for r in group0:
             opt = engines[r]["optimizer"]
             indices = [i for g in opt["param_groups"] for i in g["params"]]
-            if sorted(indices) != list(range(len(tables[r]))):
-                problems.append(f"rank {r}: the optimizer covers {len(indices)} parameter positions of "
-                                f"{len(tables[r])}: frozen or extra parameters are not supported")
+            # metadata order = named_parameters order; the optimizer's: the trained ones in that order
+            order = [n for n in tables[r] if tables[r][n].get("trainable", True)]
+            if sorted(indices) != list(range(len(order))):
+                problems.append(f"rank {r}: the optimizer covers {len(indices)} parameter positions of the "
+                                f"{len(order)} trained parameters: extra parameters are not supported")
                 continue
-            order = list(tables[r])  # metadata order = named_parameters order = optimizer order
             per_rank[r] = {order[i]: opt["state"].get(i, {}) for i in range(len(order))}
         for g in first["optimizer"]["param_groups"]:
             hyper.append({**{k: v for k, v in g.items() if k != "params"},
-                          "param_names": [names[i] for i in g["params"]]})
+                          "param_names": [trained[i] for i in g["params"]]})
     else:
         return None, (f"engine {first.get('engine')!r} (ZeRO stage {first.get('zero_stage')}) writes an optimizer "
                       "state this converter does not know; only the weights were consolidated"), None
     if problems:
         return None, "", None
+    for r in per_rank:
+        for name in frozen:
+            per_rank[r].setdefault(name, {})
     state: dict[str, dict[str, Any]] = {}
     for name in names:
         entry: dict[str, Any] = {}
@@ -434,7 +443,7 @@ def _consolidate_optimizer(layout: ParallelLayout, tables: list[dict[str, dict]]
     master = None
     if masters:
         master = {}
-        for name in names:
+        for name in trained:
             full = _gather_group(name, [tables[r] for r in group0], [masters[r][name] for r in group0], problems,
                                  what=" (fp32 master)")
             if full is not None:

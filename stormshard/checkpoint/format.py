@@ -85,13 +85,15 @@ def _step_of(name: str) -> int | None:
 
 
 def parameter_table(model: nn.Module) -> list[dict[str, Any]]:
-    """Name, local shape, full shape, dtype and Partition (or None) of every parameter of ``model``."""
+    """Name, local shape, full shape, dtype, Partition (or None) and whether it is trained, of every
+    parameter of ``model``."""
     rows = []
     for name, p in model.named_parameters():
         part = get_partition(p)
         rows.append({
             "name": name, "shape": list(p.shape), "full_shape": list(full_shape(p)),
             "dtype": str(p.dtype).removeprefix("torch."), "partition": None if part is None else part.as_dict(),
+            "trainable": bool(p.requires_grad),  # frozen (training.freeze) ones are not in the optimizer
         })
     return rows
 

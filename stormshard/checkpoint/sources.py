@@ -4,17 +4,19 @@ trained on, and a check of a full state dict against the model."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.stored_config import StoredConfig
-from stormshard.data.anemoi_layout import AnemoiDataset
+from stormshard.data.anemoi_layout import AnemoiDataset, Statistics
 from stormshard.graphs.builder import graph_hash, load_graph, load_or_build_graph
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.models.variables import VariableIndex
@@ -44,6 +46,17 @@ def _candidates(config: StoredConfig, checkpoint: Path) -> list[Path]:
     return out
 
 
+def _statistics_file(path: Path, ds: AnemoiDataset) -> Statistics:
+    try:
+        stats = json.loads(path.read_text())
+        columns = [np.array([float(stats[v][s]) for v in ds.variables]) for s in ("mean", "stdev", "minimum", "maximum")]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConversionError(f"the statistics file {path} (data.statistics of the checkpoint's config) cannot be "
+                              f"read for the dataset's variables ({type(exc).__name__}: {exc})",
+                              fix="restore it (the statistics.json of the bundle the run fine-tuned)") from None
+    return Statistics(*columns, has_nans=ds.statistics.has_nans)
+
+
 def model_sources(config: Mapping[str, Any] | StoredConfig, checkpoint: str | os.PathLike,
                   dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None) -> ModelSources:
     """Open the dataset of ``config`` (a stored experiment config, plain or read; or ``dataset``) and
@@ -60,8 +73,16 @@ def model_sources(config: Mapping[str, Any] | StoredConfig, checkpoint: str | os
         variables = VariableIndex.build(ds.variables, cfg.data.forcing, cfg.data.diagnostic)
     except ValueError as exc:
         raise ConversionError(f"the dataset {data_path} does not fit the checkpoint's config: {exc}") from None
+    if cfg.data.statistics:  # the run normalised with these (a fine-tuned imported model's)
+        ds = replace(ds, statistics=_statistics_file(Path(cfg.data.statistics), ds))
     latlon = (ds.latitudes, ds.longitudes) if cfg.graph.data_grid is None else None
     digest = graph_hash(cfg.graph, latlon)
+    if graph is None and cfg.data.graph_file:  # a fixed graph file: the run used it as it is
+        gpath = Path(cfg.data.graph_file)
+        if not gpath.is_file():
+            raise ConversionError(f"the graph file {gpath} (data.graph_file of the checkpoint's config) does not exist",
+                                  fix="pass --graph PATH: the graph.pt of the bundle the run fine-tuned")
+        return ModelSources(cfg, ds, variables, load_graph(gpath), gpath)
     if graph is not None:
         gpath = Path(graph)
         if not gpath.is_file():

@@ -50,6 +50,8 @@ class DataFiles(BaseModel):
     normalisation: str
     normalisation_methods: dict[str, str] = Field(default_factory=dict)
     graph_cache: str | None = None
+    graph_file: str | None = None  # a fixed graph (an imported model's): used as it is
+    statistics: str | None = None  # a statistics.json that normalised instead of the dataset's
 
     @field_validator("normalisation")
     @classmethod

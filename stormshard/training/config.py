@@ -104,6 +104,12 @@ class DataSection(_Strict):
     normalisation: Literal["mean-std", "std", "min-max", "max", "none"] = "mean-std"
     normalisation_methods: dict[str, Literal["mean-std", "std", "min-max", "max", "none"]] = Field(default_factory=dict)
     graph_cache: str | None = Field(None, description="graph file; default <output_dir>/graph.pt")
+    graph_file: str | None = Field(
+        None, description="a fixed graph file used as it is, never rebuilt (an imported bundle's graph.pt; "
+                          "its data nodes must be the dataset's cells); the graph section is then unused")
+    statistics: str | None = Field(
+        None, description="a statistics.json (per variable: mean, stdev, minimum, maximum; a bundle's) that "
+                          "normalises instead of the dataset's statistics")
     validation_samples: int = Field(16, ge=1, description="validation windows per evaluation")
     test: DateRange | None = Field(None, description="optional test dates; evaluated at the end of the run")
     num_workers: int = Field(2, ge=0, strict=True, description="reader workers per reading rank (0: read inline)")
@@ -167,6 +173,12 @@ class TrainingSection(_Strict):
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
     output_dir: str = "runs/quickstart"
+    init_weights: str | None = Field(
+        None, description="start from these weights (a stormshard bundle, an anemoi inference checkpoint or a "
+                          "stormshard training checkpoint) with a fresh optimizer and schedule; parameters that "
+                          "match by name and shape load, the others keep their fresh initialisation")
+    freeze: list[str] = Field(default_factory=list, description="parameter name prefixes not trained "
+                              "(e.g. [\"encoder\", \"processor.blocks.0\"]); each must match a parameter")
     crps_alpha: float = Field(0.95, ge=0, le=1)
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="model compute precision for every engine; bf16 keeps fp32 master weights, "

@@ -31,7 +31,7 @@ from stormshard.data.dataset import ResumableSampler, WindowedSampleDataset
 from stormshard.data.loader import BatchKey, PrefetchLoader, SliceBatchReader, finite_keys, micro_batch_keys
 from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.data.sharded_read import ModelSliceReader, SliceReadPlan
-from stormshard.graphs.builder import load_or_build_graph
+from stormshard.graphs.builder import load_graph, load_or_build_graph
 from stormshard.models.registry import build_model
 from stormshard.parallel.comm import all_reduce_sum
 from stormshard.parallel.topology import ProcessGroups, build_process_groups
@@ -39,6 +39,12 @@ from stormshard.training.checkpoint import load_checkpoint, save_checkpoint
 from stormshard.training.config import ExperimentConfig, stored_config_dump
 from stormshard.training.diskspace import check_checkpoint_space
 from stormshard.training.engine import build_engine
+from stormshard.training.finetune import (
+    TransferReport,
+    freeze_parameters,
+    load_init_weights,
+    read_init_weights,
+)
 from stormshard.training.metrics_log import (
     MetricsLogger,
     drop_records_after,
@@ -104,6 +110,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         model = build_model(config.model, self.graph, self.variables, self.groups.model_group,
                             shard_strategy=config.parallel.shard_strategy).to(self.device)
+        self.transfer: TransferReport | None = None  # what training.init_weights set (not on resume)
+        if t.init_weights and not resume:
+            self.transfer = load_init_weights(model, read_init_weights(t.init_weights), t.init_weights)
+        self.frozen = freeze_parameters(model, list(t.freeze))  # before the engine: it optimises the others
         self.plan = model.plan
         self.engine = build_engine(model, self.groups, self.settings)
         self.dtype = torch.float32  # data, targets, loss and ensemble noise at every training.precision
@@ -121,6 +131,11 @@ class Trainer:
         self.input_fill = nan_fill_values(stats, names, input_normaliser, config.data.imputation)
         self.loss_weights = inputs.loss_weights or None
         self.test_samples, self.steps_per_epoch, self.notes = inputs.test_samples, inputs.steps_per_epoch, inputs.notes
+        if self.transfer is not None:
+            self.notes = (*self.notes, self.transfer.lines())
+        if self.frozen:
+            self.notes = (*self.notes, f"freeze: {len(self.frozen)} parameters not trained (training.freeze="
+                                       f"{list(t.freeze)})")
         self.task: ForecastTask = build_task(config, self.groups, self.variables, self.area, model, self.dtype,
                                              loss_weights=self.loss_weights, input_fill=self.input_fill)
         self.replicas = self.task.replicas
@@ -137,6 +152,8 @@ class Trainer:
         self.resumed_from: Path | None = None  # the checkpoint a resumed run continues
 
     def _graph(self):  # noqa: ANN202
+        if self.config.data.graph_file:  # fixed (an imported model's): used as it is, never rebuilt
+            return load_graph(self.config.data.graph_file)
         cache = Path(self.config.data.graph_cache or self.output_dir / "graph.pt")
         latlon = (self.dataset.latitudes, self.dataset.longitudes) if self.config.graph.data_grid is None else None
         # rank 0 builds and caches it (its phases printed with logging.progress), then the others load

@@ -15,8 +15,11 @@ there, and raises :class:`~stormshard.training.config.ConfigError` (or ``LayoutE
    does not start in an ``output_dir`` that holds an earlier run
    (:func:`~stormshard.training.run_dir.check_run_directory`);
 4. ``training.output_dir`` and ``data.graph_cache`` can be written (:func:`check_output_dir`);
-5. the dataset opens, the forcing / diagnostic variables exist, the date ranges are disjoint
-   (:func:`check_splits`) and hold windows;
+5. the dataset opens, the forcing / diagnostic variables exist, the fine-tune fields hold
+   (:func:`~stormshard.training.finetune.check_finetune_inputs`: ``training.init_weights`` is a
+   bundle, an anemoi checkpoint or a training checkpoint, ``training.freeze`` prefixes name
+   parameters, ``data.graph_file`` fits the dataset's grid, ``data.statistics`` covers its
+   variables), the date ranges are disjoint (:func:`check_splits`) and hold windows;
 6. every normalisation scale is finite and positive (:func:`check_normalisation_scales`), the loss
    weights and the imputation name known variables (:func:`check_loss_weights_and_imputation`);
 7. the graph's kNN sizes fit its grids and every rank of a model group gets hidden nodes and grid
@@ -60,6 +63,7 @@ from stormshard.training.checkpoint import config_differences
 from stormshard.training.config import ConfigError, ExperimentConfig, stored_config_dump
 from stormshard.training.engine.build import check_engine_layout
 from stormshard.training.engine.settings import EngineSettings
+from stormshard.training.finetune import check_finetune_inputs
 from stormshard.training.rollout_schedule import max_rollout
 from stormshard.training.run_dir import check_run_directory
 from stormshard.training.scaling import variable_loss_weights
@@ -73,7 +77,8 @@ __all__ = ["RunInputs", "preflight", "checkpoint_dir", "RESUME_MAY_CHANGE", "che
 RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.validation_interval",
                      "training.checkpoint_interval", "training.keep_checkpoints", "training.output_dir",
                      "data.graph_cache", "data.validation_samples", "logging", "data.num_workers", "data.prefetch",
-                     "data.worker_type", "data.test", "training.validation_rollout")
+                     "data.worker_type", "data.test", "training.validation_rollout",
+                     "training.init_weights")  # a resumed run continues its own weights
 
 
 def checkpoint_dir(config: ExperimentConfig) -> Path:
@@ -114,6 +119,7 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
     check_run_directory(config, resume)  # 3. (no earlier run overwritten; a complete checkpoint to resume)
     check_output_dir(config)  # 4.
     dataset, variables = open_dataset(config)  # 5.
+    dataset = check_finetune_inputs(config, dataset, variables, layout.gpus_per_model, resume)  # init_weights, graph_file, statistics
     ranges = check_splits(config, dataset)
     window = dict(multistep_input=config.model.multistep_input, timestep=config.data.timestep, ensemble="each")
 
@@ -130,7 +136,8 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
                                                              "training.validation_rollout")
     check_normalisation_scales(config, dataset)  # 6. (a zero standard deviation would make the first loss NaN)
     loss_weights = check_loss_weights_and_imputation(config, dataset, variables)
-    check_graph_sizes(config, layout, dataset)  # 7.
+    if not config.data.graph_file:  # a fixed graph file was checked with the fine-tune fields
+        check_graph_sizes(config, layout, dataset)  # 7.
     task = task_type(config)  # 8.
     replicas, members = task.replica_count(layout), task.members_per_model(config)
     if len(train_samples) < replicas * config.micro_batch:
@@ -204,6 +211,10 @@ def check_output_dir(config: ExperimentConfig) -> None:
 def open_dataset(config: ExperimentConfig) -> tuple[AnemoiDataset, VariableIndex]:
     """The dataset at ``data.path`` and its variables split by ``data.forcing`` / ``data.diagnostic``."""
     data_path = Path(config.data.path)
+    if config.data.path.startswith("SET-ME/"):  # anemoi_import.FINETUNE_DATA_PLACEHOLDER (not imported: torch)
+        raise ConfigError(f"data.path={config.data.path!r} is the placeholder of a bundle's finetune_config.json: point "
+                          "it at the anemoi dataset to fine-tune on (the model's grid and variables), e.g. "
+                          "`python launch/train.py --config BUNDLE/finetune_config.json data.path=DATASET.zarr`")
     if not data_path.exists():
         raise ConfigError(
             f"data.path={config.data.path!r} does not exist: generate one with `python -m "

@@ -1,0 +1,239 @@
+"""Fine-tuning and transfer learning: ``training.init_weights``, ``training.freeze``,
+``data.graph_file`` and ``data.statistics``.
+
+- :func:`check_finetune_inputs` (called by the preflight, before any process group or file): the
+  init-weights path exists and is one of the three kinds (:func:`init_weights_kind`), the statistics
+  file covers the dataset's variables, the graph file's data nodes are the dataset's cells.
+- :func:`read_init_weights`: the full (unsharded) tensors of a stormshard bundle, an anemoi inference
+  checkpoint (restricted unpickler + the import mapping, nothing in the file runs) or a stormshard
+  training checkpoint (consolidated on the fly, any layout it was saved at).
+- :func:`load_init_weights`: each parameter of this rank's (possibly sharded) model that matches by
+  name and full shape gets its slice of the full tensor (its partition, as the inference loader
+  does); the others keep their fresh initialisation. Returns a :class:`TransferReport` (loaded,
+  fresh, unused names) that rank 0 prints at the start of the run.
+- :func:`freeze_parameters`: ``requires_grad`` False by name prefix, before the engine is built (the
+  engines optimise only parameters that require gradients); a prefix matching nothing is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.export import BUNDLE_FORMAT
+from stormshard.checkpoint.format import CheckpointError
+from stormshard.data.anemoi_layout import AnemoiDataset, Statistics
+from stormshard.graphs.builder import load_graph
+from stormshard.models.variables import VariableIndex
+from stormshard.parallel.partition import get_partition
+from stormshard.parallel.tensor import slice_partition
+from stormshard.training.config import ConfigError, ExperimentConfig
+
+__all__ = ["TransferReport", "check_finetune_inputs", "init_weights_kind", "read_init_weights",
+           "load_init_weights", "freeze_parameters", "statistics_from_file"]
+
+_KINDS_FIX = ("give an exported or imported stormshard bundle (a directory with metadata.json), an anemoi "
+              "inference checkpoint (inference-*.ckpt) or a stormshard training checkpoint (a step_NNNNNNNN "
+              "directory or a run's checkpoints directory)")
+
+
+def _anemoi_zip(path: Path) -> bool:
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith(("anemoi-metadata/anemoi.json", "ai-models.json")) for n in z.namelist())
+
+
+def init_weights_kind(path: str | os.PathLike) -> str:
+    """``"bundle"``, ``"anemoi"`` or ``"checkpoint"``; a :class:`ConfigError` naming
+    ``training.init_weights`` when ``path`` does not exist or is none of them."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"training.init_weights={str(path)!r} does not exist: {_KINDS_FIX}")
+    if (p / "metadata.json").is_file():
+        try:
+            if json.loads((p / "metadata.json").read_text()).get("format") == BUNDLE_FORMAT:
+                return "bundle"
+        except (OSError, ValueError, AttributeError):
+            pass
+    if p.is_file() and _anemoi_zip(p):
+        return "anemoi"
+    if p.is_dir():
+        from stormshard.checkpoint.consolidate import resolve_checkpoint
+
+        try:
+            resolve_checkpoint(p)
+            return "checkpoint"
+        except (ConversionError, CheckpointError):
+            pass
+    raise ConfigError(f"training.init_weights={str(path)!r} is not a stormshard bundle, an anemoi inference "
+                      f"checkpoint or a stormshard training checkpoint: {_KINDS_FIX}")
+
+
+def read_init_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The full tensors (stormshard parameter names) of ``training.init_weights``."""
+    kind = init_weights_kind(path)
+    if kind == "bundle":
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(path) / "model.safetensors"))
+    if kind == "anemoi":
+        from stormshard.checkpoint.anemoi_import import read_anemoi
+
+        return read_anemoi(path).weights
+    from stormshard.checkpoint.consolidate import load_any
+
+    return dict(load_any(path).model)
+
+
+def statistics_from_file(path: str | os.PathLike, dataset: AnemoiDataset) -> Statistics:
+    """``data.statistics`` for the dataset's variables, in its order (``has_nans`` kept from the dataset)."""
+    try:
+        stats = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"data.statistics={str(path)!r} cannot be read ({exc}): give a statistics.json "
+                          "(per variable: mean, stdev, minimum, maximum), e.g. a bundle's") from None
+    missing = [v for v in dataset.variables if not isinstance(stats.get(v), dict) or
+               any(not isinstance(stats[v].get(s), (int, float)) for s in ("mean", "stdev", "minimum", "maximum"))]
+    if missing:
+        raise ConfigError(f"data.statistics={str(path)!r} has no mean / stdev / minimum / maximum for the dataset "
+                          f"variable(s) {missing}: use the statistics of a model with the dataset's variables")
+    columns = (np.array([float(stats[v][s]) for v in dataset.variables]) for s in ("mean", "stdev", "minimum", "maximum"))
+    return Statistics(*columns, has_nans=dataset.statistics.has_nans)
+
+
+def _check_graph_file(config: ExperimentConfig, dataset: AnemoiDataset, gpus_per_model: int) -> None:
+    path = config.data.graph_file
+    try:
+        graph = load_graph(path)
+    except Exception as exc:  # noqa: BLE001 - missing, damaged or foreign: all the same to the user
+        raise ConfigError(f"data.graph_file={path!r} cannot be read as a stormshard graph ({type(exc).__name__}: "
+                          f"{exc}): give a graph.pt (an imported bundle's), or unset it to build one") from None
+    x = graph["data"].x.double()
+    if x.shape[0] != dataset.num_cells:
+        raise ConfigError(f"data.graph_file={path!r} has {x.shape[0]} data nodes but the dataset at data.path has "
+                          f"{dataset.num_cells} cells: fine-tune on a dataset of the model's grid")
+    lat, lon = np.radians(dataset.latitudes), np.radians(dataset.longitudes)
+    ours = np.stack([np.cos(lat) * np.cos(lon), np.cos(lat) * np.sin(lon), np.sin(lat)], -1)
+    glat, glon = x[:, 0].numpy(), x[:, 1].numpy()
+    theirs = np.stack([np.cos(glat) * np.cos(glon), np.cos(glat) * np.sin(glon), np.sin(glat)], -1)
+    off = float(np.abs(ours - theirs).max(initial=0.0))
+    if off > 1e-4:
+        raise ConfigError(f"data.graph_file={path!r}: its data nodes are not the dataset's cells (largest "
+                          f"difference {np.degrees(off):.3g} degrees): fine-tune on a dataset of the model's grid")
+    for node in ("data", "hidden"):
+        if graph[node].x.shape[0] < gpus_per_model:
+            raise ConfigError(f"data.graph_file={path!r} has {graph[node].x.shape[0]} {node} nodes, fewer than "
+                              f"parallel.gpus_per_model={gpus_per_model}: lower parallel.gpus_per_model")
+
+
+def _parameter_names(config: ExperimentConfig, variables: VariableIndex) -> list[str] | None:
+    """The model's parameter names, from a build on the meta device over a tiny stand-in graph (the
+    names do not depend on the grid); None when that build is not possible for this model (the
+    trainer then checks the prefixes on the real model)."""
+    from stormshard.checkpoint.groups import model_on_meta
+    from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+
+    try:
+        graph = build_graph(GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4)))
+        model = model_on_meta(config.model, config.parallel.shard_strategy, graph, variables, 0, 1)
+    except Exception:  # noqa: BLE001 - a model the stand-in cannot hold: checked later on the real one
+        return None
+    return [n for n, _ in model.named_parameters()]
+
+
+def check_finetune_inputs(config: ExperimentConfig, dataset: AnemoiDataset, variables: VariableIndex,
+                          gpus_per_model: int, resume: bool = False) -> AnemoiDataset:
+    """The preflight's checks of the fine-tune fields; returns the dataset with ``data.statistics``
+    in place of its own when that is set. A resumed run does not read ``training.init_weights``."""
+    if config.training.init_weights and not resume:
+        init_weights_kind(config.training.init_weights)
+    if config.training.freeze:
+        names = _parameter_names(config, variables)
+        if names is not None:
+            _unknown_prefixes(config.training.freeze, names)
+    if config.data.graph_file:
+        _check_graph_file(config, dataset, gpus_per_model)
+    if config.data.statistics:
+        dataset = replace(dataset, statistics=statistics_from_file(config.data.statistics, dataset))
+    return dataset
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """Which parameters ``training.init_weights`` set: ``loaded`` (name and shape matched), ``fresh``
+    (kept their initialisation) and ``unused`` (in the file, not in this model or another shape)."""
+
+    source: str
+    loaded: tuple[str, ...]
+    fresh: tuple[str, ...]
+    unused: tuple[str, ...]
+
+    def lines(self, shown: int = 8) -> str:
+        def names(items: tuple[str, ...]) -> str:
+            more = f", ... ({len(items) - shown} more)" if len(items) > shown else ""
+            return ", ".join(items[:shown]) + more
+
+        out = [f"init:   weights from {self.source}: {len(self.loaded)} parameters loaded, {len(self.fresh)} "
+               "freshly initialised"]
+        if self.fresh:
+            out.append(f"init:   freshly initialised: {names(self.fresh)}")
+        if self.unused:
+            out.append(f"init:   in the file but not used (no such parameter or another shape): {names(self.unused)}")
+        if self.loaded:
+            out.append(f"init:   loaded: {names(self.loaded)}")
+        return "\n".join(out)
+
+
+@torch.no_grad()
+def load_init_weights(model: torch.nn.Module, full: dict[str, Tensor], source: str) -> TransferReport:
+    """Copy into ``model`` (this rank's shard) the slice of each full tensor of ``full`` whose name and
+    full shape match a parameter; the others keep their fresh initialisation."""
+    from stormshard.checkpoint.sources import full_shapes
+
+    shapes = full_shapes(model)
+    loaded, fresh = [], []
+    for name, p in model.named_parameters():
+        w = full.get(name)
+        if w is None or tuple(w.shape) != tuple(shapes[name]):
+            fresh.append(name)
+            continue
+        part = get_partition(p)
+        p.copy_((w if part is None else slice_partition(w, part)).to(p.dtype))
+        loaded.append(name)
+    used = set(loaded)
+    unused = tuple(n for n in full if n not in used)
+    return TransferReport(str(source), tuple(loaded), tuple(fresh), unused)
+
+
+def _matches(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix.rstrip(".") + ".")
+
+
+def _unknown_prefixes(prefixes: list[str], names: list[str]) -> None:
+    unknown = [p for p in prefixes if not any(_matches(n, p) for n in names)]
+    if unknown:
+        tops = sorted({n.split(".")[0] for n in names})
+        raise ConfigError(f"training.freeze: {unknown} match(es) no parameter of this model: give parameter name "
+                          f"prefixes such as {tops}")
+
+
+def freeze_parameters(model: torch.nn.Module, prefixes: list[str]) -> list[str]:
+    """``requires_grad`` False for every parameter whose name is or starts with a prefix (``encoder``
+    matches ``encoder.*``, not ``encoder_edges``); returns the frozen names. A prefix that matches no
+    parameter is a :class:`ConfigError` naming it."""
+    _unknown_prefixes(prefixes, [n for n, _ in model.named_parameters()])
+    frozen = []
+    for name, p in model.named_parameters():
+        if any(_matches(name, prefix) for prefix in prefixes):
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen
