@@ -51,6 +51,7 @@ from stormshard.errors import ReportedByRank
 from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
 from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import TrainResult, train
+from stormshard.training.malloc_tuning import tune_malloc
 from stormshard.training.preflight import preflight
 from stormshard.training.rank_zero import RankZeroFailed
 from stormshard.training.watchdog import RankFailure, RankMonitor, monitor_settings
@@ -355,7 +356,11 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
     When this call starts the process group of several ranks, every rank also runs a
     :class:`~stormshard.training.watchdog.RankMonitor`: a failed collective caused by a rank that died
     is re-raised as :class:`~stormshard.training.watchdog.RankFailure` naming that rank.
+
+    The process's glibc malloc is tuned first (:func:`~stormshard.training.malloc_tuning.tune_malloc`:
+    fewer page faults per step, no larger peak; ``STORMSHARD_MALLOC_TUNING=0`` leaves it alone).
     """
+    tune_malloc()
     cfg = config if isinstance(config, ExperimentConfig) else load_experiment_config(config, overrides)
     owns_group = not dist.is_initialized()
     launch = detect_launch() if owns_group else None
