@@ -4,8 +4,8 @@ PyTorch's CPU allocator is plain ``malloc``. With glibc's defaults a tensor abov
 threshold (128 KiB at first, raised up to 32 MiB as large blocks are freed) is mapped fresh and
 page-faulted on every use, and free memory at the top of the heap is handed back to the kernel once
 it exceeds twice that threshold, so the next step faults it in again. A training step allocates and
-frees the same large activations every step, and on a CPU those faults cost 5-12% of the whole step
-(measured: gt O16 one process 54 -> 46 ms of CPU per step, gt O48 ~420 -> ~390 ms). The settings below
+frees the same large activations every step, and on a CPU those faults cost a few % of the whole step
+(measured, one process: gt O16 ~12% of the CPU time per step, gt O48 3-7%). The settings below
 keep activations up to 64 MiB in the heap and its top up to 256 MiB mapped, which does not raise
 the peak (the heap already reaches the step's peak working set; measured peak RSS 708 -> 685 MiB at
 gt O48 with the single arena), and use one malloc arena, so that a reader thread does not keep a
