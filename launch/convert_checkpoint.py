@@ -7,6 +7,7 @@
     python launch/convert_checkpoint.py export runs/quickstart/checkpoints --out bundles/quickstart
     python launch/convert_checkpoint.py upgrade runs/old/checkpoints   # pickled format 1 -> current, in place
     python launch/convert_checkpoint.py import-anemoi inference-last.ckpt --out bundles/aifs  # no anemoi needed
+    python launch/convert_checkpoint.py import-anemoi last.ckpt --out bundles/aifs  # Lightning, older layouts too
     python launch/convert_checkpoint.py export-anemoi bundles/aifs --out aifs-finetuned.ckpt  # for anemoi-inference
 
 A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
@@ -73,9 +74,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "(opens the pickles: only checkpoints you wrote yourself)")
     p.add_argument("checkpoint", help="a run's checkpoints directory (every step in it), a step_NNNNNNNN "
                                       "directory or a consolidated checkpoint")
-    p = sub.add_parser("import-anemoi", help="an inference bundle from an anemoi inference checkpoint (read without "
+    p = sub.add_parser("import-anemoi", help="an inference bundle from an anemoi checkpoint (read without "
                                              "anemoi and without running anything in the file)")
-    p.add_argument("checkpoint", help="an anemoi-training inference-*.ckpt (anemoi-models 0.19 layout)")
+    p.add_argument("checkpoint", help="an anemoi-training inference-*.ckpt or Lightning last.ckpt (anemoi-models "
+                                      "0.19, or an older layout anemoi's migration rules map)")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
     p = sub.add_parser("export-anemoi", help="an anemoi inference checkpoint from a bundle made by import-anemoi")

@@ -76,12 +76,71 @@ def test_import_errors(tmp_path, capsys):
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f"error: {text} is not an anemoi checkpoint: not a torch zip file"]
     assert not (tmp_path / "b").exists()
-    lightning = tmp_path / "last.ckpt"
+    lightning = tmp_path / "last.ckpt"  # a Lightning checkpoint without the graph anemoi-training saves in it
     torch.save({"state_dict": {"model.w": torch.ones(1)}, "hyper_parameters": {"metadata": {"version": "2.0"}}},
                lightning)
-    with pytest.raises(ConversionError, match="Lightning training checkpoint"):
+    with pytest.raises(ConversionError, match="has no graph"):
         import_anemoi(lightning, tmp_path / "c")
     assert not (tmp_path / "c").exists()
+    plain = tmp_path / "weights.pt"  # a torch zip, but no anemoi model and no anemoi metadata
+    torch.save({"weight": torch.ones(2)}, plain)
+    assert convert_main(["import-anemoi", str(plain), "--out", str(tmp_path / "d")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "is not an anemoi checkpoint" in errors[0], errors
+    assert not (tmp_path / "d").exists()
+
+
+def _predict_error(model, variant: str) -> np.ndarray:
+    """Per output variable: max |stormshard predict - anemoi predict_step| / the variable's spread."""
+    x = torch.from_numpy(np.load(FIXTURES / variant / "input.npy"))
+    expected = np.load(FIXTURES / variant / "output.npy")
+    got = model.predict(x).numpy()
+    assert got.shape == expected.shape
+    spread = expected.reshape(-1, expected.shape[-1]).std(axis=0)
+    return np.abs(got - expected).reshape(-1, expected.shape[-1]).max(axis=0) / spread
+
+
+def test_lightning_checkpoint_imports_as_its_inference_checkpoint(tmp_path, capsys):
+    """``last.ckpt`` (anemoi-training 0.17's Lightning checkpoint, written by the same callback at the
+    same step as ``inference.ckpt``): same weights, graph, statistics and config as the inference
+    checkpoint's import, and ``predict`` equals anemoi's ``predict_step``; it does not export back."""
+    from safetensors.torch import load_file
+
+    from stormshard.graphs.builder import load_graph
+
+    ours, ref = tmp_path / "from_last", tmp_path / "from_inference"
+    assert convert_main(["import-anemoi", str(FIXTURES / "gt" / "last.ckpt"), "--out", str(ours)]) == 0
+    import_anemoi(FIXTURES / "gt" / "inference.ckpt", ref)
+    a, b = load_file(str(ours / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    ga, gb = load_graph(ours / "graph.pt"), load_graph(ref / "graph.pt")
+    for et in gb.edge_types:  # edges from the file's graph_data, sorted by destination as anemoi's provider
+        assert torch.equal(ga[et].edge_index, gb[et].edge_index) and torch.equal(ga[et].edge_attr, gb[et].edge_attr)
+    assert json.loads((ours / "statistics.json").read_text()) == json.loads((ref / "statistics.json").read_text())
+    meta, ref_meta = (json.loads((d / "metadata.json").read_text()) for d in (ours, ref))
+    assert meta["model"] == ref_meta["model"] and meta["timestep"] == "6h" and meta["step"] == 2
+    assert meta["anemoi"]["checkpoint"] == "lightning" and meta["anemoi"]["migrations"] == []
+    model = stormshard.load_model(ours)
+    err = _predict_error(model, "gt")
+    assert (err <= 1e-4).all(), err
+    x = torch.from_numpy(np.load(FIXTURES / "gt" / "input.npy"))
+    assert torch.equal(model.predict(x), stormshard.load_model(ref).predict(x))
+    assert not (ours / "anemoi_source.ckpt").exists()
+    capsys.readouterr()
+    assert convert_main(["export-anemoi", str(ours), "--out", str(tmp_path / "x.ckpt")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Lightning training checkpoint" in errors[0], errors
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_init_weights_from_a_lightning_checkpoint():
+    """``training.init_weights: last.ckpt`` reads the weights the inference checkpoint gives."""
+    from stormshard.training.finetune import init_weights_kind, read_init_weights
+
+    last, inference = FIXTURES / "gt" / "last.ckpt", FIXTURES / "gt" / "inference.ckpt"
+    assert init_weights_kind(last) == "anemoi"
+    a, b = read_init_weights(last), read_init_weights(inference)
+    assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
 
 
 def _forecast(rank: int, world: int, bundle: str, dataset: str, out: str, k: int) -> list[str]:

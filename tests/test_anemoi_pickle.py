@@ -63,6 +63,35 @@ def test_every_tensor_found(variant):
         assert name in tensors
 
 
+def test_lightning_fixture_loads_without_anemoi():
+    """``last.ckpt`` (Lightning, anemoi-training 0.17): in a fresh interpreter the state dict, the
+    optimizer states, the graph (a stubbed ``HeteroData``) and the metadata are read, every storage of
+    the file is referenced, and neither anemoi, torch_geometric, omegaconf nor Lightning gets imported."""
+    path = FIXTURES / "gt" / "last.ckpt"
+    code = (
+        "import sys, json, zipfile\n"
+        "from stormshard.checkpoint.anemoi_pickle import open_anemoi_checkpoint\n"
+        f"c = open_anemoi_checkpoint({str(path)!r})\n"
+        "sd, hp = c.root['state_dict'], c.root['hyper_parameters']\n"
+        "edges = hp['graph_data'].__dict__['_edge_store_dict']\n"
+        "z = zipfile.ZipFile(c.path)\n"
+        "entries = {n.rsplit('/', 1)[1] for n in z.namelist() if n.split('/')[1:2] == ['data']}\n"
+        "print(json.dumps({'kind': c.kind, 'n': len(sd), 'version': c.metadata['version'],\n"
+        "  'optimizer': len(c.root['optimizer_states'][0]['state']), 'edges': len(edges),\n"
+        "  'all_storages': c.storages_read == entries, 'step': c.root['global_step'],\n"
+        "  'imported': sorted(m for m in ('anemoi', 'torch_geometric', 'hydra', 'omegaconf', 'pytorch_lightning',\n"
+        "                                 'lightning') if m in sys.modules)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    import json
+
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    assert info == {"kind": "lightning", "n": info["n"], "version": "2.0", "optimizer": info["optimizer"],
+                    "edges": 3, "all_storages": True, "step": 2, "imported": []}
+    assert info["n"] > 100 and info["optimizer"] > 50
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, ("touch PWNED_BY_PICKLE",))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from stormshard.checkpoint.anemoi_import import TEMPLATE, anemoi_weights
+from stormshard.checkpoint.anemoi_layouts import canonical_tensors
 from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_checkpoint
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.stored_config import stored_model_config
@@ -65,6 +66,10 @@ def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrit
     except (OSError, json.JSONDecodeError) as exc:
         raise ConversionError(f"{b} is not a stormshard inference bundle: {exc}",
                               fix="export a bundle first (convert_checkpoint.py export / import-anemoi)") from None
+    blocked = (meta.get("anemoi") or {}).get("not_exportable")
+    if blocked:
+        raise ConversionError(f"{b} cannot be exported to anemoi: {blocked}",
+                              fix="import an anemoi-models 0.19 inference checkpoint of the model instead")
     template = _template(b, meta)
     if template is None:
         raise ConversionError(f"{b} has no anemoi equivalent: only bundles made by `import-anemoi` (which keep the "
@@ -77,8 +82,15 @@ def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrit
     variables = VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"])
     weights = load_file(str(b / "model.safetensors"))
     ckpt = open_anemoi_checkpoint(template)
+    canonical = canonical_tensors(ckpt)
+    if ckpt.kind != "inference" or canonical.migrations:
+        raise ConversionError(f"{b} descends from {template}, which is not an anemoi-models 0.19 inference checkpoint "
+                              f"({ckpt.kind}; {'; '.join(canonical.migrations) or 'no older-layout renames'}): "
+                              "export writes into the pickled model of such a file",
+                              fix="import the inference-*.ckpt of the model (anemoi-models 0.19) and fine-tune from it")
     tensors = module_tensors(ckpt.root)
-    theirs = anemoi_weights(weights, config, len(variables.input_names))
+    names = canonical.file_names  # the file's own dataset / mapper names where they are not data / 0
+    theirs = {names.get(n, n): w for n, w in anemoi_weights(weights, config, len(variables.input_names)).items()}
     problems = [f"{n}: not in the anemoi model" for n in theirs if n not in tensors]
     problems += [f"{n}: stormshard {tuple(w.shape)} vs anemoi {tuple(tensors[n].shape)}" for n, w in theirs.items()
                  if n in tensors and tuple(w.shape) != tuple(tensors[n].shape)]

@@ -1,15 +1,19 @@
-"""Import an anemoi checkpoint (anemoi-models 0.19 layout) as a stormshard inference bundle.
+"""Import an anemoi checkpoint as a stormshard inference bundle: an inference checkpoint or a
+Lightning ``last.ckpt``, of the anemoi-models 0.19 layout or an older one anemoi's migration rules map.
 
 ``import_anemoi(ckpt, out)`` reads the file with :mod:`stormshard.checkpoint.anemoi_pickle` (no
-anemoi needed, nothing in the file runs), then builds from it, never rebuilding anything:
+anemoi needed, nothing in the file runs), renames its tensors to the 0.19 inference layout
+(:mod:`stormshard.checkpoint.anemoi_layouts`: Lightning state dicts, older layouts), reads the
+architecture from the pickled model (or, for Lightning and older files, from the training config in
+the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuilding anything:
 
 - the model config: processor kind (``GraphTransformerProcessor`` -> ``graphtransformer``,
   ``TransformerProcessor`` -> ``transformer``), channels, layers, heads, MLP ratios, window, the
   trainable node and edge sizes, ``latent_skip``, the decoder's own input embedding
   (``decoder_embedding``), ReLU bounding (``relu_bounded``), ``self_projection`` (anemoi's ``lin_self``);
 - the graph: node coordinates from the model's ``latlons_*`` buffers, edges and edge attributes
-  from its graph providers' buffers (sorted by destination, the order the trainable edge tensors
-  follow);
+  from its graph providers' buffers (a Lightning file: from its ``graph_data``), sorted by
+  destination, the order the trainable edge tensors follow;
 - the variables (dataset order, forcing, diagnostic) from ``data_indices``, and the normaliser
   statistics from ``_norm_mul`` / ``_norm_add`` (anemoi normalises ``x * mul + add``: exactly
   mean-std with ``mean = -add / mul``, ``stdev = 1 / mul``, whatever anemoi's method was);
@@ -21,13 +25,15 @@ anemoi needed, nothing in the file runs), then builds from it, never rebuilding 
 checkpoint with it).
 
 What stormshard's model cannot represent (another mapper or processor kind, several datasets,
-another bounding, an ``emb_nodes_src`` in the decoder, ...) is a :class:`ConversionError` naming it.
+another bounding, truncation matrices in the residual, an ``emb_nodes_src`` in the decoder, ...) is
+a :class:`ConversionError` naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,9 +43,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_layouts import (
+    AnemoiArchitecture,
+    CanonicalTensors,
+    architecture_from_config,
+    canonical_tensors,
+)
 from stormshard.checkpoint.anemoi_pickle import (
     AnemoiCheckpoint,
-    module_tensors,
     open_anemoi_checkpoint,
     stub_class_name,
 )
@@ -53,6 +64,7 @@ from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
 __all__ = ["import_anemoi", "read_anemoi", "ImportedAnemoi", "finetune_config", "anemoi_model_parts", "anemoi_weights",
+           "anemoi_architecture",
            "TEMPLATE", "FINETUNE_DATA_PLACEHOLDER"]
 
 #: the anemoi checkpoint an imported bundle keeps (``export-anemoi`` writes its weights into it)
@@ -100,58 +112,127 @@ def _latlon(sincos: Tensor) -> Tensor:
 
 
 def anemoi_model_parts(ckpt: AnemoiCheckpoint) -> dict[str, Any]:
-    """The pieces of the pickled anemoi model the import reads (raises naming what is missing)."""
+    """The pieces of a pickled anemoi-models 0.19 model the import reads (``KeyError`` naming what is
+    missing: another layout, whose architecture the metadata's config then gives)."""
     if ckpt.kind != "inference":
-        raise ConversionError(f"{ckpt.path} is a Lightning training checkpoint: importing one is not supported yet",
-                              fix="import the inference-*.ckpt file anemoi-training writes next to it")
-    try:
-        model = _attr(ckpt.root, "model")
-        parts = {"model": model, "tensors": module_tensors(ckpt.root),
-                 "processor": _attr(model, "processor"), "encoder": _attr(model, "encoder"),
-                 "decoder": _attr(model, "decoder")}
-    except KeyError as err:
-        raise ConversionError(f"{ckpt.path}: the pickled model has no {err}", fix=_UNSUPPORTED_FIX) from None
+        raise KeyError("model (a Lightning checkpoint holds a state_dict, not a pickled model)")
+    model = _attr(ckpt.root, "model")
+    parts = {"model": model, "processor": _attr(model, "processor"), "encoder": _attr(model, "encoder"),
+             "decoder": _attr(model, "decoder")}
+    if _short(parts["encoder"]) != "ModuleDict" or _short(parts["decoder"]) != "ModuleDict":
+        raise KeyError("encoder (a ModuleDict of mappers, anemoi-models 0.12+)")
     return parts
 
 
-def _check_kinds(ckpt: AnemoiCheckpoint, parts: dict[str, Any]) -> tuple[str, Any, Any]:
+def _pickled_architecture(ckpt: AnemoiCheckpoint) -> AnemoiArchitecture:
+    parts = anemoi_model_parts(ckpt)
+    model, proc = parts["model"], parts["processor"]
+    encoders = list(dict(_attr(parts["encoder"], "_modules")).values())
+    decoders = list(dict(_attr(parts["decoder"], "_modules")).values())
+    block0 = next(iter(dict(_attr(proc, "proc", "_modules")).values()))
+    state = model.__dict__
+    window, options = 0, ()
+    if _short(proc) == "TransformerProcessor":
+        attention = _attr(block0, "attention").__dict__
+        heads = int(attention["num_heads"])
+        w = attention.get("window_size")
+        window = int(w[0] if isinstance(w, (tuple, list)) else w or 0)
+        options = tuple(k for k in ("qk_norm", "use_alibi_slopes", "use_rotary_embeddings", "softcap") if attention.get(k))
+    elif _short(proc) == "GraphTransformerProcessor":
+        heads = int(block0.__dict__["num_heads"])  # KeyError for a chunked (older) processor
+    else:
+        heads = 0
+    boundings = []
+    for bounding in dict(_attr(model, "boundings", "_modules")).get("data", {}).__dict__.get("_modules", {}).values():
+        boundings.append((_short(bounding), tuple(str(v) for v in _plain(bounding.__dict__.get("variables")) or [])))
+    residuals = dict((state.get("_modules") or {}).get("residual").__dict__.get("_modules") or {}) \
+        if (state.get("_modules") or {}).get("residual") is not None else {}
+    residual = _short(next(iter(residuals.values()))) if residuals else "SkipConnection"
+    if state.get("A_down") is not None or state.get("A_up") is not None:
+        residual = "truncation matrices (A_down / A_up)"
+    config = ckpt.metadata.get("config") or {}
+    return AnemoiArchitecture(
+        source="pickled model", processor=_short(proc), encoders=tuple(_short(e) for e in encoders),
+        decoders=tuple(_short(d) for d in decoders), processor_heads=heads,
+        encoder_heads=int(_attr(encoders[0], "proc").__dict__["num_heads"]) if encoders else 0,
+        decoder_heads=int(_attr(decoders[0], "proc").__dict__["num_heads"]) if decoders else 0,
+        window_size=window, attention_options=options, latent_skip=bool(state.get("latent_skip", False)),
+        boundings=tuple(boundings),
+        n_step_input=int(state.get("n_step_input", 0) or (config.get("task") or {}).get("multistep_input") or 1),
+        n_step_output=int(state.get("n_step_output", 1) or 1), residual=residual)
+
+
+def anemoi_architecture(ckpt: AnemoiCheckpoint) -> AnemoiArchitecture:
+    """The architecture from the pickled model (0.19 layout), else from the metadata's training config
+    (Lightning checkpoints, older pickled layouts)."""
+    if ckpt.kind == "inference":
+        try:
+            return _pickled_architecture(ckpt)
+        except (KeyError, StopIteration, AttributeError, TypeError, ValueError):
+            pass  # an older pickled layout: the training config in the metadata describes it
+    try:
+        return architecture_from_config(ckpt.metadata)
+    except ConversionError as err:
+        raise ConversionError(f"{ckpt.path}: {err}") from None
+
+
+def _check_kinds(ckpt: AnemoiCheckpoint, arch: AnemoiArchitecture) -> str:
     problems = []
-    kind = _PROCESSORS.get(_short(parts["processor"]))
+    kind = _PROCESSORS.get(arch.processor)
     if kind is None:
-        problems.append(f"processor {_short(parts['processor'])} (supported: {sorted(_PROCESSORS)})")
-    encoders = dict(_attr(parts["encoder"], "_modules"))
-    decoders = dict(_attr(parts["decoder"], "_modules"))
-    if len(encoders) != 1 or len(decoders) != 1:
-        problems.append(f"{len(encoders)} encoders and {len(decoders)} decoders (one dataset only)")
-    enc, dec = next(iter(encoders.values()), None), next(iter(decoders.values()), None)
-    if enc is not None and _short(enc) != "GraphTransformerForwardMapper":
-        problems.append(f"encoder {_short(enc)} (only GraphTransformerForwardMapper)")
-    if dec is not None and _short(dec) != "GraphTransformerBackwardMapper":
-        problems.append(f"decoder {_short(dec)} (only GraphTransformerBackwardMapper)")
+        problems.append(f"processor {arch.processor} (supported: {sorted(_PROCESSORS)})")
+    if len(arch.encoders) != 1 or len(arch.decoders) != 1:
+        problems.append(f"{len(arch.encoders)} encoders and {len(arch.decoders)} decoders (one dataset only)")
+    if arch.encoders and arch.encoders[0] != "GraphTransformerForwardMapper":
+        problems.append(f"encoder {arch.encoders[0]} (only GraphTransformerForwardMapper)")
+    if arch.decoders and arch.decoders[0] != "GraphTransformerBackwardMapper":
+        problems.append(f"decoder {arch.decoders[0]} (only GraphTransformerBackwardMapper)")
+    if arch.residual != "SkipConnection":
+        problems.append(f"residual {arch.residual}: truncation matrices in the residual are not supported "
+                        "(stormshard's residual is the last input step, anemoi's SkipConnection)")
+    problems += [f"output bounding {name} (only ReluBounding)" for name, _ in arch.boundings if name != "ReluBounding"]
+    if arch.n_step_output != 1:
+        problems.append(f"n_step_output={arch.n_step_output} (one output step only)")
+    if arch.attention_options:
+        problems.append(f"transformer attention with {', '.join(arch.attention_options)} (qk_norm / ALiBi / rotary "
+                        "embeddings / softcap are not supported)")
     if problems:
-        raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent:", problems,
-                              fix=_UNSUPPORTED_FIX)
-    return kind, enc, dec
+        raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent (read from its "
+                              f"{arch.source}):", problems, fix=_UNSUPPORTED_FIX)
+    return str(kind)
 
 
 def _variables(ckpt: AnemoiCheckpoint) -> tuple[VariableIndex, dict[str, Any]]:
-    try:
-        idx = ckpt.metadata["data_indices"]["data"]
-    except (KeyError, TypeError):
-        raise ConversionError(f"{ckpt.path}: the metadata has no data_indices.data (metadata 1.0 / older layout)",
-                              fix="older anemoi layouts are not supported yet: migrate the checkpoint with "
-                                  "anemoi-models' migration tool first") from None
-    name_to_index = idx["data"]["input"]["name_to_index"]
+    """Variables and roles from ``data_indices``: metadata 2.0 (one level per dataset) or the older
+    single-dataset layout (``data_indices.data.input``; names from ``dataset.variables`` if it has no
+    ``name_to_index``)."""
+    indices = ckpt.metadata.get("data_indices")
+    idx = None
+    if isinstance(indices, dict) and isinstance(indices.get("data"), dict) and "input" in indices["data"]:
+        idx = indices  # metadata 1.0 / anemoi-models before 0.12: {"data": {"input", "output"}, "model": ...}
+    elif isinstance(indices, dict) and len(indices) == 1 and isinstance(next(iter(indices.values())), dict):
+        idx = next(iter(indices.values()))
+    if not isinstance(idx, dict) or not isinstance(idx.get("data"), dict):
+        raise ConversionError(f"{ckpt.path}: the metadata has no data_indices (metadata 1.0 / older layout without "
+                              "the variables' indices)",
+                              fix="older anemoi layouts need data_indices in the metadata: load and save the "
+                                  "checkpoint with anemoi-models' migration tool first")
+    data_in, data_out = idx["data"]["input"], idx["data"]["output"]
+    name_to_index = data_in.get("name_to_index") or {
+        str(n): i for i, n in enumerate((ckpt.metadata.get("dataset") or {}).get("variables") or [])}
+    if not name_to_index:
+        raise ConversionError(f"{ckpt.path}: data_indices has no name_to_index and the metadata no "
+                              "dataset.variables: the variables' names are unknown", fix=_UNSUPPORTED_FIX)
     names = [n for n, _ in sorted(name_to_index.items(), key=lambda kv: kv[1])]
-    forcing = [names[i] for i in idx["data"]["input"]["forcing"]]
-    diagnostic = [names[i] for i in idx["data"]["output"]["diagnostic"]]
+    forcing = [names[i] for i in data_in["forcing"]]
+    diagnostic = [names[i] for i in data_out["diagnostic"]]
     variables = VariableIndex.build(names, forcing, diagnostic)
     problems = []
-    if list(idx["data"]["input"]["full"]) != list(variables.input_idx):
-        problems.append(f"input columns {idx['data']['input']['full']} != dataset order minus diagnostics "
+    if list(data_in["full"]) != list(variables.input_idx):
+        problems.append(f"input columns {data_in['full']} != dataset order minus diagnostics "
                         f"{list(variables.input_idx)}")
-    if list(idx["data"]["output"]["full"]) != list(variables.output_idx):
-        problems.append(f"output columns {idx['data']['output']['full']} != dataset order minus forcings "
+    if list(data_out["full"]) != list(variables.output_idx):
+        problems.append(f"output columns {data_out['full']} != dataset order minus forcings "
                         f"{list(variables.output_idx)}")
     if problems:
         raise ConversionError(f"{ckpt.path}: variable layout stormshard cannot represent:", problems,
@@ -282,22 +363,13 @@ def anemoi_weights(weights: dict[str, Tensor], config: ModelConfig, n_in: int) -
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
-def _model_config(ckpt: AnemoiCheckpoint, parts: dict[str, Any], kind: str, enc: Any, dec: Any,
-                  variables: VariableIndex) -> ModelConfig:
-    t, model, proc = parts["tensors"], parts["model"], parts["processor"]
+def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture) -> ModelConfig:
+    """The stormshard model config: sizes from the (canonical) tensors, the rest from ``arch``."""
     problems = []
     if "model.decoder.0.emb_nodes_src.weight" in t:
         problems.append("decoder emb_nodes_src (processor width != decoder width)")
     c = t["model.encoder.0.emb_nodes_src.weight"].shape[0]
-    relu: list[str] = []
-    for bounding in dict(_attr(model, "boundings", "_modules")).get("data", {}).__dict__.get("_modules", {}).values():
-        if _short(bounding) != "ReluBounding":
-            problems.append(f"output bounding {_short(bounding)} (only ReluBounding)")
-            continue
-        relu += [str(v) for v in _plain(bounding.__dict__.get("variables")) or []]
-    n_step = int(model.__dict__.get("n_step_input", 0) or ckpt.metadata["config"]["task"]["multistep_input"])
-    if int(model.__dict__.get("n_step_output", 1) or 1) != 1:
-        problems.append(f"n_step_output={model.__dict__.get('n_step_output')} (one output step only)")
+    relu = [v for _, variables in arch.boundings for v in variables]
 
     def mlp_ratio(prefix: str) -> float:
         return t[f"{prefix}.mlp.0.weight"].shape[0] / c if f"{prefix}.mlp.0.weight" in t else \
@@ -307,40 +379,29 @@ def _model_config(ckpt: AnemoiCheckpoint, parts: dict[str, Any], kind: str, enc:
         w = t.get(f"{prefix}.trainable.trainable")
         return 0 if w is None else int(w.shape[1])
 
-    def heads(block: Any) -> int:
-        return int(_attr(block, "proc").__dict__["num_heads"])
-
-    proc_blocks = dict(_attr(proc, "proc", "_modules"))
-    block0 = next(iter(proc_blocks.values()))
+    layers = len({int(m[1]) for k in t if (m := re.match(r"^model\.processor\.proc\.(\d+)\.", k))})
     if kind == "graphtransformer":
-        p_heads, p_ratio = int(block0.__dict__["num_heads"]), mlp_ratio("model.processor.proc.0")
+        p_ratio = mlp_ratio("model.processor.proc.0")
         window = ProcessorConfig().window_size  # unused by graph processors
     else:
-        attention = _attr(block0, "attention")
-        p_heads = int(attention.__dict__["num_heads"])
         p_ratio = t["model.processor.proc.0.mlp.mlp.0.weight"].shape[0] / c
-        window = attention.__dict__.get("window_size")
-        window = int(window[0] if isinstance(window, (tuple, list)) else window or 0)
-        if attention.__dict__.get("qk_norm") or attention.__dict__.get("use_alibi_slopes") or \
-                attention.__dict__.get("use_rotary_embeddings") or attention.__dict__.get("softcap"):
-            problems.append("transformer attention with qk_norm / ALiBi / rotary embeddings / softcap")
+        window = arch.window_size
     if p_ratio != int(p_ratio):
         problems.append(f"processor mlp_hidden_ratio {p_ratio} (stormshard's processor takes whole ratios)")
     if problems:
         raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent:", problems,
                               fix=_UNSUPPORTED_FIX)
     return ModelConfig(
-        name=kind, num_channels=c, multistep_input=n_step,
+        name=kind, num_channels=c, multistep_input=arch.n_step_input,
         trainable_size=int(t["model.node_attributes.trainable_tensors.data.trainable"].shape[1]),
-        processor=ProcessorConfig(num_layers=len(proc_blocks), num_heads=p_heads, mlp_ratio=int(p_ratio),
+        processor=ProcessorConfig(num_layers=layers, num_heads=arch.processor_heads, mlp_ratio=int(p_ratio),
                                   window_size=window, self_projection=kind == "graphtransformer",
                                   trainable_edge_size=edge_size("model.processor_graph_provider")),
-        encoder=MapperConfig(num_heads=heads(enc), mlp_ratio=mlp_ratio("model.encoder.0.proc"), self_projection=True,
-                             trainable_edge_size=edge_size("model.encoder_graph_provider.data")),
-        decoder=MapperConfig(num_heads=heads(dec), mlp_ratio=mlp_ratio("model.decoder.0.proc"), self_projection=True,
-                             trainable_edge_size=edge_size("model.decoder_graph_provider.data")),
-        latent_skip=bool(model.__dict__.get("latent_skip", False)), decoder_embedding=True,
-        relu_bounded=tuple(relu),
+        encoder=MapperConfig(num_heads=arch.encoder_heads, mlp_ratio=mlp_ratio("model.encoder.0.proc"),
+                             self_projection=True, trainable_edge_size=edge_size("model.encoder_graph_provider.data")),
+        decoder=MapperConfig(num_heads=arch.decoder_heads, mlp_ratio=mlp_ratio("model.decoder.0.proc"),
+                             self_projection=True, trainable_edge_size=edge_size("model.decoder_graph_provider.data")),
+        latent_skip=arch.latent_skip, decoder_embedding=True, relu_bounded=tuple(relu),
     )
 
 
@@ -369,23 +430,25 @@ class ImportedAnemoi:
 
 
 def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
-    """Read an anemoi inference checkpoint (restricted unpickler, nothing runs) and map it onto a
+    """Read an anemoi checkpoint (inference or Lightning ``last.ckpt``, anemoi-models 0.19 or an older
+    layout anemoi's migration rules map; restricted unpickler, nothing runs) and map it onto a
     stormshard model; raises :class:`ConversionError` naming what does not map."""
     ckpt = open_anemoi_checkpoint(source)
-    parts = anemoi_model_parts(ckpt)
-    kind, enc, dec = _check_kinds(ckpt, parts)
+    canonical = canonical_tensors(ckpt)
+    arch = anemoi_architecture(ckpt)
+    kind = _check_kinds(ckpt, arch)
     variables, _ = _variables(ckpt)
-    t = parts["tensors"]
+    t = canonical.tensors
     try:
-        config = _model_config(ckpt, parts, kind, enc, dec, variables)
+        config = _model_config(ckpt, t, kind, arch)
         graph = _graph(t, kind)
         weights = _weights(t, config, len(variables.input_names))
-    except KeyError as err:  # a tensor or attribute of the 0.19 layout is absent: an older (or newer) layout
+    except KeyError as err:  # a tensor of the 0.19 layout is absent: a layout no migration rule maps
         raise ConversionError(
-            f"{ckpt.path}: the anemoi model has no {err.args[0]!r}: not the anemoi-models 0.19 layout "
+            f"{ckpt.path}: the anemoi model has no {err.args[0]!r} (after anemoi-models' migration rules: "
+            f"{'; '.join(canonical.migrations) or 'none applied'}): not a layout stormshard maps "
             f"(metadata {ckpt.metadata.get('version')!r})",
-            fix="older layouts (AIFS 1.x, metadata 1.0: chunked processor keys, edge tensors inside the mappers) "
-                "are not supported yet: load and save the checkpoint with anemoi-models 0.19 first") from None
+            fix="load and save the checkpoint with anemoi-models 0.19 (its migration tool) first") from None
     target = build_model(config, graph, variables, None, shard_strategy="shard_sequence")
     expected = {k: tuple(v.shape) for k, v in target.state_dict().items()}
     problems = [f"{k}: missing from the mapping" for k in expected if k not in weights]
@@ -408,9 +471,24 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
         "dataset": {"path": str((ckpt.metadata.get("dataset") or {}).get("path", "")), "resolution": None},
         "parameters": [{"name": n, "shape": list(w.shape)} for n, w in weights.items()],
         "anemoi": {"run_id": ckpt.metadata.get("run_id"), "uuid": ckpt.metadata.get("uuid"),
-                   "metadata_version": ckpt.metadata.get("version"), "template": TEMPLATE},
+                   "metadata_version": ckpt.metadata.get("version"), "checkpoint": ckpt.kind,
+                   "migrations": list(canonical.migrations), "architecture_from": arch.source,
+                   "template": None if _not_exportable(ckpt, canonical) else TEMPLATE,
+                   "not_exportable": _not_exportable(ckpt, canonical)},
     }
     return ImportedAnemoi(ckpt.path, config, graph, variables, weights, _statistics(ckpt, t, variables), meta)
+
+
+def _not_exportable(ckpt: AnemoiCheckpoint, canonical: CanonicalTensors) -> str | None:
+    """Why ``export-anemoi`` cannot write this import back (it writes into the pickled model of an
+    anemoi-models 0.19 inference checkpoint), or None."""
+    if ckpt.kind != "inference":
+        return (f"imported from a Lightning training checkpoint ({ckpt.path.name}), which holds no pickled model: "
+                "import the inference-*.ckpt anemoi-training wrote next to it to export back to anemoi")
+    if canonical.migrations:
+        return ("imported from an older anemoi layout (" + "; ".join(canonical.migrations) + "): export writes "
+                "only into anemoi-models 0.19 inference checkpoints; migrate the checkpoint with anemoi-models first")
+    return None
 
 
 def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict[str, Any]:
@@ -439,8 +517,9 @@ FINETUNE_DATA_PLACEHOLDER = "SET-ME/anemoi-dataset.zarr"
 
 
 def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Write a stormshard bundle (``load_model(out)``) from an anemoi inference checkpoint, with a
-    ``finetune_config.json`` (:func:`finetune_config`)."""
+    """Write a stormshard bundle (``load_model(out)``) from an anemoi checkpoint (inference or Lightning
+    ``last.ckpt``), with a ``finetune_config.json`` (:func:`finetune_config`). Only a bundle imported
+    from an anemoi-models 0.19 inference checkpoint keeps it (``anemoi_source.ckpt``) for export."""
     imported = read_anemoi(source)
     meta = imported.metadata
     with atomic_directory(out, overwrite) as tmp:
@@ -449,5 +528,6 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
         save_graph(imported.graph, tmp / "graph.pt")
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         (tmp / "finetune_config.json").write_text(json.dumps(finetune_config(imported, out), indent=1) + "\n")
-        shutil.copyfile(imported.path, tmp / TEMPLATE)  # for export-anemoi (read with the restricted unpickler)
+        if meta["anemoi"]["template"]:  # for export-anemoi (read with the restricted unpickler)
+            shutil.copyfile(imported.path, tmp / TEMPLATE)
     return Path(out)
