@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup test test-gpu lint train bench clean
+.PHONY: setup test test-gpu lint train bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ test: setup
 # CPU wheel `make setup` installs); prints timings.
 test-gpu:
 	$(PY) -m pytest -m gpu tests -s -rs
+
+# the GPU benchmark (benchmarks/bench_gpu.py): the AIFS-shape processor and the O96 -> O48 model, fp32 / bf16,
+# attention kernel banded / flex / flash, compile off / on: step time, peak memory, MFU. Without CUDA it says
+# so and exits 0. On a GPU machine without the venv: make test-gpu bench-gpu PY=python3
+bench-gpu:
+	$(PY) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
 
 lint: setup
 	$(PY) -m ruff check stormshard launch tests benchmarks examples

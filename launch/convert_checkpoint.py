@@ -9,6 +9,7 @@
     python launch/convert_checkpoint.py import-anemoi inference-last.ckpt --out bundles/aifs  # no anemoi needed
     python launch/convert_checkpoint.py import-anemoi last.ckpt --out bundles/aifs  # Lightning, older layouts too
     python launch/convert_checkpoint.py export-anemoi bundles/aifs --out aifs-finetuned.ckpt  # for anemoi-inference
+    python launch/convert_checkpoint.py export-anemoi runs/quickstart/checkpoints --out quickstart.ckpt  # + anemoi-models
 
 A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
 or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
@@ -80,9 +81,14 @@ def _parser() -> argparse.ArgumentParser:
                                       "0.19, or an older layout anemoi's migration rules map)")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
-    p = sub.add_parser("export-anemoi", help="an anemoi inference checkpoint from a bundle made by import-anemoi")
-    p.add_argument("checkpoint", help="a bundle made by import-anemoi (its weights possibly changed since)")
+    p = sub.add_parser("export-anemoi", help="an anemoi inference checkpoint (for anemoi-inference) from a bundle "
+                                             "or training checkpoint")
+    p.add_argument("checkpoint", help="a bundle (made by export or import-anemoi) or a training checkpoint of a "
+                                      "graphtransformer or transformer model; one not imported from an anemoi "
+                                      "inference checkpoint needs anemoi-models importable")
     p.add_argument("--out", required=True, help="the .ckpt file to write")
+    p.add_argument("--dataset", default=None, help="a training checkpoint's dataset, if data.path has moved")
+    p.add_argument("--graph", default=None, help="a training checkpoint's graph file (default: found next to the run)")
     p.add_argument("--overwrite", action="store_true")
     for sp in sub.choices.values():
         add_debug_flag(sp)
@@ -126,7 +132,8 @@ def _run(args: argparse.Namespace) -> None:
         print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
     elif args.command == "export-anemoi":
         check_output_path(args.checkpoint, args.out, args.overwrite)
-        out = export_anemoi(args.checkpoint, args.out, overwrite=args.overwrite)
+        out = export_anemoi(args.checkpoint, args.out, overwrite=args.overwrite, dataset=args.dataset,
+                            graph=args.graph)
         print(f"exported {args.checkpoint} to {out}: load it with anemoi-inference (or torch.load(weights_only=False))")
     elif args.command == "import-anemoi":
         check_output_path(args.checkpoint, args.out, args.overwrite)

@@ -223,3 +223,17 @@ def test_self_projection_is_anemoi_lin_self():
     expected = x + with_self.mlp(with_self.norm_mlp(x))
     torch.testing.assert_close(with_self(x_src, x_dst, attr), expected, rtol=1e-12, atol=1e-12)
     assert sum(p.numel() for p in with_self.parameters()) - sum(p.numel() for p in plain.parameters()) == DST_C * DST_C + DST_C
+
+
+@pytest.mark.parametrize("kind", ["transformer_mapper", "gnn_processor"])
+def test_plan_moves_with_the_block(kind):
+    """``block.to(device)`` moves the plan's index tensors and the edge chunks (the forward then copies
+    nothing per call); a dtype change leaves them where they are."""
+    edge_index = random_graph(20, 15, 80, seed=3)
+    block = make_block(kind, make_plan(kind, edge_index, 20, 15), num_chunks=2)
+    block.float()
+    assert block.plan.edge_index.device.type == "cpu"
+    block.to("meta")
+    plan = block.plan
+    assert {t.device.type for t in (plan.edge_index, plan.edge_ids, plan.send_index, plan.halo_ids)} == {"meta"}
+    assert {ids.device.type for _, _, ids in block.edge_chunks} == {"meta"}

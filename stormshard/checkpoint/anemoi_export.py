@@ -1,36 +1,63 @@
-"""Export a bundle imported from anemoi (and possibly fine-tuned since) back to an anemoi inference checkpoint.
+"""Export a stormshard model to an anemoi inference checkpoint (``convert_checkpoint.py export-anemoi``).
 
-``export_anemoi(bundle, out)`` takes the anemoi checkpoint the bundle was imported from (kept in the
-bundle as ``anemoi_source.ckpt``), writes the bundle's weights into its tensors (the inverse of
-:func:`stormshard.checkpoint.anemoi_import.anemoi_weights`) and writes the zip again with every
-other entry (the pickled model, ``anemoi-metadata/anemoi.json``, the supporting arrays) unchanged,
-so anemoi-inference loads it as it loaded the original: ``torch.load(out, weights_only=False)``
-gives a model whose ``predict_step`` equals the bundle's ``predict``. Nothing is unpickled with
-code: the template is read by :mod:`stormshard.checkpoint.anemoi_pickle` and its pickle copied
-byte for byte. No anemoi is needed to export.
+Two ways, chosen by where the model came from:
 
-A bundle exported from a run fine-tuned from an imported bundle (or an anemoi checkpoint:
-``training.init_weights``) uses that model's anemoi checkpoint as its template. A bundle with no
-anemoi ancestor has no anemoi equivalent here: a :class:`ConversionError`.
+- **written into its anemoi checkpoint** (a bundle made by ``import-anemoi`` from an anemoi-models
+  0.19 inference checkpoint, possibly fine-tuned since, or a bundle of a run fine-tuned from one):
+  the checkpoint it descends from (kept as ``anemoi_source.ckpt``) gets the bundle's weights (the
+  inverse of :func:`stormshard.checkpoint.anemoi_import.anemoi_weights`) written into its tensors, and
+  every other zip entry (the pickled model, ``anemoi-metadata/anemoi.json``, the supporting arrays) is
+  copied unchanged. Nothing is unpickled with code (:mod:`stormshard.checkpoint.anemoi_pickle`); no
+  anemoi needed.
+- **built** (any other bundle or training checkpoint of a ``graphtransformer`` or ``transformer``
+  model: trained in stormshard, or imported from a Lightning / older-layout file):
+  :mod:`stormshard.checkpoint.anemoi_plan` maps the model onto anemoi's (config, graph, weights,
+  normaliser, metadata; a model with no anemoi equivalent is a :class:`ConversionError` naming the
+  option, before anything else), then :mod:`stormshard.checkpoint.anemoi_build` builds anemoi's own
+  ``AnemoiModelInterface`` from it (needs anemoi-models importable), checks that its ``predict_step``
+  equals the bundle's ``predict`` on a random state (1e-4 of each output variable's spread) and saves it
+  as anemoi-training's checkpoint callback does.
+
+Either way ``torch.load(out, weights_only=False)`` in an environment with anemoi-models gives a model
+whose ``predict_step`` equals the bundle's ``predict``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from stormshard.checkpoint.anemoi_import import TEMPLATE, anemoi_weights
+from stormshard.checkpoint.anemoi_build import (
+    build_anemoi_interface,
+    require_anemoi,
+    save_anemoi_checkpoint,
+    verify_anemoi_model,
+)
 from stormshard.checkpoint.anemoi_layouts import canonical_tensors
 from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_checkpoint
+from stormshard.checkpoint.anemoi_plan import (
+    ExportSource,
+    anemoi_parameters,
+    check_exportable,
+    plan_anemoi_export,
+)
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.export import BUNDLE_FORMAT, InferenceModel, export_bundle, load_model
 from stormshard.checkpoint.stored_config import stored_model_config
+from stormshard.graphs.builder import load_graph
 from stormshard.models.variables import VariableIndex
+from stormshard.progress import note, phase
 
 __all__ = ["export_anemoi"]
+
+_STATS = ("mean", "stdev", "minimum", "maximum")
 
 
 def _template(bundle: Path, meta: dict) -> Path | None:
@@ -56,27 +83,10 @@ def _template(bundle: Path, meta: dict) -> Path | None:
     return None
 
 
-def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Write ``out`` (an anemoi inference checkpoint) from a bundle made by ``import-anemoi``."""
+def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> Path:
+    """The bundle's weights written into the tensors of the anemoi checkpoint it descends from."""
     from safetensors.torch import load_file
 
-    b, target = Path(bundle), Path(out)
-    try:
-        meta = json.loads((b / "metadata.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{b} is not a stormshard inference bundle: {exc}",
-                              fix="export a bundle first (convert_checkpoint.py export / import-anemoi)") from None
-    blocked = (meta.get("anemoi") or {}).get("not_exportable")
-    if blocked:
-        raise ConversionError(f"{b} cannot be exported to anemoi: {blocked}",
-                              fix="import an anemoi-models 0.19 inference checkpoint of the model instead")
-    template = _template(b, meta)
-    if template is None:
-        raise ConversionError(f"{b} has no anemoi equivalent: only bundles made by `import-anemoi` (which keep the "
-                              f"anemoi checkpoint they came from, {TEMPLATE}) export to anemoi",
-                              fix="import the model from an anemoi checkpoint, fine-tune it, then export it")
-    if target.exists() and not overwrite:
-        raise ConversionError(f"--out {target} exists", fix="choose another --out or pass --overwrite")
     config = stored_model_config(meta["model"])
     roles = meta["variables"]
     variables = VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"])
@@ -90,7 +100,8 @@ def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrit
                               fix="import the inference-*.ckpt of the model (anemoi-models 0.19) and fine-tune from it")
     tensors = module_tensors(ckpt.root)
     names = canonical.file_names  # the file's own dataset / mapper names where they are not data / 0
-    theirs = {names.get(n, n): w for n, w in anemoi_weights(weights, config, len(variables.input_names)).items()}
+    mapped, _ = anemoi_parameters(weights, config, len(variables.input_names), load_graph(b / "graph.pt"), b)
+    theirs = {names.get(n, n): w for n, w in mapped.items()}
     problems = [f"{n}: not in the anemoi model" for n in theirs if n not in tensors]
     problems += [f"{n}: stormshard {tuple(w.shape)} vs anemoi {tuple(tensors[n].shape)}" for n, w in theirs.items()
                  if n in tensors and tuple(w.shape) != tuple(tensors[n].shape)]
@@ -111,3 +122,79 @@ def export_anemoi(bundle: str | os.PathLike, out: str | os.PathLike, *, overwrit
             dst.writestr(info, data)
     os.replace(tmp, target)
     return target
+
+
+def _bundle_metadata(path: Path) -> dict | None:
+    """A bundle's metadata.json, or None when ``path`` is not a bundle (a training checkpoint, maybe)."""
+    try:
+        meta = json.loads((path / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == BUNDLE_FORMAT else None
+
+
+def export_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
+                  dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None) -> Path:
+    """Write ``out`` (an anemoi inference checkpoint) from a bundle or a training checkpoint (``dataset``
+    / ``graph``: where a checkpoint's training data and graph now are, if moved); see the module docstring."""
+    src, target = Path(source), Path(out)
+    if not src.exists():
+        raise ConversionError(f"{src} is not a stormshard inference bundle or training checkpoint: it does not exist",
+                              fix="pass a bundle (convert_checkpoint.py export / import-anemoi) or a run's checkpoints")
+    if target.exists() and not overwrite:
+        raise ConversionError(f"--out {target} exists", fix="choose another --out or pass --overwrite")
+    meta = _bundle_metadata(src)
+    blocked = (meta.get("anemoi") or {}).get("not_exportable") if meta else None
+    template = _template(src, meta) if meta and not blocked else None
+    if template is not None:
+        return _write_into_template(src, meta, template, target)
+    why = (f"{src} cannot be exported to anemoi by writing into its anemoi checkpoint ({blocked})" if blocked else
+           f"{src} has no anemoi checkpoint to write into (not imported from an anemoi inference checkpoint)")
+    with contextlib.ExitStack() as stack:
+        bundle = src
+        if meta is None:  # a training checkpoint: its bundle first (config, graph, statistics)
+            bundle = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="export-anemoi-"))) / "bundle"
+            with phase(f"export-anemoi: read {src}"):
+                export_bundle(src, bundle, dataset=dataset, graph=graph)
+            meta = json.loads((bundle / "metadata.json").read_text())
+        check_exportable(stored_model_config(meta["model"]), src)  # before anything is loaded or anemoi needed
+        reference = load_model(bundle)
+        plan = plan_anemoi_export(_export_source(src, bundle, meta, reference))
+        require_anemoi(why)
+        with phase("export-anemoi: build anemoi's model"):
+            model, metadata = build_anemoi_interface(plan, src)
+        with phase("export-anemoi: compare anemoi's predict_step with stormshard's predict"):
+            error = verify_anemoi_model(model, reference.predict, plan, src)
+        note(f"export-anemoi: predict_step equals predict to {error:.2g} of the output spread")
+        for line in plan.notes:
+            note(f"export-anemoi: {line}")
+        return save_anemoi_checkpoint(model, metadata, plan, target)
+
+
+def _export_source(src: Path, bundle: Path, meta: dict, reference: InferenceModel) -> ExportSource:
+    """What the plan needs from a bundle (``reference``: the bundle loaded, for its graph, variables, config)."""
+    from safetensors.torch import load_file
+
+    stats = json.loads((bundle / "statistics.json").read_text())
+    variables = reference.variables
+    timestep = meta.get("timestep") or _dataset_frequency(meta, src)
+    return ExportSource(
+        path=src, config=reference.config, graph=reference.graph, variables=variables,
+        weights=load_file(str(bundle / "model.safetensors")),
+        statistics={k: np.array([stats[n][k] for n in variables.variables], dtype=np.float64) for k in _STATS},
+        normalisation=meta.get("normalisation") or {"default": "mean-std", "methods": {}}, timestep=str(timestep),
+        step=int(meta.get("step", 0)), dataset=meta.get("dataset") or {})
+
+
+def _dataset_frequency(meta: dict, src: Path) -> str:
+    """The timestep of a model trained with ``data.timestep: null``: its dataset's frequency."""
+    from stormshard.data.anemoi_layout import AnemoiDataset
+    from stormshard.data.dates import frequency_to_string
+
+    path = (meta.get("dataset") or {}).get("path")
+    try:
+        return frequency_to_string(AnemoiDataset.open(path).frequency)
+    except Exception as err:  # noqa: BLE001 - any unreadable dataset gives the same advice
+        raise ConversionError(f"{src}: timestep=None (data.timestep was null: the dataset's frequency) and the dataset "
+                              f"{path!r} cannot be read for it ({type(err).__name__}: {str(err)[:120]})",
+                              fix="export the bundle where its dataset is readable, or set data.timestep") from None

@@ -49,9 +49,15 @@ from stormshard.inference.outputs import (
     write_netcdf,
 )
 from stormshard.inference.plots import plot_maps, plot_scores
-from stormshard.inference.request import ForecastRequest, check_request, default_members
+from stormshard.inference.request import (
+    ForecastRequest,
+    check_forecast_attention_kernel,
+    check_request,
+    default_members,
+)
 from stormshard.inference.runner import member_generator, member_noise, replica_tasks, rollout_steps
 from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
+from stormshard.layers.attention import set_attention_kernel
 from stormshard.parallel.topology import ParallelLayout, build_process_groups
 from stormshard.progress import format_duration, note, phase, reporting
 
@@ -115,8 +121,8 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                  members: int | None = None, seed: int = 0, precision: str | None = None,
                  formats: Sequence[str] = ("zarr",), plot_variables: Sequence[str] | None = None,
                  plot_steps: Sequence[int] | None = None, verify: bool = True, cells_per_chunk: int | None = None,
-                 graph: str | os.PathLike | None = None, overwrite: bool = False, verbose: bool = True
-                 ) -> ForecastResult:
+                 graph: str | os.PathLike | None = None, overwrite: bool = False, verbose: bool = True,
+                 attention_kernel: str | None = None) -> ForecastResult:
     """Forecast ``steps`` lead times from each of ``dates`` (the last input state) and write the
     outputs under ``out`` (see the module docstring). Call it on every rank of the process group.
 
@@ -124,7 +130,8 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
     ``members``: ensemble members per date (None: the ensemble size the model trained with; 1 for
     deterministic models); ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp64`` (None: the
     training precision); ``formats``: ``zarr`` (always written) and ``netcdf``; ``cells_per_chunk``:
-    cells per zarr chunk (None: the largest grid slice); ``verify``: scores and plots; ``verbose``:
+    cells per zarr chunk (None: the largest grid slice); ``attention_kernel``: the sliding-window
+    kernel for this forecast (``auto``, ``banded``, ``flex``, ``flash``; None: the model's own); ``verify``: scores and plots; ``verbose``:
     rank 0 prints its progress (a line per phase, per forecast step at most every few seconds, on
     standard error) and the scores table.
     """
@@ -133,15 +140,18 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
         return _run_forecast(source, dataset, dates, steps, out, gpus_per_model=gpus_per_model, members=members,
                              seed=seed, precision=precision, formats=formats, plot_variables=plot_variables,
                              plot_steps=plot_steps, verify=verify, cells_per_chunk=cells_per_chunk, graph=graph,
-                             overwrite=overwrite, verbose=verbose)
+                             overwrite=overwrite, verbose=verbose, attention_kernel=attention_kernel)
 
 
 def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.PathLike,
                   dates: Any | Sequence[Any], steps: int, out: str | os.PathLike, *, gpus_per_model: int,
                   members: int | None, seed: int, precision: str | None, formats: Sequence[str],
                   plot_variables: Sequence[str] | None, plot_steps: Sequence[int] | None, verify: bool,
-                  cells_per_chunk: int | None, graph: str | os.PathLike | None, overwrite: bool, verbose: bool
-                  ) -> ForecastResult:
+                  cells_per_chunk: int | None, graph: str | os.PathLike | None, overwrite: bool, verbose: bool,
+                  attention_kernel: str | None = None) -> ForecastResult:
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if attention_kernel is not None:
+        check_forecast_attention_kernel(attention_kernel, device_type, precision)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     with phase(f"forecast: opened the model {source if not isinstance(source, InferenceModel) else '(loaded)'}"):
@@ -159,6 +169,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         precision=precision or info.precision, formats=formats, plot_variables=plot_variables or [],
         plot_steps=plot_steps, cells_per_chunk=cells_per_chunk, verify=verify, seed=seed, overwrite=overwrite,
         model_name=info.name, train_range=info.train_range)
+    if attention_kernel is not None:
+        check_forecast_attention_kernel(attention_kernel, device_type, req.precision)
     if verbose and rank == 0:
         for warning in req.warnings:  # e.g. in-sample scores
             print(warning, file=sys.stderr, flush=True)
@@ -169,6 +181,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
     with phase(f"forecast: built the model ({req.gpus_per_model} rank(s) per model, {world // req.gpus_per_model} "
                f"replica(s), {req.precision})"):
         forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision])
+        if attention_kernel is not None:
+            set_attention_kernel(forecaster.model, attention_kernel)
     plan = forecaster.model.plan
     exchange = ChunkExchange(plan.data_sizes, req.cells_per_chunk or max(plan.data_sizes), groups.model_group)
     v = forecaster.variables

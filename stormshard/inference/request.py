@@ -136,6 +136,28 @@ def _stride(timestep: str | None, ds: AnemoiDataset) -> tuple[int, str]:
     return int(ratio), f"{step.total_seconds() / 3600:g}h"
 
 
+def check_forecast_attention_kernel(kernel: str, device_type: str, precision: str | None = None) -> None:
+    """ValueError unless ``--attention-kernel`` ``kernel`` can run a forecast on ``device_type`` at
+    ``precision`` (None: not known yet)."""
+    from stormshard.layers.window import ATTENTION_KERNELS, flash_attn_window_func
+
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel {kernel!r} is unknown: use one of {', '.join(ATTENTION_KERNELS)}")
+    if kernel == "flex":
+        from stormshard.layers.flex_window import flex_attention_unavailable
+
+        reason = flex_attention_unavailable()
+        if reason is not None:
+            raise ValueError(f"attention_kernel 'flex': {reason}; use 'auto' or 'banded'")
+        if device_type == "cpu" and precision == "fp64":
+            raise ValueError("attention_kernel 'flex' on a CPU computes in fp32, bf16 or fp16, not fp64 (torch's flex "
+                             "attention): use --precision fp32, or attention_kernel 'banded' for fp64")
+    if kernel == "flash" and (device_type != "cuda" or flash_attn_window_func() is None):
+        why = f"this forecast runs on {device_type}" if device_type != "cuda" else "flash-attn >= 2.3 is not importable"
+        raise ValueError(f"attention_kernel 'flash' needs CUDA and flash-attn >= 2.3 ({why}): use 'auto', 'banded' "
+                         "or 'flex'")
+
+
 def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: HeteroGraph, variables: VariableIndex,
                   timestep: str | None, multistep: int, ensemble: bool, default_member_count: int,
                   dates: Sequence[Any], steps: int, out: str | os.PathLike, members: int | None, world_size: int,

@@ -26,7 +26,7 @@ import einops
 from torch import Tensor, nn
 
 from stormshard.layers.strategy import check_split, check_strategy_name
-from stormshard.layers.window import sliding_window_attention
+from stormshard.layers.window import AttentionKernel, check_attention_kernel, sliding_window_attention
 from stormshard.parallel.sequence import add_halos, remove_halos, shard_heads, shard_sequence
 from stormshard.parallel.shard import ATTENTION_STRATEGIES, SequenceShard, ShardStrategy
 
@@ -48,7 +48,7 @@ class SlidingWindowAttention(nn.Module):
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int,
                  shard_strategy: ShardStrategy = "shard_sequence", shard: SequenceShard | None = None,
-                 *, bias: bool = True) -> None:
+                 *, bias: bool = True, attention_kernel: AttentionKernel = "auto") -> None:
         super().__init__()
         if num_heads < 1 or num_channels % num_heads != 0:
             raise ValueError(
@@ -57,18 +57,20 @@ class SlidingWindowAttention(nn.Module):
         if not isinstance(window_size, int) or isinstance(window_size, bool) or window_size < 0:
             raise ValueError(f"window_size must be a non-negative int (tokens each side), got {window_size!r}")
         _check_shard(shard)
+        check_attention_kernel(attention_kernel)
         check_strategy_name(shard_strategy, ATTENTION_STRATEGIES)
         check_split(shard_strategy, 1 if shard is None else shard.world, num_heads=num_heads)
         self.num_channels, self.num_heads, self.window_size = num_channels, num_heads, window_size
         self.head_dim = num_channels // num_heads
         self.shard_strategy = shard_strategy
         self.shard = shard
+        self.attention_kernel = attention_kernel
         self.lin_qkv = nn.Linear(num_channels, 3 * num_channels, bias=bias)
         self.projection = nn.Linear(num_channels, num_channels, bias=bias)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, window_size={self.window_size}, shard_strategy={self.shard_strategy}, "
-                f"shard={self.shard}")
+                f"attention_kernel={self.attention_kernel}, shard={self.shard}")
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(batch, seq, C)`` -> q, k, v each ``(batch, heads, seq, head_dim)``."""
@@ -90,7 +92,7 @@ class SlidingWindowAttention(nn.Module):
             if shard is not None:
                 shard.check_local(x, 1, "SlidingWindowAttention input x")
             q, k, v = self._qkv(x)
-            return self._out(sliding_window_attention(q, k, v, self.window_size))
+            return self._out(sliding_window_attention(q, k, v, self.window_size, kernel=self.attention_kernel))
         shard.check_local(x, 1, "SlidingWindowAttention input x")
         if self.shard_strategy == "shard_heads":
             return self._forward_shard_heads(x, shard)
@@ -102,7 +104,7 @@ class SlidingWindowAttention(nn.Module):
         q, k, v = self._qkv(x_ext)
         q = remove_halos(q, plan, dim=2)
         out = sliding_window_attention(q, k, v, self.window_size, q_offset=plan.offset,
-                                       k_offset=plan.offset - plan.left)
+                                       k_offset=plan.offset - plan.left, kernel=self.attention_kernel)
         return self._out(out)
 
     def _forward_shard_heads(self, x: Tensor, shard: SequenceShard) -> Tensor:
@@ -110,5 +112,18 @@ class SlidingWindowAttention(nn.Module):
         qkv = einops.rearrange(self.lin_qkv(x), "b s (h three d) -> b h s (three d)", h=self.num_heads, three=3)
         qkv = shard_heads(qkv, shard.sizes, shard.group)
         q, k, v = einops.rearrange(qkv, "b h s (three d) -> three b h s d", three=3)
-        out = sliding_window_attention(q, k, v, self.window_size)
+        out = sliding_window_attention(q, k, v, self.window_size, kernel=self.attention_kernel)
         return self._out(shard_sequence(out, shard.sizes, shard.group))
+
+
+def set_attention_kernel(model: nn.Module, kernel: AttentionKernel) -> int:
+    """Switch every sliding-window attention in ``model`` (tensor-parallel ones too) to ``kernel``.
+
+    For a forecast that runs another kernel than the one the model was trained with (the numbers
+    agree to round-off; parameters are untouched). Returns how many attention layers changed kernel.
+    """
+    check_attention_kernel(kernel)
+    layers = [m for m in model.modules() if hasattr(m, "attention_kernel") and hasattr(m, "window_size")]
+    for layer in layers:
+        layer.attention_kernel = kernel
+    return len(layers)

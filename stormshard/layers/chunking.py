@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stormshard.parallel.graph_edges import destination_chunks
 
-__all__ = ["map_destination_chunks", "check_num_chunks"]
+__all__ = ["map_destination_chunks", "check_num_chunks", "precompute_chunks"]
 
 ChunkFn = Callable[[Tensor | None, int, int], tuple[Tensor, ...]]
 
@@ -31,8 +31,17 @@ def check_num_chunks(num_chunks: object) -> int:
     return num_chunks
 
 
+def precompute_chunks(edge_index: Tensor, num_dst: int, num_chunks: int) -> tuple[tuple[int, int, Tensor], ...] | None:
+    """The ``(first, end, edge ids)`` chunks :func:`map_destination_chunks` walks, computed once (a
+    block computes them at construction from its plan's ``edge_index``); None for one chunk. Their
+    sizes depend on the edges' values, so computing them inside a torch.compile'd block would break
+    its graph."""
+    return None if num_chunks == 1 else tuple(destination_chunks(edge_index, num_dst, num_chunks))
+
+
 def map_destination_chunks(
-    fn: ChunkFn, edge_index: Tensor, num_dst: int, num_chunks: int, use_checkpoint: bool = True
+    fn: ChunkFn, edge_index: Tensor, num_dst: int, num_chunks: int, use_checkpoint: bool = True,
+    chunks: tuple[tuple[int, int, Tensor], ...] | None = None,
 ) -> tuple[list[tuple[Tensor, ...]], Tensor | None]:
     """``([fn(edge_ids, first, end) for each chunk], edge order)``.
 
@@ -41,13 +50,17 @@ def map_destination_chunks(
     ``edge_ids=None`` (all edges, in order) and runs without checkpointing; with several, each
     call is checkpointed when ``use_checkpoint`` and gradients are enabled. The edge order is the
     concatenation of the chunks' edge ids (None for one chunk): per-edge outputs concatenated
-    over chunks are in that order.
+    over chunks are in that order. ``chunks``: :func:`precompute_chunks` of the same arguments
+    (None: computed here).
     """
     if num_chunks == 1:
         return [fn(None, 0, num_dst)], None
     recompute = use_checkpoint and torch.is_grad_enabled()
     outs, orders = [], []
-    for first, end, ids in destination_chunks(edge_index, num_dst, num_chunks):
+    if chunks is None:
+        chunks = precompute_chunks(edge_index, num_dst, num_chunks)
+    for first, end, ids in chunks:
+        ids = ids.to(edge_index.device)
         orders.append(ids)
         if recompute:
             outs.append(checkpoint(fn, ids, first, end, use_reentrant=False))

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
+from stormshard.layers.window import AttentionKernel
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
 __all__ = ["ConditionalLayerNorm", "ConditionalTransformerBlock"]
@@ -43,10 +44,11 @@ class ConditionalTransformerBlock(nn.Module):
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int, cond_channels: int,
                  mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
-                 shard: SequenceShard | None = None) -> None:
+                 shard: SequenceShard | None = None, *, attention_kernel: AttentionKernel = "auto") -> None:
         super().__init__()
         self.norm_attention = ConditionalLayerNorm(num_channels, cond_channels)
-        self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard)
+        self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard,
+                                                attention_kernel=attention_kernel)
         self.norm_mlp = ConditionalLayerNorm(num_channels, cond_channels)
         self.mlp = MLP(num_channels, mlp_ratio)
 

@@ -66,10 +66,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.chunking import check_num_chunks, map_destination_chunks, precompute_chunks
 from stormshard.layers.gnn_kernel_settings import EdgeBufferPool, EdgeKernelOptions, check_kernel_args
 from stormshard.layers.gnn_kernels import fusable, fused_edge_mlp, fused_mlp
 from stormshard.layers.graph_inputs import (
+    PlanFollowsModule,
     check_local_rows,
     check_node_and_edge_shapes,
     check_plan,
@@ -126,7 +127,7 @@ def gnn_mlp(
                   kernel_options=kernel_options, buffer_pool=buffer_pool)
 
 
-class _GNNBase(nn.Module):
+class _GNNBase(PlanFollowsModule):
     def __init__(
         self,
         src_channels: int,
@@ -247,7 +248,7 @@ class _GNNBase(nn.Module):
             x = x + self.node_mlp(torch.cat([x, agg], dim=-1))
             return (x, new_edges) if update_edges else (x,)
 
-        outs, order = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks)
+        outs, order = map_destination_chunks(chunk, edge_index, num_dst, self.num_chunks, chunks=self.edge_chunks)
         if order is None:
             return outs[0][0], outs[0][1] if update_edges else None
         nodes = torch.cat([o[0] for o in outs], dim=0)
@@ -283,6 +284,8 @@ class GNNMapperBlock(_GNNBase):
         super().__init__(src_channels, dst_channels, edge_channels, mlp_ratio, num_chunks, mlp_hidden_layers,
                          edge_in_channels, aggregate_updated_edges, kernel_options, buffer_pool)
         self.plan = check_plan(plan, processor=False)
+        # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
+        self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
 
     def forward(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> Tensor:
         self._check_channels(x_src, x_dst, edge_attr)
@@ -314,6 +317,8 @@ class GNNProcessorBlock(_GNNBase):
         super().__init__(channels, channels, edge_channels, mlp_ratio, num_chunks, mlp_hidden_layers,
                          edge_in_channels, aggregate_updated_edges, kernel_options, buffer_pool)
         self.plan = check_plan(plan, processor=True)
+        # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
+        self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
 
     def forward(self, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:
         self._check_channels(x, x, edge_attr)

@@ -7,7 +7,8 @@ plus the edge part ``W_e e_ji``. On CPU in float32 / float64 without autocast th
 :class:`~stormshard.layers.gnn.GNNMLP` in :class:`_FusedMLP`: one pass over cache-sized row
 blocks forward and backward, keeping only the pre-activations for the backward (GELU outputs and
 embedded edges are recomputed), the large buffers recycled from step to step. Elsewhere the
-blocks run plain autograd on the same math.
+blocks run plain autograd on the same math, and so do they under ``torch.compile``
+(``training.compile``): inductor fuses that path itself, and no graph breaks on these kernels.
 
 Public entry points: :func:`fusable` (can the fused path run?), :func:`fused_edge_mlp` and
 :func:`fused_mlp`. How they run (block size, recycling) and where their buffers come from:
@@ -65,9 +66,13 @@ def _mlp_parts(mlp: nn.Sequential) -> tuple[list[nn.Linear], nn.LayerNorm] | Non
 def fusable(mlp: nn.Sequential | None, options: EdgeKernelOptions, *tensors: Tensor) -> bool:
     """Whether ``mlp`` (None: nothing to check) can run in the fused kernels on ``tensors``: a
     :func:`~stormshard.layers.gnn.gnn_mlp` (exact GELU, affine LayerNorm), ``options.fused``, no
-    autocast, everything on CPU in one of float32 / float64."""
+    autocast, everything on CPU in one of float32 / float64, not under torch.compile (eager-mode
+    kernels: their python block loops and buffer pool stay out of a compiled graph, where the
+    plain path runs and inductor fuses it)."""
     if mlp is None:
         return True
+    if torch.compiler.is_compiling():
+        return False
     if not options.fused or _mlp_parts(mlp) is None or torch.is_autocast_enabled("cpu"):
         return False
     dtype = tensors[0].dtype

@@ -7,7 +7,7 @@ ValueError or TypeError naming the argument and the fix.
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from stormshard.parallel.graph import GraphShardPlan
 
@@ -66,3 +66,25 @@ def check_node_and_edge_shapes(
         )
     if edge_attr.dim() > 2 and tuple(edge_attr.shape[1:-1]) != batch:
         raise ValueError(f"edge_attr has batch dims {tuple(edge_attr.shape[1:-1])} but the nodes have {batch}")
+
+
+class PlanFollowsModule(nn.Module):
+    """Base of the graph blocks that hold ``self.plan`` (a :class:`GraphShardPlan`) and
+    ``self.edge_chunks``: ``module.to(device)`` / ``.cuda()`` moves the plan's index tensors and the
+    chunks' edge ids with the parameters. The forward then never copies them (on a GPU a copy per
+    call would also be a new tensor each time, missing the CSR caches keyed by the index tensor)."""
+
+    plan: GraphShardPlan
+    edge_chunks: tuple[tuple[int, int, Tensor], ...] | None
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        out = super()._apply(fn, recurse)
+        tensors = [*self.parameters(), *self.buffers()]
+        if not tensors:
+            return out
+        device = tensors[0].device  # where the call left the parameters (a dtype change leaves them)
+        if self.plan.edge_index.device != device:
+            self.plan = self.plan.to(device)
+            if self.edge_chunks is not None:
+                self.edge_chunks = tuple((first, end, ids.to(device)) for first, end, ids in self.edge_chunks)
+        return out

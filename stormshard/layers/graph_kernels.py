@@ -19,6 +19,9 @@ rows are ``(destination node, head)`` pairs and whose columns are ``(source node
 The backward is written out (SDDMM for the gradient of the weights, SpMM with the transposed
 pattern for keys and values) and autograd keeps only the queries, keys, values (node tensors),
 the edge attributes and the ``E x heads`` attention weights: nothing of size ``E x channels``.
+Forward and backward are torch custom ops (``stormshard::fused_graph_attention`` and its
+``_backward``), opaque to torch.compile: a compiled graph block has no graph break here, and the
+CSR structure below is looked up inside the op.
 
 :func:`segment_sum` sums edge rows into destination nodes (``index_add_``; its backward is a
 gather), the aggregation of the GNN blocks.
@@ -282,74 +285,133 @@ def _edge_term(u: Tensor, a: Tensor, st: CsrStructure) -> Tensor:
     return term.view(-1).index_select(0, entry_index)
 
 
-class _FusedGraphAttention(torch.autograd.Function):
-    """The edge embedding enters through ``W = [W_e | b_e]`` per head ``(H, d, F + 1)`` and the
+def _attention_forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor, st: CsrStructure,
+                       heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out, alpha, wb, u, agg)``: the attention output ``(Nd, B, H, d)`` and what the backward reads.
+
+    The edge embedding enters through ``W = [W_e | b_e]`` per head ``(H, d, F + 1)`` and the
     attributes with a ones column ``a = [attr, 1]``: ``q . (W_e attr + b_e) = (W^T q) . a`` and
     ``sum_j alpha_j (W_e attr_j + b_e) = W (sum_j alpha_j a_j)``; the sums over a row's edges are
-    sparse products with the entry -> attribute incidence ``B`` (:class:`EdgePattern`)."""
+    sparse products with the entry -> attribute incidence ``B`` (:class:`EdgePattern`).
+    ``q`` (Nd, B, H, d), ``k`` / ``v`` (Ns, B, H, d), ``attr3`` (E, 1|B, F), ``w_e`` (H, d, F), ``b_e`` (H, d)."""
+    nd, batch, _, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    qf, kf, vf = q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
+    ep = st.edge_pattern(attr3.shape[1])
+    a = _with_ones(attr3)  # (E * B_attr, F + 1)
+    f1 = a.shape[1]
+    wb = _block_diag(torch.cat([w_e, b_e.unsqueeze(-1)], -1))  # (H d, H (F + 1))
+    u = (q.reshape(nd * batch, -1) @ wb).view(-1, f1)  # W^T q per (node, head)
+    logits = torch.sparse.sampled_addmm(st.pattern(q.dtype), qf, kf.t(), beta=0.0).values()
+    logits += _edge_term(u, a, st)
+    alpha = _segment_softmax(logits.mul_(scale), st)
+    out = st.matrix(alpha) @ vf
+    agg = ep.matrix(alpha) @ a  # sum_j alpha_j a_j per (node, head)
+    out = out.view(nd * batch, -1).addmm_(agg.view(nd * batch, -1), wb.t())
+    return out.view(nd, batch, heads, d), alpha, wb, u, agg
 
-    @staticmethod
-    def forward(ctx, q, k, v, attr3, w_e, b_e, st: CsrStructure, heads: int):  # noqa: ANN001
-        # q (Nd, B, H, d), k/v (Ns, B, H, d), attr3 (E, 1|B, F), w_e (H, d, F), b_e (H, d)
-        nd, batch, _, d = q.shape
-        scale = 1.0 / math.sqrt(d)
-        qf, kf, vf = q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
-        ep = st.edge_pattern(attr3.shape[1])
-        a = _with_ones(attr3)  # (E * B_attr, F + 1)
-        f1 = a.shape[1]
-        wb = _block_diag(torch.cat([w_e, b_e.unsqueeze(-1)], -1))  # (H d, H (F + 1))
-        u = (q.reshape(nd * batch, -1) @ wb).view(-1, f1)  # W^T q per (node, head)
-        logits = torch.sparse.sampled_addmm(st.pattern(q.dtype), qf, kf.t(), beta=0.0).values()
-        logits += _edge_term(u, a, st)
-        alpha = _segment_softmax(logits.mul_(scale), st)
-        out = st.matrix(alpha) @ vf
-        agg = ep.matrix(alpha) @ a  # sum_j alpha_j a_j per (node, head)
-        out = out.view(nd * batch, -1).addmm_(agg.view(nd * batch, -1), wb.t())
-        ctx.save_for_backward(q, k, v, attr3, w_e, alpha, wb, u, agg)
-        ctx.st, ctx.heads = st, heads
-        return out.view(nd, batch, heads, d)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):  # noqa: ANN001
-        q, k, v, attr3, w_e, alpha, wb, u, agg = ctx.saved_tensors
-        st, heads = ctx.st, ctx.heads
-        nd, batch, _, d = q.shape
-        ns = k.shape[0]
-        scale = 1.0 / math.sqrt(d)
-        go = grad_out.contiguous()
-        gof, qf, kf, vf = go.view(-1, d), q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
-        ep = st.edge_pattern(attr3.shape[1])
-        a = _with_ones(attr3)
-        f1 = a.shape[1]
-        need_q, need_k, need_v, need_a, need_w, need_b = ctx.needs_input_grad[:6]
+def _attention_backward(grad_out: Tensor, saved: tuple[Tensor, ...], st: CsrStructure, heads: int,
+                        needs: list[bool]) -> list[Tensor | None]:
+    """Gradients of ``(q, k, v, attr3, w_e, b_e)`` (None where ``needs`` is False) from ``grad_out``
+    and the forward's ``saved = (q, k, v, attr3, alpha, wb, u, agg)``."""
+    q, k, v, attr3, alpha, wb, u, agg = saved
+    nd, batch, _, d = q.shape
+    ns = k.shape[0]
+    scale = 1.0 / math.sqrt(d)
+    go = grad_out.contiguous()
+    gof, qf, kf, vf = go.view(-1, d), q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)
+    ep = st.edge_pattern(attr3.shape[1])
+    a = _with_ones(attr3)
+    f1 = a.shape[1]
+    need_q, need_k, need_v, need_a, need_w, need_b = needs
 
-        # output = A_alpha @ v + W (B_alpha @ a)
-        gu = (go.view(nd * batch, -1) @ wb).view(-1, f1)  # W^T go per (node, head)
-        dalpha = torch.sparse.sampled_addmm(st.pattern(q.dtype), gof, vf.t(), beta=0.0).values()
-        dalpha += _edge_term(gu, a, st)
-        dv = (st.matrix_t(alpha) @ gof).view(ns, batch, heads, d) if need_v else None
+    # output = A_alpha @ v + W (B_alpha @ a)
+    gu = (go.view(nd * batch, -1) @ wb).view(-1, f1)  # W^T go per (node, head)
+    dalpha = torch.sparse.sampled_addmm(st.pattern(q.dtype), gof, vf.t(), beta=0.0).values()
+    dalpha += _edge_term(gu, a, st)
+    dv = (st.matrix_t(alpha) @ gof).view(ns, batch, heads, d) if need_v else None
 
-        # softmax backward, then logits = scale * (q . k + u . a)
-        t = st.segment_sum(alpha * dalpha)
-        ds = alpha.mul(dalpha - t.index_select(0, st.row_of)).mul_(scale)
-        dq = dk = da = dw = db = None
-        de = ep.matrix(ds) @ a if (need_q or need_w or need_b) else None
-        if need_q:
-            dq = (st.matrix(ds) @ kf).view(nd * batch, -1).addmm_(de.view(nd * batch, -1), wb.t())
-            dq = dq.view(nd, batch, heads, d)
-        if need_k:
-            dk = (st.matrix_t(ds) @ qf).view(ns, batch, heads, d)
-        if need_w or need_b:
-            full = go.view(nd * batch, -1).t() @ agg.view(nd * batch, -1)
-            full.addmm_(q.reshape(nd * batch, -1).t(), de.view(nd * batch, -1))
-            dwb = _diagonal_blocks(full, heads)  # (H, d, F + 1)
-            dw, db = dwb[..., :-1], dwb[..., -1]
-        if need_a:
-            da = ep.matrix_t(alpha) @ gu
-            da += ep.matrix_t(ds) @ u
-            da = da[:, :-1].reshape(attr3.shape)
-        return dq, dk, dv, da, dw, db, None, None
+    # softmax backward, then logits = scale * (q . k + u . a)
+    t = st.segment_sum(alpha * dalpha)
+    ds = alpha.mul(dalpha - t.index_select(0, st.row_of)).mul_(scale)
+    dq = dk = da = dw = db = None
+    de = ep.matrix(ds) @ a if (need_q or need_w or need_b) else None
+    if need_q:
+        dq = (st.matrix(ds) @ kf).view(nd * batch, -1).addmm_(de.view(nd * batch, -1), wb.t())
+        dq = dq.view(nd, batch, heads, d)
+    if need_k:
+        dk = (st.matrix_t(ds) @ qf).view(ns, batch, heads, d)
+    if need_w or need_b:
+        full = go.view(nd * batch, -1).t() @ agg.view(nd * batch, -1)
+        full.addmm_(q.reshape(nd * batch, -1).t(), de.view(nd * batch, -1))
+        dwb = _diagonal_blocks(full, heads)  # (H, d, F + 1)
+        dw, db = dwb[..., :-1], dwb[..., -1]
+    if need_a:
+        da = ep.matrix_t(alpha) @ gu
+        da += ep.matrix_t(ds) @ u
+        da = da[:, :-1].reshape(attr3.shape)
+    return [dq, dk, dv, da, dw, db]
+
+
+# The kernel is a torch custom op (opaque to torch.compile: dynamo neither traces the sparse CSR
+# products nor the structure cache, so a compiled block has no graph break here), with its
+# backward registered as a second op. Eager calls go through the same ops.
+
+
+def _structure_of(edge_index: Tensor, q: Tensor, k: Tensor, heads: int) -> CsrStructure:
+    """The cached CSR structure for ``q`` (Nd, B, H, d) and ``k`` (Ns, B, H, d): B x H rows per node."""
+    return csr_structure(edge_index, k.shape[0], q.shape[0], q.shape[1] * heads)
+
+
+@torch.library.custom_op("stormshard::fused_graph_attention", mutates_args=())
+def _graph_attention_op(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor, edge_index: Tensor,
+                        heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = _attention_forward(q, k, v, attr3, w_e, b_e, _structure_of(edge_index, q, k, heads), heads)
+    return tuple(t.contiguous() for t in out)
+
+
+@_graph_attention_op.register_fake
+def _graph_attention_fake(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor,
+                          edge_index: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    nd, batch, _, d = q.shape
+    f1, rows = attr3.shape[-1] + 1, nd * batch * heads
+    return (q.new_empty(q.shape), q.new_empty(edge_index.shape[1] * batch * heads), q.new_empty(heads * d, heads * f1),
+            q.new_empty(rows, f1), q.new_empty(rows, f1))
+
+
+@torch.library.custom_op("stormshard::fused_graph_attention_backward", mutates_args=())
+def _graph_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor,
+                                 alpha: Tensor, wb: Tensor, u: Tensor, agg: Tensor, edge_index: Tensor, heads: int,
+                                 needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = _attention_backward(grad_out, (q, k, v, attr3, alpha, wb, u, agg), _structure_of(edge_index, q, k, heads),
+                                heads, list(needs))
+    # gradients not asked for are empty tensors (an op returns tensors only)
+    return tuple(q.new_empty(0) if g is None else g.contiguous() for g in grads)
+
+
+@_graph_attention_backward_op.register_fake
+def _graph_attention_backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor,
+                                   alpha: Tensor, wb: Tensor, u: Tensor, agg: Tensor, edge_index: Tensor, heads: int,
+                                   needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    shapes = (q.shape, k.shape, v.shape, attr3.shape, w_e.shape, w_e.shape[:2])
+    return tuple(q.new_empty(shape if need else (0,)) for shape, need in zip(shapes, needs, strict=True))
+
+
+def _graph_attention_setup(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
+    q, k, v, attr3, w_e, _b_e, edge_index, heads = inputs
+    _out, alpha, wb, u, agg = output
+    ctx.save_for_backward(q, k, v, attr3, w_e, alpha, wb, u, agg, edge_index)
+    ctx.heads = heads
+
+
+def _graph_attention_grad(ctx, grad_out: Tensor, *_aux: Tensor) -> tuple:  # noqa: ANN001
+    needs = [bool(n) for n in ctx.needs_input_grad[:6]]
+    grads = torch.ops.stormshard.fused_graph_attention_backward(grad_out, *ctx.saved_tensors, ctx.heads, needs)
+    return (*(g if need else None for g, need in zip(grads, needs, strict=True)), None, None)
+
+
+_graph_attention_op.register_autograd(_graph_attention_grad, setup_context=_graph_attention_setup)
 
 
 def fused_graph_attention(
@@ -414,8 +476,8 @@ def fused_graph_attention(
     if num_edges == 0:  # keeps every input in the graph (zero gradients)
         out = q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum() + attr3.sum() + w_e.sum() + b_e.sum())
         return out.reshape(query.shape)
-    st = csr_structure(edge_index, key.shape[0], num_dst, batch * heads)
-    out = _FusedGraphAttention.apply(q, k, v, attr3.contiguous(), w_e, b_e, st, heads)
+    # the CSR structure is looked up (cached) inside the op, out of torch.compile's sight
+    out = _graph_attention_op(q, k, v, attr3.contiguous(), w_e.contiguous(), b_e.contiguous(), edge_index, heads)[0]
     return out.reshape(query.shape)
 
 

@@ -47,8 +47,9 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from stormshard.layers.chunking import check_num_chunks, map_destination_chunks
+from stormshard.layers.chunking import check_num_chunks, map_destination_chunks, precompute_chunks
 from stormshard.layers.graph_inputs import (
+    PlanFollowsModule,
     check_local_rows,
     check_node_and_edge_shapes,
     check_plan,
@@ -96,7 +97,7 @@ def _mlp(channels: int, ratio: float) -> nn.Sequential:
     return nn.Sequential(nn.Linear(channels, hidden), nn.GELU(), nn.Linear(hidden, channels))
 
 
-class _GraphTransformerBase(nn.Module):
+class _GraphTransformerBase(PlanFollowsModule):
     """Shared parts: projections, attention over chunks, output projection and MLP."""
 
     def __init__(
@@ -175,7 +176,7 @@ class _GraphTransformerBase(nn.Module):
             x = x_dst[first:end] + self.proj(attn)
             return (x + self.mlp(self.norm_mlp(x)),)
 
-        outs, _ = map_destination_chunks(chunk, edge_index, x_dst.shape[0], self.num_chunks)
+        outs, _ = map_destination_chunks(chunk, edge_index, x_dst.shape[0], self.num_chunks, chunks=self.edge_chunks)
         return outs[0][0] if len(outs) == 1 else torch.cat([o[0] for o in outs], dim=0)
 
 
@@ -204,6 +205,8 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
         super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
                          self_projection)
         self.plan = check_plan(plan, processor=False)
+        # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
+        self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
         self.norm_src = nn.LayerNorm(src_channels)
         self.norm_dst = nn.LayerNorm(dst_channels)
 
@@ -236,6 +239,8 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
                          self_projection)
         self.plan = check_plan(plan, processor=True)
+        # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
+        self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
         self.norm = nn.LayerNorm(channels)
 
     def forward(self, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:

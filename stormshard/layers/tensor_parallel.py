@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from stormshard.layers.mlp import MLP
 from stormshard.layers.strategy import check_split
 from stormshard.layers.transformer import TransformerBlock
-from stormshard.layers.window import sliding_window_attention
+from stormshard.layers.window import AttentionKernel, check_attention_kernel, sliding_window_attention
 from stormshard.parallel.shapes import group_size
 from stormshard.parallel.shard import SequenceShard
 from stormshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -74,11 +74,14 @@ class TensorParallelSlidingWindowAttention(nn.Module):
     """
 
     def __init__(self, lin_qkv: nn.Linear, projection: nn.Linear, num_heads: int, window_size: int,
-                 shard: SequenceShard | None = None, *, group: ProcessGroup | None = None) -> None:
+                 shard: SequenceShard | None = None, *, group: ProcessGroup | None = None,
+                 attention_kernel: AttentionKernel = "auto") -> None:
         super().__init__()
         group = _tensor_group(shard, group)
         check_split("tensor", group_size(group), num_heads=num_heads)
+        check_attention_kernel(attention_kernel)
         self.num_heads, self.window_size = num_heads, window_size
+        self.attention_kernel = attention_kernel
         self.shard, self.group = shard, group
         self.local_heads = num_heads // group_size(group)
         self.head_dim = projection.in_features // num_heads
@@ -91,7 +94,7 @@ class TensorParallelSlidingWindowAttention(nn.Module):
                        group: ProcessGroup | None = None) -> TensorParallelSlidingWindowAttention:
         """Slice a full :class:`~stormshard.layers.attention.SlidingWindowAttention` (no communication)."""
         return cls(attention.lin_qkv, attention.projection, attention.num_heads, attention.window_size, shard,
-                   group=group)
+                   group=group, attention_kernel=getattr(attention, "attention_kernel", "auto"))
 
     def extra_repr(self) -> str:
         return f"heads={self.local_heads}/{self.num_heads}, window_size={self.window_size}, shard={self.shard}"
@@ -99,7 +102,7 @@ class TensorParallelSlidingWindowAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.lin_qkv(x)  # (b, seq, 3 C / p)
         q, k, v = einops.rearrange(qkv, "b s (h three d) -> three b h s d", h=self.local_heads, three=3)
-        heads = sliding_window_attention(q, k, v, self.window_size)  # (b, h / p, seq, d)
+        heads = sliding_window_attention(q, k, v, self.window_size, kernel=self.attention_kernel)  # (b, h / p, seq, d)
         heads = einops.rearrange(heads, "b h s d -> b s (h d)")
         return self.projection(heads)
 
@@ -138,11 +141,13 @@ class TensorParallelTransformerBlock(nn.Module):
     """
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int, mlp_ratio: int = 4,
-                 shard: SequenceShard | None = None, *, group: ProcessGroup | None = None) -> None:
+                 shard: SequenceShard | None = None, *, group: ProcessGroup | None = None,
+                 attention_kernel: AttentionKernel = "auto") -> None:
         super().__init__()
         world = group_size(_tensor_group(shard, group))  # checked before the full block is drawn
         check_split("tensor", world, num_heads=num_heads, mlp_hidden=mlp_ratio * num_channels)
-        self._setup(TransformerBlock(num_channels, num_heads, window_size, mlp_ratio), shard, group)
+        block = TransformerBlock(num_channels, num_heads, window_size, mlp_ratio, attention_kernel=attention_kernel)
+        self._setup(block, shard, group)
 
     @classmethod
     def from_block(cls, block: TransformerBlock, shard: SequenceShard | None = None, *,

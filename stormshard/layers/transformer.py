@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
 from stormshard.layers.strategy import check_strategy_name
+from stormshard.layers.window import AttentionKernel
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
 __all__ = ["TransformerBlock", "TransformerProcessor"]
@@ -30,10 +31,12 @@ class TransformerBlock(nn.Module):
     """
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int, mlp_ratio: int = 4,
-                 shard_strategy: ShardStrategy = "shard_sequence", shard: SequenceShard | None = None) -> None:
+                 shard_strategy: ShardStrategy = "shard_sequence", shard: SequenceShard | None = None, *,
+                 attention_kernel: AttentionKernel = "auto") -> None:
         super().__init__()
         self.norm_attention = nn.LayerNorm(num_channels)
-        self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard)
+        self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard,
+                                                attention_kernel=attention_kernel)
         self.norm_mlp = nn.LayerNorm(num_channels)
         self.mlp = MLP(num_channels, mlp_ratio)
 
@@ -62,7 +65,7 @@ class TransformerProcessor(nn.Module):
 
     def __init__(self, num_layers: int, num_channels: int, num_heads: int, window_size: int,
                  mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
-                 shard: SequenceShard | None = None) -> None:
+                 shard: SequenceShard | None = None, *, attention_kernel: AttentionKernel = "auto") -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
@@ -71,7 +74,8 @@ class TransformerProcessor(nn.Module):
         self.shard = shard
         attention_strategy = "shard_sequence" if shard_strategy == "tensor" else shard_strategy
         self.blocks = nn.ModuleList(
-            TransformerBlock(num_channels, num_heads, window_size, mlp_ratio, attention_strategy, shard)
+            TransformerBlock(num_channels, num_heads, window_size, mlp_ratio, attention_strategy, shard,
+                             attention_kernel=attention_kernel)
             for _ in range(num_layers)
         )
 

@@ -7,12 +7,20 @@ the one AIFS uses). A query with no key in reach (possible only with offsets) re
 
 The CPU (and fallback) path walks the queries block by block; each block of ``B`` queries only
 sees the ``B + 2 * window_size`` keys that can reach it, so time and memory grow linearly with
-the sequence instead of quadratically as with a dense masked SDPA. It is a custom autograd
-Function in the style of flash attention: the forward keeps only the output and the per-query
+the sequence instead of quadratically as with a dense masked SDPA. It is a torch custom op
+with a backward op (``stormshard::banded_window_attention``: opaque to torch.compile, no graph
+break), in the style of flash attention: the forward keeps only the output and the per-query
 log-sum-exp, and the backward recomputes each block's scores, so no ``(Lq, Lk)`` matrix is
 ever held. On CUDA, with ``flash_attn`` (>= 2.3, the first with ``window_size``) importable and
-half-precision inputs, flash-attn's windowed kernel runs instead (same definition, via an asymmetric
+half-precision inputs, flash-attn's windowed kernel can run instead (same definition, via an asymmetric
 window that absorbs the offsets); the import and the version check run once per process.
+
+Kernels (``kernel=``, the model's ``processor.attention_kernel``): ``"banded"`` (the kernel above,
+every device, forward and backward), ``"flash"`` (flash-attn, CUDA, fp16/bf16), ``"flex"``
+(:mod:`stormshard.layers.flex_window`: torch's flex attention with a block mask; CUDA trains with it,
+a CPU only runs its forward) and ``"auto"``: on CUDA flash where it applies, else flex for bf16 /
+fp16 with head dims of at least 16, else banded (a fallback is logged once); on a CPU banded (measured, ``benchmarks/bench_gpu.py --cpu``: flex's
+forward is 0.6-1.1x banded's on CPU and costs a compile).
 
 Precision: the banded path computes scores, the softmax statistics (running max and log-sum-exp)
 and the output in fp32 for fp16/bf16 inputs (in float64 for float64), with ``torch.autocast``
@@ -23,7 +31,7 @@ Nothing is communicated here.
 
 from __future__ import annotations
 
-import functools
+import logging
 import math
 import re
 import warnings
@@ -32,10 +40,15 @@ import einops
 import torch
 from torch import Tensor
 
+from stormshard.layers.kernel_names import ATTENTION_KERNELS, AttentionKernel
+
 __all__ = [
     "sliding_window_attention", "dense_window_attention", "default_block_size", "flash_attn_window_func",
-    "flash_window_sides",
+    "flash_window_sides", "AttentionKernel", "ATTENTION_KERNELS", "check_attention_kernel", "resolve_attention_kernel",
+    "prepare_attention_kernels",
 ]
+
+_log = logging.getLogger(__name__)
 
 
 def default_block_size(window_size: int) -> int:
@@ -75,18 +88,10 @@ def _blocks(num_q: int, num_k: int, shift: int, window_size: int, block: int, li
         yield start, stop, lo, hi, cache[key]
 
 
-class _BandedWindowAttention(torch.autograd.Function):
-    """Flash-style banded attention on ``(batch * heads, seq, dim)``: saves (q, k, v, out, lse), recomputes scores in backward."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,  # noqa: ANN001
-                scale: float) -> Tensor:
-        with torch.autocast(q.device.type, enabled=False):  # scores and statistics in q's dtype (fp32/fp64)
-            return _BandedWindowAttention._forward(ctx, q, k, v, window_size, shift, block, scale)
-
-    @staticmethod
-    def _forward(ctx, q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,  # noqa: ANN001
-                 scale: float) -> Tensor:
+def _banded_forward(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    """``(out (BH, Lq, dv), lse (BH, Lq, 1))`` of the banded kernel, scores and statistics in q's dtype."""
+    with torch.autocast(q.device.type, enabled=False):  # scores and statistics in q's dtype (fp32/fp64)
         num_q, num_k = q.shape[1], k.shape[1]
         out = q.new_zeros(q.shape[:2] + (v.shape[-1],))
         lse = q.new_full(q.shape[:2] + (1,), float("-inf"))
@@ -98,21 +103,14 @@ class _BandedWindowAttention(torch.autograd.Function):
             denom = p.sum(dim=-1, keepdim=True)
             out[:, start:stop] = torch.bmm(p, v[:, lo:hi]).div_(denom.masked_fill(denom == 0, 1.0))
             lse[:, start:stop] = m + denom.log()
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.window_size, ctx.shift, ctx.block, ctx.scale = window_size, shift, block, scale
-        return out
+        return out, lse
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):  # noqa: ANN001
-        saved = ctx.saved_tensors  # read once (activation checkpointing unpacks each saved tensor once)
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _BandedWindowAttention._backward(ctx, saved, grad_out.to(saved[0].dtype))
 
-    @staticmethod
-    def _backward(ctx, saved: tuple[Tensor, ...], grad_out: Tensor):  # noqa: ANN001
-        q, k, v, out, lse = saved
-        window_size, shift, block, scale = ctx.window_size, ctx.shift, ctx.block, ctx.scale
-        grad_out = grad_out.contiguous()
+def _banded_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window_size: int,
+                     shift: int, block: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)``: each block's scores recomputed from ``q``, ``k`` and the forward's ``lse``."""
+    with torch.autocast(grad_out.device.type, enabled=False):
+        grad_out = grad_out.to(q.dtype).contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         # D_i = sum_d dO_id O_id: the softmax Jacobian's diagonal correction, per query
         delta = (grad_out * out).sum(dim=-1, keepdim=True)
@@ -124,7 +122,59 @@ class _BandedWindowAttention(torch.autograd.Function):
             ds = torch.bmm(go_blk, v_blk.transpose(1, 2)).sub_(delta[:, start:stop]).mul_(p)
             dq[:, start:stop] += torch.bmm(ds, k_blk).mul_(scale)
             dk[:, lo:hi] += torch.bmm(ds.transpose(1, 2), q_blk).mul_(scale)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv
+
+
+# torch custom ops: torch.compile keeps the python block loop opaque (one op in the graph, no
+# graph break, no unrolled loop to compile); eager calls run the same ops
+@torch.library.custom_op("stormshard::banded_window_attention", mutates_args=())
+def _banded_op(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,
+               scale: float) -> tuple[Tensor, Tensor]:
+    return _banded_forward(q, k, v, window_size, shift, block, scale)
+
+
+@_banded_op.register_fake
+def _banded_fake(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,
+                 scale: float) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape[:2] + (v.shape[-1],)), q.new_empty(q.shape[:2] + (1,))
+
+
+@torch.library.custom_op("stormshard::banded_window_attention_backward", mutates_args=())
+def _banded_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window_size: int,
+                        shift: int, block: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _banded_backward(grad_out, q, k, v, out, lse, window_size, shift, block, scale)
+
+
+@_banded_backward_op.register_fake
+def _banded_backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          window_size: int, shift: int, block: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _banded_setup(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
+    q, k, v, window_size, shift, block, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.window_size, ctx.shift, ctx.block, ctx.scale = window_size, shift, block, scale
+
+
+def _banded_grad(ctx, grad_out: Tensor, _grad_lse: Tensor) -> tuple:  # noqa: ANN001
+    saved = ctx.saved_tensors  # read once (activation checkpointing unpacks each saved tensor once)
+    dq, dk, dv = torch.ops.stormshard.banded_window_attention_backward(
+        grad_out, *saved, ctx.window_size, ctx.shift, ctx.block, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+_banded_op.register_autograd(_banded_grad, setup_context=_banded_setup)
+
+
+class _BandedWindowAttention:
+    """Flash-style banded attention on ``(batch * heads, seq, dim)``: saves (q, k, v, out, lse), recomputes
+    scores in backward. ``apply(q, k, v, window_size, shift, block, scale) -> out``; the kernel is the
+    custom op ``stormshard::banded_window_attention`` (and its backward op), opaque to torch.compile."""
+
+    @staticmethod
+    def apply(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int, scale: float) -> Tensor:
+        return _banded_op(q, k, v, window_size, shift, block, scale)[0]
 
 
 FLASH_ATTN_MIN_VERSION = (2, 3)  # flash_attn_func gained window_size in 2.3
@@ -136,11 +186,28 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in match.group(0).split(".")) if match else ()
 
 
-@functools.lru_cache(maxsize=1)
+_FLASH_PROBE: list = []  # [flash_attn_func or None] once probed (a list, not lru_cache: torch.compile reads it)
+
+
 def flash_attn_window_func():
     """flash-attn's ``flash_attn_func`` if importable and new enough (>= 2.3), else None; decided once
     per process (a failed import is not retried on every call). An installed flash-attn older than
     2.3 gets one warning naming the version and the fix; the banded kernel runs instead."""
+    if not _FLASH_PROBE:
+        _FLASH_PROBE.append(_probe_flash_attn())
+    return _FLASH_PROBE[0]
+
+
+def prepare_attention_kernels() -> None:
+    """Probe flash-attn and flex attention now (outside any compiled region): ``torch.compile``
+    then only reads the answers (:func:`stormshard.models.compile.compile_blocks` calls it)."""
+    from stormshard.layers.flex_window import flex_attention_unavailable
+
+    flash_attn_window_func()
+    flex_attention_unavailable()
+
+
+def _probe_flash_attn():  # noqa: ANN202 - flash-attn's function or None
     try:
         import flash_attn
         from flash_attn import flash_attn_func
@@ -169,17 +236,73 @@ def flash_window_sides(shift: int, num_q: int, num_k: int, window_size: int) -> 
     return left, right
 
 
-def _use_flash(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
-        and q.shape[-1] == v.shape[-1]
-        and q.shape[-1] % 8 == 0
-        and q.shape[-1] <= 256
-        and flash_attn_window_func() is not None
-    )
+def _flash_unusable(q: Tensor, k: Tensor, v: Tensor, shift: int, window_size: int) -> str | None:
+    """None when flash-attn's window kernel can compute this call, else why not."""
+    num_q, num_k = q.shape[-2], k.shape[-2]
+    if not q.is_cuda:
+        return f"flash-attn runs on CUDA only, these tensors are on {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return (f"flash-attn needs fp16/bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype} "
+                "(train with training.precision 'bf16')")
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
+        return f"flash-attn needs a head dim that is a multiple of 8 up to 256, got {q.shape[-1]}"
+    if not (0 <= shift and shift + num_q <= num_k) or flash_window_sides(shift, num_q, num_k, window_size) is None:
+        return (f"flash-attn's window cannot express queries at offset {shift} over {num_k} keys "
+                "(a halo narrower than the window)")
+    if flash_attn_window_func() is None:
+        return "flash-attn >= 2.3 is not importable (pip install 'flash-attn>=2.3', CUDA only)"
+    return None
+
+
+def check_attention_kernel(kernel: object) -> None:
+    """ValueError unless ``kernel`` is one of :data:`ATTENTION_KERNELS`."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention_kernel must be one of {', '.join(map(repr, ATTENTION_KERNELS))}, got {kernel!r}")
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_fallback_once(message: str) -> None:
+    if torch.compiler.is_compiling() or message in _LOGGED:  # no logging (a side effect) inside a compiled graph
+        return
+    _LOGGED.add(message)
+    _log.info(message)
+
+
+def resolve_attention_kernel(kernel: AttentionKernel, q: Tensor, k: Tensor, v: Tensor, shift: int,
+                             window_size: int) -> str:
+    """The kernel that computes this call: ``"banded"``, ``"flex"`` or ``"flash"``.
+
+    ``"auto"``: on CUDA flash where it applies, else flex when importable, else banded (a fallback
+    is logged once per reason); elsewhere banded. A kernel named explicitly that cannot compute this
+    call is a ValueError naming the reason and the fix.
+    """
+    if kernel == "banded":
+        return "banded"
+    if kernel == "flash":
+        reason = _flash_unusable(q, k, v, shift, window_size)
+        if reason is not None:
+            raise ValueError(f"attention_kernel 'flash' cannot run: {reason}; use attention_kernel 'auto' or 'banded'")
+        return "flash"
+    if kernel == "flex":
+        return "flex"
+    if not q.is_cuda:
+        return "banded"
+    reason = _flash_unusable(q, k, v, shift, window_size)
+    if reason is None:
+        return "flash"
+    from stormshard.layers.flex_window import flex_unusable
+
+    flex_reason = flex_unusable(q, v)
+    if flex_reason is None and q.dtype == torch.float32:
+        flex_reason = ("fp32: measured on an H100, flex in fp32 (no TF32) runs at 0.22x the banded kernel at the AIFS "
+                       "shape, so fp32 stays banded; bf16 / fp16 use flex")
+    if flex_reason is None:
+        _log_fallback_once(f"attention_kernel 'auto': flex attention instead of flash-attn ({reason})")
+        return "flex"
+    _log_fallback_once(f"attention_kernel 'auto': the banded kernel ({reason}; {flex_reason})")
+    return "banded"
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, window_size: int, block_size: int | None) -> None:
@@ -209,6 +332,7 @@ def sliding_window_attention(
     *,
     scale: float | None = None,
     block_size: int | None = None,
+    kernel: AttentionKernel = "auto",
 ) -> Tensor:
     """Exact sliding-window attention ``softmax(q k^T * scale + band) v`` in linear time and memory.
 
@@ -218,22 +342,29 @@ def sliding_window_attention(
         window_size: a query attends keys with ``|pos_q - pos_k| <= window_size`` (0: itself only).
         scale: score scale, ``1 / sqrt(dim)`` by default.
         block_size: queries per block of the banded path (default :func:`default_block_size`).
+        kernel: ``"auto"``, ``"banded"``, ``"flex"`` or ``"flash"`` (module docstring); a kernel asked
+            for by name that cannot run here is a ValueError saying why and what to use instead.
 
     Returns ``(batch, heads, Lq, dim)``; rows whose window holds no key are zero.
     """
     _check_inputs(q, k, v, window_size, block_size)
+    check_attention_kernel(kernel)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     shift = int(q_offset) - int(k_offset)
     num_q, num_k = q.shape[-2], k.shape[-2]
     # a window that reaches every key from every query is dense: clip it (fewer, larger blocks)
     window_size = min(window_size, max(abs(shift + num_q - 1), abs(shift - num_k + 1), 0))
-    if _use_flash(q, k, v):  # pragma: no cover - needs a GPU with flash-attn
+    chosen = resolve_attention_kernel(kernel, q, k, v, shift, window_size)
+    if chosen == "flash":  # pragma: no cover - needs a GPU with flash-attn
         sides = flash_window_sides(shift, num_q, num_k, window_size)
-        if sides is not None and 0 <= shift and shift + num_q <= num_k:
-            flash = flash_attn_window_func()
-            qt, kt, vt = (einops.rearrange(t, "b h s d -> b s h d") for t in (q, k, v))
-            out = flash(qt, kt, vt, softmax_scale=scale, causal=False, window_size=sides)
-            return einops.rearrange(out, "b s h d -> b h s d")
+        flash = flash_attn_window_func()
+        qt, kt, vt = (einops.rearrange(t, "b h s d -> b s h d") for t in (q, k, v))
+        out = flash(qt, kt, vt, softmax_scale=scale, causal=False, window_size=sides)
+        return einops.rearrange(out, "b s h d -> b h s d")
+    if chosen == "flex":
+        from stormshard.layers.flex_window import flex_window_attention
+
+        return flex_window_attention(q, k, v, window_size, shift, 0, scale=scale)
     block = block_size or default_block_size(window_size)
     # half precision computes in float32; (batch, heads) fold into one batch dimension for bmm
     compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype

@@ -17,13 +17,15 @@ _EXPORTS: dict[str, str] = {
                     "parallelize"),
     **dict.fromkeys(("ModelBuilder", "build_model", "register_model"), "registry"),
     "advance_window": "rollout",
+    **dict.fromkeys(("compile_blocks", "compiled_block_names"), "compile"),
     "ModelShardPlan": "sharding",
     "VariableIndex": "variables",
 }
 __all__ = [
     "ModelConfig", "VariableIndex", "ModelShardPlan", "ModelBuilder", "build_model", "register_model",
     "parallelize", "check_parallel_strategy", "parallelize_processor", "build_transformer_processor",
-    "EncoderProcessorDecoder", "EnsembleEncoderProcessorDecoder", "advance_window",
+    "EncoderProcessorDecoder", "EnsembleEncoderProcessorDecoder", "advance_window", "compile_blocks",
+    "compiled_block_names",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

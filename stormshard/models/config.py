@@ -21,6 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from stormshard.layers.kernel_names import AttentionKernel
+
 __all__ = ["ProcessorConfig", "MapperConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS"]
 
 #: The models stormshard builds itself (the encoder-processor-decoder family).
@@ -43,6 +45,10 @@ class ProcessorConfig(_Strict):
     num_heads: int = Field(8, ge=1)
     mlp_ratio: int = Field(4, ge=1)
     window_size: int = Field(64, description="sliding-window half width in hidden nodes, at least 1")
+    attention_kernel: AttentionKernel = Field(
+        "auto", description="sliding-window kernel: 'auto' (CUDA: flash-attn, else flex attention, else banded; "
+        "CPU: banded), 'banded' (every device), 'flex' (torch flex attention: CUDA trains, CPU forward only), "
+        "'flash' (flash-attn >= 2.3, CUDA, bf16/fp16)")
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graphtransformer: anemoi's lin_self in every block
     trainable_edge_size: int = Field(0, ge=0)  # graph processors: trainable features per edge (anemoi's)

@@ -62,7 +62,7 @@ class WindowTransformerProcessor(nn.Module):
         self.processor = TransformerProcessor(
             num_layers=p.num_layers, num_channels=config.num_channels, num_heads=p.num_heads,
             window_size=p.window_size, mlp_ratio=p.mlp_ratio, shard_strategy=plan.shard_strategy,
-            shard=plan.hidden_shard,
+            shard=plan.hidden_shard, attention_kernel=p.attention_kernel,
         )
 
     @property

@@ -297,6 +297,9 @@ def start_all_to_all_rows(
     """
     world = group_size(group)
     send, recv = _check_counts(rows, send_counts, recv_counts, world)
+    # under torch.compile the exchange is traced as a functional collective (dynamo has no async
+    # work handles): issued synchronously, its wait placed by the compiler
+    async_op = async_op and not torch.compiler.is_compiling()
     if world == 1:
         if send != recv:
             raise ValueError(f"one rank can only receive the rows it sends: send {send}, receive {recv}")

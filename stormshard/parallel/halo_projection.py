@@ -132,7 +132,7 @@ def halo_linear(
         x_src = x_src.to(dtype)
         weights = [w.to(dtype) for w in weights]
         biases = [None if b is None else b.to(dtype) for b in biases]
-    dtype = torch.result_type(x_src, weights[0])
+    dtype = torch.promote_types(x_src.dtype, weights[0].dtype)  # result_type of two tensors (traceable by dynamo)
     x_src, weights = x_src.to(dtype), [w.to(dtype) for w in weights]
     biases = [x_src.new_empty(0) if b is None else b.to(dtype) for b in biases]
     with torch.autocast(device_type, enabled=False):

@@ -184,6 +184,8 @@ class TrainingSection(_Strict):
         "fp32", description="model compute precision for every engine; bf16 keeps fp32 master weights, "
                             "optimizer moments, data, targets and loss (deepspeed.bf16.enabled is generated "
                             "from it)")
+    compile: bool = Field(False, strict=True, description="torch.compile each processor block, the encoder and the "
+                          "decoder (stormshard.models.compile.compile_blocks); names and numbers unchanged")
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:

@@ -32,6 +32,7 @@ from stormshard.data.loader import BatchKey, PrefetchLoader, SliceBatchReader, f
 from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.data.sharded_read import ModelSliceReader, SliceReadPlan
 from stormshard.graphs.builder import load_graph, load_or_build_graph
+from stormshard.models.compile import compile_blocks
 from stormshard.models.registry import build_model
 from stormshard.parallel.comm import all_reduce_sum
 from stormshard.parallel.topology import ProcessGroups, build_process_groups
@@ -115,6 +116,8 @@ class Trainer:
             self.transfer = load_init_weights(model, read_init_weights(t.init_weights), t.init_weights)
         self.frozen = freeze_parameters(model, list(t.freeze))  # before the engine: it optimises the others
         self.plan = model.plan
+        if t.compile:  # per block, after parallelize and checkpointing, before the engine wraps it (torchtitan's order)
+            compile_blocks(model)
         self.engine = build_engine(model, self.groups, self.settings)
         self.dtype = torch.float32  # data, targets, loss and ensemble noise at every training.precision
 

@@ -10,7 +10,9 @@ there, and raises :class:`~stormshard.training.config.ConfigError` (or ``LayoutE
    (:class:`~stormshard.parallel.topology.ParallelLayout`: the model group divides the world, ...);
 2. the parallel strategy against the model:
    :func:`~stormshard.models.parallelize.check_parallel_strategy` (heads and MLP channels split
-   whole over the model group for ``shard_heads`` / ``tensor``, graph processors, ensemble);
+   whole over the model group for ``shard_heads`` / ``tensor``, graph processors, ensemble), and
+   the attention kernel against the device and precision
+   (:func:`~stormshard.models.parallelize.check_attention_kernel_for_training`);
 3. ``--resume`` has a checkpoint to continue (:func:`check_resume`), and it is complete; a new run
    does not start in an ``output_dir`` that holds an earlier run
    (:func:`~stormshard.training.run_dir.check_run_directory`);
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from stormshard.checkpoint.format import CheckpointError, latest_checkpoint, read_metadata
 from stormshard.data.anemoi_layout import AnemoiDataset
@@ -50,7 +53,7 @@ from stormshard.data.dataset import (
 from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.errors import check_writable_directory, nearest_existing_parent
 from stormshard.graphs.builder import KNNEdges
-from stormshard.models.parallelize import check_parallel_strategy
+from stormshard.models.parallelize import check_attention_kernel_for_training, check_parallel_strategy
 from stormshard.models.variables import VariableIndex
 from stormshard.parallel.topology import BatchPlan, ParallelLayout, batch_arithmetic
 from stormshard.training.activation_memory import (
@@ -78,7 +81,8 @@ RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.
                      "training.checkpoint_interval", "training.keep_checkpoints", "training.output_dir",
                      "data.graph_cache", "data.validation_samples", "logging", "data.num_workers", "data.prefetch",
                      "data.worker_type", "data.test", "training.validation_rollout",
-                     "training.init_weights")  # a resumed run continues its own weights
+                     "training.init_weights",  # a resumed run continues its own weights
+                     "training.compile")  # how the same model runs, not what it computes
 
 
 def checkpoint_dir(config: ExperimentConfig) -> Path:
@@ -113,6 +117,8 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
     layout = config.parallel.layout(world)  # 1.
     try:  # 2.
         check_parallel_strategy(config.model, config.parallel.shard_strategy, layout.gpus_per_model)
+        check_attention_kernel_for_training(config.model, "cuda" if torch.cuda.is_available() else "cpu",
+                                            config.training.precision)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     resume_notes = check_resume(config, world) if resume else ()  # 3.

@@ -24,13 +24,15 @@ print("RESULT", json.dumps({"losses": result.losses, "seconds": time.perf_counte
 """
 
 
-def _run(cfg: dict) -> dict:
+def _run(cfg: dict, script: str = RUN, port: int = 29500, **extra_env: str) -> dict:
+    """Run ``script`` with ``cfg`` in a fresh one-rank process (NCCL world 1); its ``RESULT`` JSON line."""
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(29500 + os.getpid() % 1000),
+           "MASTER_PORT": str(port + os.getpid() % 1000),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "DS_ACCELERATOR": "cuda"}  # CPU test modules collected in the same session set it to "cpu"
-    proc = subprocess.run([sys.executable, "-c", RUN, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+           "DS_ACCELERATOR": "cuda", **extra_env}  # CPU test modules collected in the same session set it to "cpu"
+    env = {k: v for k, v in env.items() if v != ""}  # an empty extra value unsets the variable
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])

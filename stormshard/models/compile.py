@@ -1,0 +1,110 @@
+"""``training.compile``: torch.compile applied per block, in place, after the parallelize step.
+
+The order is torchtitan's (``parallelize_llama``): tensor parallelism, activation checkpointing,
+compile, then the engine (DeepSpeed, DDP) wraps the model. :func:`compile_blocks` compiles, each
+on its own, every block of every ``blocks`` ``nn.ModuleList`` of the model (the processor's
+transformer, graph-transformer, GNN or conditional blocks, wrapped in
+:class:`~stormshard.layers.checkpointing.ActivationCheckpoint` or not) and the model's ``encoder``
+and ``decoder`` mappers. Per block, not the whole model: identical blocks share one compiled
+graph, a compile error names one block, and the code between blocks (embeddings, the residual
+update, the loss) stays eager.
+
+Each block is compiled with :meth:`torch.nn.Module.compile`, in place: the module tree, parameter
+names and ``state_dict`` keys do not change (no ``_orig_mod.`` prefix), so checkpoints move
+between compiled and eager runs both ways. ``fullgraph=True``: the blocks compile without a
+graph break (the kernels that are python loops or sparse products are torch custom ops, opaque
+to dynamo: the banded window kernel, the fused graph attention; the collectives of a sharded
+block are custom ops under compile; the eager-only fused GNN kernels give way to their plain
+autograd path, which inductor fuses). Shapes are static (``dynamic=False``): a block sees the same
+shapes every step, so it compiles once for training and once for validation (``no_grad``).
+
+Nothing is communicated here; the compiled blocks communicate what the eager ones do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+from stormshard.layers.window import prepare_attention_kernels
+
+__all__ = ["compile_blocks", "compiled_block_names", "COMPILED_TARGETS", "BACKEND_VARIABLE"]
+
+#: the environment variable that picks torch.compile's backend (default ``"inductor"``; ``"aot_eager"``
+#: traces and runs the same graphs without code generation: for debugging and quick tests)
+BACKEND_VARIABLE = "STORMSHARD_COMPILE_BACKEND"
+
+#: the module attributes compiled besides the blocks of every ``blocks`` ModuleList
+COMPILED_TARGETS = ("encoder", "decoder")
+
+# recompiles a compiled block may take (per code object) beyond one per block kind: training and
+# validation (grad mode), a few shapes (e.g. a validation batch of another size)
+_RECOMPILES_PER_BLOCK = 4
+
+
+def _targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every block to compile, in module order, each once."""
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.ModuleList) and leaf == "blocks":
+            for i, block in enumerate(module):
+                found.append((f"{name}.{i}", block))
+        elif leaf in COMPILED_TARGETS and name.count(".") == 0:
+            found.append((name, module))
+    out = []
+    for name, module in found:
+        if id(module) not in seen:
+            seen.add(id(module))
+            out.append((name, module))
+    return out
+
+
+def compiled_block_names(model: nn.Module) -> list[str]:
+    """The names of the modules of ``model`` that :func:`compile_blocks` compiled (in place)."""
+    return [name for name, module in model.named_modules() if getattr(module, "_compiled_call_impl", None) is not None]
+
+
+def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: bool = True, dynamic: bool = False,
+                   options: dict[str, Any] | None = None) -> list[str]:
+    """Compile every processor block and the encoder and decoder of ``model`` in place; their names.
+
+    ``model``: built and parallelized (tensor-parallel blocks swapped in, activation checkpointing
+    wrapped), not yet wrapped by an engine. ``backend``: torch.compile's backend (None: the
+    ``STORMSHARD_COMPILE_BACKEND`` environment variable, else ``"inductor"``). Compiles every block of every ``nn.ModuleList``
+    named ``blocks`` and the top-level ``encoder`` / ``decoder`` with
+    ``module.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, options=options)``;
+    a module already compiled is left as it is (a second call changes nothing). Raises
+    ValueError, naming ``training.compile``, when the model has none of these (a custom builder's
+    model without ``processor.blocks``, ``encoder`` or ``decoder``). Raises dynamo's error at a
+    block's first call if it cannot compile without a graph break (``fullgraph=True``).
+
+    Raises dynamo's per-code-object recompile limit to fit every block kind's training and
+    validation graphs (``torch._dynamo.config.cache_size_limit``; never lowered).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    targets = _targets(model)
+    if not targets:
+        raise ValueError(
+            f"training.compile is true but the model ({type(model).__name__}) has no blocks to compile: "
+            "stormshard compiles every block of an nn.ModuleList named 'blocks' (processor.blocks) and the "
+            "top-level 'encoder' and 'decoder'; give the model such modules, or set training.compile false"
+        )
+    import torch._dynamo
+
+    prepare_attention_kernels()  # probe flash-attn / flex once, eagerly: compiled blocks only read the answers
+    backend = backend or os.environ.get(BACKEND_VARIABLE) or "inductor"
+    limit = _RECOMPILES_PER_BLOCK * len(targets)
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, limit)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 2 * limit)
+    names = []
+    for name, module in targets:
+        if getattr(module, "_compiled_call_impl", None) is None:
+            module.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, options=options)
+        names.append(name)
+    return names

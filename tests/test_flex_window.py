@@ -1,0 +1,143 @@
+"""The flex-attention sliding-window kernel (``attention_kernel="flex"``) against the banded kernel.
+
+On a CPU torch's flex attention has a forward only, so these tests compare forwards (under
+``torch.no_grad``, as a forecast runs): the kernel with halo offsets and rows without keys, and the
+sharded layer and processor (``shard_sequence``, ``shard_heads``, ``tensor``) at 2-4 ranks with
+uneven shards against the single-process banded run, in float32 within round-off. Gradients are
+compared on CUDA (``tests/gpu/test_cuda_flex.py``). The compiled flex kernel is shared by the whole
+process (and inductor's on-disk cache by the ranks), so the compile is paid about once.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stormshard.layers import set_attention_kernel
+from stormshard.layers.attention import SlidingWindowAttention
+from stormshard.layers.window import dense_window_attention, sliding_window_attention
+from stormshard.models.parallelize import build_transformer_processor
+from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
+from stormshard.parallel.shard import SequenceShard
+from tests.distributed import run_distributed
+
+F32 = torch.float32
+CLOSE = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def _rand(shape, seed, dtype=F32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def test_flex_kernel_matches_banded_and_dense_with_offsets():
+    cases = itertools.product([(7, 40), (130, 150), (333, 380)], [0, 3, 64], [0, 11, -20])
+    for (lq, lk), window, shift in cases:
+        q, k, v = (_rand((2, 3, n, 16), seed) for n, seed in ((lq, 1), (lk, 2), (lk, 3)))
+        with torch.no_grad():
+            flex = sliding_window_attention(q, k, v, window, q_offset=shift, kernel="flex")
+            banded = sliding_window_attention(q, k, v, window, q_offset=shift, kernel="banded")
+        torch.testing.assert_close(flex, banded, **CLOSE, msg=f"lq={lq} lk={lk} w={window} shift={shift}")
+        torch.testing.assert_close(flex, dense_window_attention(q, k, v, window, q_offset=shift), **CLOSE)
+
+
+def test_flex_rows_without_keys_are_zero():
+    q, k, v = _rand((1, 2, 50, 16), 4), _rand((1, 2, 20, 16), 5), _rand((1, 2, 20, 16), 6)
+    with torch.no_grad():
+        out = sliding_window_attention(q, k, v, 2, q_offset=30, kernel="flex")  # queries 0..7 reach no key
+    assert torch.isfinite(out).all()
+    assert out[:, :, 30 + 2 + 1 - 30 + 20:].abs().max() == 0  # queries at 23.. see keys up to 21 only
+    torch.testing.assert_close(out, sliding_window_attention(q, k, v, 2, q_offset=30, kernel="banded"), **CLOSE)
+
+
+def test_flex_backward_on_cpu_is_a_clear_error():
+    q = _rand((1, 2, 20, 16), 7).requires_grad_()
+    with pytest.raises(ValueError, match=r"attention_kernel 'flex' has no backward on a CPU.*'banded'"):
+        sliding_window_attention(q, q, q, 3, kernel="flex")
+
+
+def test_kernel_names_and_cpu_choices():
+    q = _rand((1, 2, 20, 16), 8)
+    with pytest.raises(ValueError, match=r"attention_kernel must be one of 'auto', 'banded', 'flex', 'flash', got 'fast'"):
+        sliding_window_attention(q, q, q, 3, kernel="fast")
+    with pytest.raises(ValueError, match=r"attention_kernel 'flash' cannot run: flash-attn runs on CUDA only"):
+        sliding_window_attention(q, q, q, 3, kernel="flash")
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        SlidingWindowAttention(8, 2, 3, attention_kernel="triton")
+    # auto on a CPU is the banded kernel, for training and forecasts: bit for bit
+    auto = sliding_window_attention(q, q, q, 3)
+    assert torch.equal(auto, sliding_window_attention(q, q, q, 3, kernel="banded"))
+
+
+def test_set_attention_kernel_switches_every_layer():
+    torch.manual_seed(0)
+    proc = build_transformer_processor(3, 16, 4, 5)
+    x = _rand((2, 40, 16), 9)
+    with torch.no_grad():
+        banded = proc(x)
+        assert set_attention_kernel(proc, "flex") == 3
+        assert {b.attention.attention_kernel for b in proc.blocks} == {"flex"}
+        torch.testing.assert_close(proc(x), banded, **CLOSE)
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        set_attention_kernel(proc, "fast")
+
+
+def _build(kind, strategy, n, heads, window, seed, shard):
+    torch.manual_seed(seed)
+    if kind == "layer":
+        return SlidingWindowAttention(24, heads, window, strategy, shard)
+    return build_transformer_processor(2, 24, heads, window, shard_strategy=strategy, shard=shard)
+
+
+def _cases(world):
+    small = 6 * world + world - 1  # uneven: 27 over 4 ranks = 7, 7, 7, 6
+    cases = []
+    for strategy in ("shard_sequence", "shard_heads"):
+        for window in (1, max(balanced_sizes(small, world)) + 1):
+            cases.append(("layer", strategy, small, 12, window))
+    cases.append(("layer", "shard_sequence", 1001, 12, 40))  # 1001 over 3 ranks: 334, 334, 333
+    for strategy in ("shard_sequence", "shard_heads", "tensor"):
+        cases.append(("processor", strategy, 1001 if strategy == "shard_sequence" else small, 12, 5))
+    return cases
+
+
+def _flex_forward_on_ranks(rank, world, cases):
+    outs = []
+    for i, (kind, strategy, n, heads, window) in enumerate(cases):
+        sizes = balanced_sizes(n, world)
+        module = _build(kind, strategy, n, heads, window, 100 + i, SequenceShard(sizes, dist.group.WORLD))
+        set_attention_kernel(module, "flex")
+        off = balanced_offsets(sizes)[rank]
+        x = _rand((2, n, 24), 200 + i)[:, off : off + sizes[rank]]
+        with torch.no_grad():
+            outs.append(module(x))
+    return outs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_flex_forward_equals_single_process_banded(world):
+    cases = _cases(world)
+    per_rank = run_distributed(_flex_forward_on_ranks, world, cases)
+    for i, (kind, strategy, n, heads, window) in enumerate(cases):
+        module = _build(kind, strategy, n, heads, window, 100 + i, None)
+        with torch.no_grad():
+            ref = module(_rand((2, n, 24), 200 + i))
+        out = torch.cat([per_rank[r][i] for r in range(world)], dim=1)
+        torch.testing.assert_close(out, ref, **CLOSE, msg=f"world {world}: {kind} {strategy} n={n} window={window}")
+
+
+def test_band_blocks_match_the_elementwise_mask():
+    from stormshard.layers.flex_window import band_blocks
+
+    for num_q, num_k, shift, window, block in [(300, 300, 0, 40, 16), (333, 380, 10, 32, 32), (50, 20, 30, 2, 8),
+                                               (129, 257, -20, 0, 16), (1001, 1001, 0, 1000, 128)]:
+        partial, full = band_blocks(num_q, num_k, shift, window, block)
+        allowed = ((torch.arange(num_q)[:, None] + shift - torch.arange(num_k)[None, :]).abs() <= window)
+        for i in range(partial.shape[0]):
+            for j in range(partial.shape[1]):
+                tile = allowed[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                whole = tile.shape == (block, block)
+                assert bool(full[i, j]) == bool(whole and tile.all()), (num_q, num_k, shift, window, i, j)
+                assert bool(partial[i, j] or full[i, j]) == bool(tile.any()), (num_q, num_k, shift, window, i, j)
