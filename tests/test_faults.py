@@ -263,6 +263,25 @@ def test_resume_logs_every_step_once(dataset, tmp_path):  # noqa: F811
     assert [r["loss"] for r in records if "loss" in r][2:] == pytest.approx(full[2:], rel=0, abs=0)
 
 
+def test_resuming_a_finished_run_changes_nothing(dataset, tmp_path, capsys):  # noqa: F811
+    """``--resume`` of a run that already trained its ``max_steps``: nothing is trained or saved again, the
+    final validation is computed (returned) but not logged a second time, and the run says so."""
+    cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2, "training.checkpoint_interval": 2})
+    first = run_training(cfg)
+    files = _snapshot(tmp_path / "run")
+    capsys.readouterr()
+    again = run_training(cfg, resume=True)
+    assert again.losses == [] and again.checkpoint == first.checkpoint
+    assert again.validation == first.validation
+    assert "nothing to train (raise training.max_steps to continue)" in capsys.readouterr().err
+    after = _snapshot(tmp_path / "run")
+    assert after.keys() == files.keys()
+    assert {k: v for k, v in after.items() if k != "metrics.jsonl"} == \
+        {k: v for k, v in files.items() if k != "metrics.jsonl"}
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_rmse/tracer_1" in r] == [2]
+
+
 def _damage(step_dir: Path, how: str) -> Path:
     """Damage one file of ``step_dir`` as a crash, a full disk or a bad copy would; returns the file."""
     if how == "truncated metadata.json":

@@ -436,20 +436,28 @@ class Trainer:
                 if (step + 1) % t.checkpoint_interval == 0:
                     last_saved = self.save(step + 1)
                     self.logger.write(f"checkpoint saved: {last_saved}")
-            if last_saved is None or int(last_saved.name.split("_")[-1]) != self.total_steps:
+            finished_before = self.resume and start >= self.total_steps  # resumed a run that had ended
+            if finished_before:
+                last_saved = Path(str(self.resumed_from))
+                self.logger.write(f"the run had already trained its {self.total_steps} steps: nothing to train "
+                                  "(raise training.max_steps to continue); validating the checkpoint, its metrics "
+                                  "records kept as they are")
+            elif last_saved is None or int(last_saved.name.split("_")[-1]) != self.total_steps:
                 last_saved = self.save(self.total_steps)
                 self.logger.write(f"checkpoint saved: {last_saved}")
             result.checkpoint = str(last_saved)
             result.data_wait = self.data_wait
             result.validation = self.validate()
-            self.logger.log(self.total_steps, self.validation_metrics(result.validation))
+            if not finished_before:  # the finished run logged this validation already
+                self.logger.log(self.total_steps, self.validation_metrics(result.validation))
             table = self.validation_table(result.validation)
             count = min(self.config.data.validation_samples, len(self.val_samples))
             self.logger.write(f"\nvalidation RMSE against persistence ({count} windows):\n{table}")
             if self.test_samples is not None:
                 count = min(self.config.data.validation_samples, len(self.test_samples))
                 result.test = self.validate(self.test_samples)
-                self.logger.log(self.total_steps, self.validation_metrics(result.test, prefix="test"))
+                if not finished_before:
+                    self.logger.log(self.total_steps, self.validation_metrics(result.test, prefix="test"))
                 self.logger.write(f"\ntest RMSE against persistence ({count} windows of data.test):\n"
                                   f"{self.validation_table(result.test)}")
             self.logger.write(f"checkpoint: {last_saved}\nmetrics:    {self.output_dir / 'metrics.jsonl'}")
