@@ -58,12 +58,30 @@ def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> T
         return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
 
 
+def _csr_index(index: Tensor, nnz: int, size: int) -> Tensor:
+    """``index`` as the dtype of CSR row pointers and column ids: int32 when ``nnz`` and the
+    matrix sizes fit (MKL's sparse kernels take 32-bit indices: with int64 ones every product
+    first copies them to int32), else int64."""
+    return index.int() if max(nnz, size) < 2**31 - 1 else index.long()
+
+
+def _spmm(matrix: Tensor, dense: Tensor) -> Tensor:
+    """``matrix @ dense`` for a CSR ``matrix`` ``(R, S)`` and a dense ``(S, d)``: ``(R, d)``.
+
+    Written into a fresh output by ``addmm(out, matrix, dense, beta=0, out=out)`` (``beta=0``: the
+    output's contents are ignored): the same products and sums as ``matrix @ dense``, without the
+    zero-filled ``input`` and its copy into the result that ``@`` goes through on a CPU."""
+    out = dense.new_empty((matrix.shape[0], dense.shape[1]))
+    return torch.addmm(out, matrix, dense, beta=0.0, out=out)
+
+
 @dataclass(frozen=True, eq=False)
 class CsrStructure:
     """The head-expanded adjacency of a graph, in CSR form, and its transpose.
 
     Rows of ``A`` are ``row = dst * heads + g``, columns ``src * heads + g`` (``g`` the head; a
-    batch dimension is folded into the heads). Entry ``i`` of ``A`` (CSR order: by row, then by
+    batch dimension is folded into the heads). ``crow``, ``col``, ``crow_t`` and ``col_t`` are
+    int32 where the sizes allow (:func:`_csr_index`), the other index tensors int64. Entry ``i`` of ``A`` (CSR order: by row, then by
     source id) belongs to edge ``edge_of[i]`` (an id in the caller's ``edge_index`` order) and
     head ``head_of[i]``. ``crow_t``, ``col_t`` describe ``A^T`` with ``perm_t`` mapping its
     entries to ``A``'s (``values_t = values[perm_t]``).
@@ -94,7 +112,8 @@ class CsrStructure:
 
     def matrix_t(self, values: Tensor) -> Tensor:
         """``A^T`` with ``A``'s ``values`` (CSR order of ``A``), as a CSR tensor."""
-        return _csr(self.crow_t, self.col_t, values[self.perm_t], (self.num_src * self.heads, self.num_dst * self.heads))
+        return _csr(self.crow_t, self.col_t, values.index_select(0, self.perm_t),
+                    (self.num_src * self.heads, self.num_dst * self.heads))
 
     def segment_sum(self, x: Tensor) -> Tensor:
         """Sum of entry rows ``x`` ``(nnz, ...)`` over each row of ``A``: ``(num_dst * heads, ...)``."""
@@ -155,7 +174,10 @@ class EdgePattern:
         perm_t = torch.argsort(col, stable=True)  # by attribute row, then entry order (= ascending row)
         crow_t = torch.zeros(num_attr_rows + 1, dtype=torch.long, device=col.device)
         crow_t[1:] = torch.cumsum(torch.bincount(col, minlength=num_attr_rows), 0)
-        return cls(st.num_dst * st.heads, num_attr_rows, st.crow, col, crow_t, st.row_of[perm_t], perm_t)
+        num_rows = st.num_dst * st.heads
+        size = max(num_rows, num_attr_rows)
+        return cls(num_rows, num_attr_rows, _csr_index(st.crow, st.nnz, size), _csr_index(col, st.nnz, size), _csr_index(crow_t, st.nnz, size),
+                   _csr_index(st.row_of[perm_t], st.nnz, size), perm_t)
 
     def matrix(self, values: Tensor) -> Tensor:
         """``B`` with ``values`` (``A``'s entry order), ``(num_dst * heads, E * attr_batch)``."""
@@ -163,7 +185,7 @@ class EdgePattern:
 
     def matrix_t(self, values: Tensor) -> Tensor:
         """``B^T`` with ``values`` in ``A``'s entry order, ``(E * attr_batch, num_dst * heads)``."""
-        return _csr(self.crow_t, self.col_t, values[self.perm_t], (self.num_attr_rows, self.num_rows))
+        return _csr(self.crow_t, self.col_t, values.index_select(0, self.perm_t), (self.num_attr_rows, self.num_rows))
 
 
 def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:
@@ -206,6 +228,8 @@ def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int)
     col_t[pos_t.flatten()] = (t_t.unsqueeze(1) * heads + g).flatten()
     perm_t = torch.empty(nnz, dtype=torch.long, device=device)
     perm_t[pos_t.flatten()] = pos[order_t].flatten()
+    size = max(num_src, num_dst) * heads
+    crow, col, crow_t, col_t = (_csr_index(t, nnz, size) for t in (crow, col, crow_t, col_t))
     return CsrStructure(num_src, num_dst, heads, num_edges, crow, col, row_of, edge_of, head_of, lengths,
                         crow_t, col_t, perm_t)
 
@@ -305,8 +329,8 @@ def _attention_forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tens
     logits = torch.sparse.sampled_addmm(st.pattern(q.dtype), qf, kf.t(), beta=0.0).values()
     logits += _edge_term(u, a, st)
     alpha = _segment_softmax(logits.mul_(scale), st)
-    out = st.matrix(alpha) @ vf
-    agg = ep.matrix(alpha) @ a  # sum_j alpha_j a_j per (node, head)
+    out = _spmm(st.matrix(alpha), vf)
+    agg = _spmm(ep.matrix(alpha), a)  # sum_j alpha_j a_j per (node, head)
     out = out.view(nd * batch, -1).addmm_(agg.view(nd * batch, -1), wb.t())
     return out.view(nd, batch, heads, d), alpha, wb, u, agg
 
@@ -330,26 +354,26 @@ def _attention_backward(grad_out: Tensor, saved: tuple[Tensor, ...], st: CsrStru
     gu = (go.view(nd * batch, -1) @ wb).view(-1, f1)  # W^T go per (node, head)
     dalpha = torch.sparse.sampled_addmm(st.pattern(q.dtype), gof, vf.t(), beta=0.0).values()
     dalpha += _edge_term(gu, a, st)
-    dv = (st.matrix_t(alpha) @ gof).view(ns, batch, heads, d) if need_v else None
+    dv = _spmm(st.matrix_t(alpha), gof).view(ns, batch, heads, d) if need_v else None
 
     # softmax backward, then logits = scale * (q . k + u . a)
     t = st.segment_sum(alpha * dalpha)
     ds = alpha.mul(dalpha - t.index_select(0, st.row_of)).mul_(scale)
     dq = dk = da = dw = db = None
-    de = ep.matrix(ds) @ a if (need_q or need_w or need_b) else None
+    de = _spmm(ep.matrix(ds), a) if (need_q or need_w or need_b) else None
     if need_q:
-        dq = (st.matrix(ds) @ kf).view(nd * batch, -1).addmm_(de.view(nd * batch, -1), wb.t())
+        dq = _spmm(st.matrix(ds), kf).view(nd * batch, -1).addmm_(de.view(nd * batch, -1), wb.t())
         dq = dq.view(nd, batch, heads, d)
     if need_k:
-        dk = (st.matrix_t(ds) @ qf).view(ns, batch, heads, d)
+        dk = _spmm(st.matrix_t(ds), qf).view(ns, batch, heads, d)
     if need_w or need_b:
         full = go.view(nd * batch, -1).t() @ agg.view(nd * batch, -1)
         full.addmm_(q.reshape(nd * batch, -1).t(), de.view(nd * batch, -1))
         dwb = _diagonal_blocks(full, heads)  # (H, d, F + 1)
         dw, db = dwb[..., :-1], dwb[..., -1]
     if need_a:
-        da = ep.matrix_t(alpha) @ gu
-        da += ep.matrix_t(ds) @ u
+        da = _spmm(ep.matrix_t(alpha), gu)
+        da += _spmm(ep.matrix_t(ds), u)
         da = da[:, :-1].reshape(attr3.shape)
     return [dq, dk, dv, da, dw, db]
 

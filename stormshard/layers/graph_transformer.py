@@ -158,11 +158,16 @@ class _GraphTransformerBase(PlanFollowsModule):
         edge_attr = edge_attr.to(x_dst.dtype)
         w_e, b_e = self.to_e.weight, self.to_e.bias
 
+        def rows(x: Tensor, first: int, end: int) -> Tensor:
+            # all rows: the tensor itself (a full slice would add a backward that zero-fills and copies)
+            return x if first == 0 and end == x.shape[0] else x[first:end]
+
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
             index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
             if first:
                 index = torch.stack([index[0], index[1] - first])
-            q = rearrange(self.to_q(h_dst[first:end]), split, h=heads)
+            q_in = rows(h_dst, first, end)
+            q = rearrange(self.to_q(q_in), split, h=heads)
             # fused kernel (stormshard.layers.graph_kernels): same math as graph_attention with the
             # edge embedding to_e(attr) added to keys and values, no (E, heads, d) tensor formed
             # logits, softmax statistics and the weighted sum in fp32 whatever the compute dtype (bf16)
@@ -172,8 +177,8 @@ class _GraphTransformerBase(PlanFollowsModule):
                                              None if b_e is None else b_e.to(acc), index, end - first).to(q.dtype)
             attn = rearrange(attn, "n ... h d -> n ... (h d)")
             if self.to_self is not None:
-                attn = attn + self.to_self(h_dst[first:end])
-            x = x_dst[first:end] + self.proj(attn)
+                attn = attn + self.to_self(q_in)
+            x = rows(x_dst, first, end) + self.proj(attn)
             return (x + self.mlp(self.norm_mlp(x)),)
 
         outs, _ = map_destination_chunks(chunk, edge_index, x_dst.shape[0], self.num_chunks, chunks=self.edge_chunks)
