@@ -26,10 +26,11 @@ test: setup
 	$(PY) -m pytest tests
 
 # the GPU suite (tests/gpu/, marker `gpu`): CUDA vs the CPU float64 reference, flash-attn, Transformer
-# Engine, bf16 training on one GPU; every test skips without CUDA. Needs a CUDA build of torch (not the
-# CPU wheel `make setup` installs); prints timings.
+# Engine, bf16 training on one GPU, flex attention, training.compile; every test skips without CUDA. Needs
+# a CUDA build of torch (not the CPU wheel `make setup` installs); prints timings. Without the venv:
+# make test-gpu PY=python3
 test-gpu:
-	$(PY) -m pytest -m gpu tests -s -rs
+	$(PY) -m pytest -m gpu tests/gpu -s -rs
 
 # the GPU benchmark (benchmarks/bench_gpu.py): the AIFS-shape processor and the O96 -> O48 model, fp32 / bf16,
 # attention kernel banded / flex / flash, compile off / on: step time, peak memory, MFU. Without CUDA it says

@@ -46,11 +46,11 @@ def test_import_predicts_what_anemoi_predicts(variant, tmp_path, capsys):
     assert cfg.name == {"gt": "graphtransformer", "transformer": "transformer"}[variant]
     assert cfg.latent_skip and cfg.decoder_embedding and cfg.relu_bounded == ("tracer_2",)
     assert cfg.encoder.trainable_edge_size == 2 and cfg.decoder.trainable_edge_size == 2
-    # every anemoi parameter arrives: same count (anemoi's unused mapper layer_norm_attention aside,
-    # and stormshard's zero q/k/v bias in the transformer)
+    # every anemoi parameter arrives: same count (anemoi's mapper layer_norm_attention is its
+    # layer_norm_attention_dest under a second name, listed twice; stormshard's zero q/k/v bias aside)
     ours = sum(p.numel() for p in model.model.parameters())
     c, layers = cfg.num_channels, cfg.processor.num_layers
-    unused = 2 * 2 * c  # encoder + decoder layer_norm_attention (weight, bias)
+    unused = 2 * 2 * c  # encoder + decoder layer_norm_attention (weight, bias): the alias, counted twice
     extra = 3 * c * layers if variant == "transformer" else 0
     ckpt = open_anemoi_checkpoint(FIXTURES / variant / "inference.ckpt")
     buffers = set(module_tensors(ckpt.root)) - set(_parameters(ckpt.root))

@@ -276,7 +276,7 @@ def _gt_block(src: str, dst: str, mapper: bool) -> list[tuple[str, str]]:
     pairs = []
     for a, s in _GT_BLOCK.items():
         if mapper and a == "layer_norm_attention" or not mapper and a.startswith("layer_norm_attention_"):
-            continue  # anemoi's mapper blocks carry an unused layer_norm_attention
+            continue  # a mapper's layer_norm_attention is its layer_norm_attention_dest under a second name
         pairs += [(f"{dst}.{s}.{p}", f"{src}.{a}.{p}") for p in ("weight", "bias")]
     return pairs
 
