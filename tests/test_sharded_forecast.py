@@ -173,6 +173,23 @@ def test_bad_layouts_fail_before_anything_is_written(setup, tmp_path):
     assert not out.exists()
 
 
+def _forecast_error(rank: int, world: int, source: str, dataset: str, out: str, k: int) -> str:
+    try:
+        run_forecast(source, dataset, DATES[0], 2, out, gpus_per_model=k, verbose=False)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_strategy_that_cannot_split_the_model_fails_before_anything_is_written(setup, tmp_path):
+    """The tensor-parallel model (4 heads) over 3 ranks: every rank stops with the strategy's error before a
+    process group or a file is made."""
+    out = tmp_path / "bad3"
+    errors = run_distributed(_forecast_error, 3, str(setup["bundle"]), setup["dataset"], str(out), 3)
+    assert all(e.startswith("--gpus-per-model 3: model.processor.num_heads=4 is not divisible") for e in errors), errors
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("world,k", [(1, 1), (2, 2)])
 def test_forecast_with_the_flex_kernel_equals_the_banded_one(setup, tmp_path, world, k):
     """``--attention-kernel flex`` (the forward of torch's flex attention, which runs on a CPU in fp32) over

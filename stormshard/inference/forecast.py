@@ -58,6 +58,7 @@ from stormshard.inference.request import (
 from stormshard.inference.runner import member_generator, member_noise, replica_tasks, rollout_steps
 from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
 from stormshard.layers.attention import set_attention_kernel
+from stormshard.models.parallelize import check_parallel_strategy
 from stormshard.parallel.topology import ParallelLayout, build_process_groups
 from stormshard.progress import format_duration, note, phase, reporting
 
@@ -171,6 +172,12 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         model_name=info.name, train_range=info.train_range)
     if attention_kernel is not None:
         check_forecast_attention_kernel(attention_kernel, device_type, req.precision)
+    if info.source is not None:  # the model's split over --gpus-per-model ranks, before any group is made
+        try:
+            check_parallel_strategy(info.source.config, info.source.shard_strategy, req.gpus_per_model)
+        except ValueError as exc:
+            raise ValueError(f"--gpus-per-model {req.gpus_per_model}: {exc} (here the forecast's --gpus-per-model; "
+                             f"the model keeps its strategy {info.source.shard_strategy!r})") from None
     if verbose and rank == 0:
         for warning in req.warnings:  # e.g. in-sample scores
             print(warning, file=sys.stderr, flush=True)
