@@ -407,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     if not (ROOT / "data" / "synthetic.zarr").exists():
         print("generating data/synthetic.zarr (once) ...", flush=True)
-        subprocess.run([str(PYTHON), "-m", "stormshard.data.synthetic", "--out", str(ROOT / "data" / "synthetic.zarr")],
+        # the data `make train` makes (configs/quickstart.json's dates need its 600 steps)
+        subprocess.run([str(PYTHON), "-m", "stormshard.data.synthetic", "--grid", "o16", "--steps", "600",
+                        "--out", str(ROOT / "data" / "synthetic.zarr")],
                        cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
     cases = [c for c in _cases(args.quick, configs) if args.only is None or args.only in c.name]

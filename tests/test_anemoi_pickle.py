@@ -22,6 +22,15 @@ FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
 VARIANTS = ("gt", "transformer")
 
 
+def _probe(code: str) -> dict:
+    """Run ``code`` in a fresh interpreter (so ``sys.modules`` shows what it imported); its last line as JSON."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fixture_loads_without_anemoi(variant):
     """In a fresh interpreter: every tensor, the metadata and the supporting arrays are read, and
@@ -35,11 +44,7 @@ def test_fixture_loads_without_anemoi(variant):
         "  'version': c.metadata['version'], 'arrays': sorted(c.supporting_arrays),\n"
         "  'imported': sorted(m for m in ('anemoi', 'torch_geometric', 'hydra', 'omegaconf') if m in sys.modules)}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    import json
-
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    info = _probe(code)
     assert info["kind"] == "inference"
     assert info["imported"] == []
     assert info["arrays"] == ["data/latitudes", "data/longitudes"]
@@ -82,11 +87,7 @@ def test_lightning_fixture_loads_without_anemoi():
         "  'imported': sorted(m for m in ('anemoi', 'torch_geometric', 'hydra', 'omegaconf', 'pytorch_lightning',\n"
         "                                 'lightning') if m in sys.modules)}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    import json
-
-    info = json.loads(out.stdout.strip().splitlines()[-1])
+    info = _probe(code)
     assert info == {"kind": "lightning", "n": info["n"], "version": "2.0", "optimizer": info["optimizer"],
                     "edges": 3, "all_storages": True, "step": 2, "imported": []}
     assert info["n"] > 100 and info["optimizer"] > 50

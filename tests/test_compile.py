@@ -232,6 +232,18 @@ def test_compiled_training_equals_eager(dataset, tmp_path, case):
         _close(c, e, 1e-3 if "bf16" in case else 1e-5)
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_compiled_sharded_training_equals_one_process(dataset, tmp_path, world):
+    """The transformer compiled (aot_eager) and sharded over 3 ranks (uneven: 544 cells, 208 hidden nodes)
+    and 4 ranks takes the eager single-process steps within fp32 round-off."""
+    changes = {"engine": "local", "deepspeed": {}, "training.max_steps": 3}
+    single = run_distributed(_train, 1, tiny_config(dataset, tmp_path / "single", **changes))[0][0]
+    sharded = run_distributed(_train, world, tiny_config(dataset, tmp_path / "sharded", **changes, **{
+        "training.compile": True, "parallel.gpus_per_model": world}), False, "aot_eager", timeout=900)
+    for losses, _, _ in sharded:
+        _close(losses, single)
+
+
 def test_resume_between_compiled_and_eager(dataset, tmp_path):
     """A checkpoint of a compiled run resumes uncompiled and vice versa, continuing the uninterrupted
     curve; its tensors carry the eager names (no ``_orig_mod.``)."""

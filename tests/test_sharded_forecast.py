@@ -207,11 +207,11 @@ def test_forecast_with_the_flex_kernel_equals_the_banded_one(setup, tmp_path, wo
 
 
 def test_forecast_attention_kernel_errors(setup, tmp_path):
-    with pytest.raises(ValueError, match="attention_kernel 'fast' is unknown: use one of auto, banded, flex, flash"):
+    with pytest.raises(ValueError, match="attention_kernel 'fast' cannot run this forecast .*'fast' is unknown: use one of auto, banded, flex, flash"):
         run_forecast(setup["bundle"], setup["dataset"], DATES[0], 2, tmp_path / "x", attention_kernel="fast")
-    with pytest.raises(ValueError, match=r"attention_kernel 'flex' on a CPU computes in fp32, bf16 or fp16, not fp64"):
+    with pytest.raises(ValueError, match=r"attention_kernel 'flex' cannot run this forecast \(cpu, fp64\): flex attention on a CPU computes in fp32, bf16 or fp16, not fp64"):
         run_forecast(setup["bundle"], setup["dataset"], DATES[0], 2, tmp_path / "x", attention_kernel="flex",
                      precision="fp64")
-    with pytest.raises(ValueError, match=r"attention_kernel 'flash' needs CUDA .*this forecast runs on cpu"):
+    with pytest.raises(ValueError, match=r"attention_kernel 'flash' cannot run this forecast \(cpu.*flash-attn needs CUDA, this runs on cpu"):
         run_forecast(setup["bundle"], setup["dataset"], DATES[0], 2, tmp_path / "x", attention_kernel="flash")
     assert not (tmp_path / "x").exists()

@@ -171,7 +171,9 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         plot_steps=plot_steps, cells_per_chunk=cells_per_chunk, verify=verify, seed=seed, overwrite=overwrite,
         model_name=info.name, train_range=info.train_range)
     if attention_kernel is not None:
-        check_forecast_attention_kernel(attention_kernel, device_type, req.precision)
+        model_config = info.source.config if info.source is not None else info.prebuilt.config
+        check_forecast_attention_kernel(attention_kernel, device_type, req.precision,
+                                        model_config.num_channels // max(1, model_config.processor.num_heads))
     if info.source is not None:  # the model's split over --gpus-per-model ranks, before any group is made
         try:
             check_parallel_strategy(info.source.config, info.source.shard_strategy, req.gpus_per_model)

@@ -136,26 +136,17 @@ def _stride(timestep: str | None, ds: AnemoiDataset) -> tuple[int, str]:
     return int(ratio), f"{step.total_seconds() / 3600:g}h"
 
 
-def check_forecast_attention_kernel(kernel: str, device_type: str, precision: str | None = None) -> None:
-    """ValueError unless ``--attention-kernel`` ``kernel`` can run a forecast on ``device_type`` at
-    ``precision`` (None: not known yet)."""
-    from stormshard.layers.window import ATTENTION_KERNELS, flash_attn_window_func
+def check_forecast_attention_kernel(kernel: str, device_type: str, precision: str | None = None,
+                                    head_dim: int | None = None) -> None:
+    """ValueError unless ``--attention-kernel`` ``kernel`` can run a forecast (forward only) on ``device_type``
+    at ``precision`` with heads of ``head_dim`` (None: not known yet); the rule is
+    :func:`~stormshard.layers.window.attention_kernel_problem`."""
+    from stormshard.layers.window import attention_kernel_problem
 
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"attention_kernel {kernel!r} is unknown: use one of {', '.join(ATTENTION_KERNELS)}")
-    if kernel == "flex":
-        from stormshard.layers.flex_window import flex_attention_unavailable
-
-        reason = flex_attention_unavailable()
-        if reason is not None:
-            raise ValueError(f"attention_kernel 'flex': {reason}; use 'auto' or 'banded'")
-        if device_type == "cpu" and precision == "fp64":
-            raise ValueError("attention_kernel 'flex' on a CPU computes in fp32, bf16 or fp16, not fp64 (torch's flex "
-                             "attention): use --precision fp32, or attention_kernel 'banded' for fp64")
-    if kernel == "flash" and (device_type != "cuda" or flash_attn_window_func() is None):
-        why = f"this forecast runs on {device_type}" if device_type != "cuda" else "flash-attn >= 2.3 is not importable"
-        raise ValueError(f"attention_kernel 'flash' needs CUDA and flash-attn >= 2.3 ({why}): use 'auto', 'banded' "
-                         "or 'flex'")
+    problem = attention_kernel_problem(kernel, device_type, precision=precision, head_dim=head_dim, backward=False)
+    if problem is not None:
+        raise ValueError(f"attention_kernel {kernel!r} cannot run this forecast ({device_type}"
+                         f"{'' if precision is None else ', ' + precision}): {problem}; or use 'auto' / 'banded'")
 
 
 def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: HeteroGraph, variables: VariableIndex,

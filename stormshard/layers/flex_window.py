@@ -49,17 +49,16 @@ def flex_attention_unavailable() -> str | None:
     return _PROBE[0]
 
 
-def flex_unusable(q: Tensor, v: Tensor) -> str | None:
-    """None when flex attention can compute ``q`` / ``v`` here, else why not: on CUDA its Triton
-    kernels need head dims of at least 16; on a CPU it computes fp32 / bf16 / fp16 only."""
-    reason = flex_attention_unavailable()
-    if reason is not None:
-        return reason
-    if q.is_cuda and min(q.shape[-1], v.shape[-1]) < 16:
-        return f"flex attention on CUDA needs a head dim of at least 16, got {q.shape[-1]} (num_channels / num_heads)"
-    if q.device.type == "cpu" and q.dtype == torch.float64:
-        return "flex attention on a CPU computes in float32, bfloat16 or float16, not float64"
-    return None
+_PRECISION_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def flex_unusable(q: Tensor, v: Tensor, backward: bool = False) -> str | None:
+    """None when flex attention can compute ``q`` / ``v`` here (with a backward: ``backward``), else why
+    not: :func:`~stormshard.layers.window.attention_kernel_problem` on the tensors' device, dtype and head dim."""
+    from stormshard.layers.window import attention_kernel_problem
+
+    return attention_kernel_problem("flex", q.device.type, precision=_PRECISION_OF.get(q.dtype),
+                                    head_dim=min(q.shape[-1], v.shape[-1]), backward=backward)
 
 
 def _flex_attention() -> Callable[..., Tensor]:
@@ -148,15 +147,11 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_o
     Inputs are checked by the caller (:func:`stormshard.layers.window.sliding_window_attention`).
     Raises ValueError when a gradient is asked for on a CPU (torch has no CPU backward for it).
     """
-    reason = flex_unusable(q, v)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    reason = flex_unusable(q, v, backward)
     if reason is not None:
-        raise ValueError(f"attention_kernel 'flex' cannot run: {reason}; use attention_kernel 'banded' or 'auto'")
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError(
-            "attention_kernel 'flex' has no backward on a CPU (torch's flex attention implements only the CPU "
-            "forward): train on CPU with attention_kernel 'banded' or 'auto', or run this forward under "
-            "torch.no_grad() (forecasts)"
-        )
+        raise ValueError(f"attention_kernel 'flex' cannot run: {reason}; use attention_kernel 'banded' or 'auto'"
+                         + (", or run this forward under torch.no_grad() (forecasts)" if backward else ""))
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     shift = int(q_offset) - int(k_offset)

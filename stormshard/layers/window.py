@@ -45,7 +45,7 @@ from stormshard.layers.kernel_names import ATTENTION_KERNELS, AttentionKernel
 __all__ = [
     "sliding_window_attention", "dense_window_attention", "default_block_size", "flash_attn_window_func",
     "flash_window_sides", "AttentionKernel", "ATTENTION_KERNELS", "check_attention_kernel", "resolve_attention_kernel",
-    "prepare_attention_kernels",
+    "prepare_attention_kernels", "attention_kernel_problem",
 ]
 
 _log = logging.getLogger(__name__)
@@ -260,6 +260,39 @@ def check_attention_kernel(kernel: object) -> None:
         raise ValueError(f"attention_kernel must be one of {', '.join(map(repr, ATTENTION_KERNELS))}, got {kernel!r}")
 
 
+def attention_kernel_problem(kernel: str, device_type: str, *, precision: str | None, head_dim: int | None,
+                             backward: bool) -> str | None:
+    """Why ``kernel`` cannot run on ``device_type`` (``"cuda"``, ``"cpu"``, ...) at ``precision``
+    (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp64"``; None: not known yet) with heads of ``head_dim``
+    (None: not known), with a backward (training) or forward only; None when it can. The one rule
+    behind the training and forecast checks, before any work; the same limits as the per-call
+    dispatch (:func:`resolve_attention_kernel`)."""
+    if kernel not in ATTENTION_KERNELS:
+        return f"{kernel!r} is unknown: use one of {', '.join(ATTENTION_KERNELS)}"
+    if kernel == "flex":
+        from stormshard.layers.flex_window import flex_attention_unavailable
+
+        unavailable = flex_attention_unavailable()
+        if unavailable is not None:
+            return unavailable
+        if device_type == "cuda" and head_dim is not None and head_dim < 16:
+            return (f"flex attention on CUDA needs a head dim of at least 16 (Triton's dot), got num_channels / "
+                    f"num_heads = {head_dim}: use fewer heads")
+        if device_type != "cuda" and backward:
+            return (f"torch's flex attention has no backward on {device_type}: train there with 'auto' or 'banded' "
+                    "(a forecast can run flex: launch/forecast.py --attention-kernel flex)")
+        if device_type == "cpu" and precision == "fp64":
+            return "flex attention on a CPU computes in fp32, bf16 or fp16, not fp64: use fp32, or 'banded' for fp64"
+    if kernel == "flash":
+        if device_type != "cuda":
+            return f"flash-attn needs CUDA, this runs on {device_type}"
+        if precision is not None and precision not in ("bf16", "fp16"):
+            return f"flash-attn computes in bf16 / fp16, the precision is {precision!r}: use bf16"
+        if flash_attn_window_func() is None:
+            return "flash-attn >= 2.3 is not importable: pip install 'flash-attn>=2.3'"
+    return None
+
+
 _LOGGED: set[str] = set()
 
 
@@ -274,8 +307,8 @@ def resolve_attention_kernel(kernel: AttentionKernel, q: Tensor, k: Tensor, v: T
                              window_size: int) -> str:
     """The kernel that computes this call: ``"banded"``, ``"flex"`` or ``"flash"``.
 
-    ``"auto"``: on CUDA flash where it applies, else flex when importable, else banded (a fallback
-    is logged once per reason); elsewhere banded. A kernel named explicitly that cannot compute this
+    ``"auto"``: on CUDA flash where it applies, else flex for bf16 / fp16 with head dims of at least 16,
+    else banded (a fallback is logged once per reason); elsewhere banded. A kernel named explicitly that cannot compute this
     call is a ValueError naming the reason and the fix.
     """
     if kernel == "banded":
@@ -295,9 +328,9 @@ def resolve_attention_kernel(kernel: AttentionKernel, q: Tensor, k: Tensor, v: T
     from stormshard.layers.flex_window import flex_unusable
 
     flex_reason = flex_unusable(q, v)
-    if flex_reason is None and q.dtype == torch.float32:
-        flex_reason = ("fp32: measured on an H100, flex in fp32 (no TF32) runs at 0.22x the banded kernel at the AIFS "
-                       "shape, so fp32 stays banded; bf16 / fp16 use flex")
+    if flex_reason is None and q.dtype not in (torch.bfloat16, torch.float16):
+        flex_reason = (f"{q.dtype}: flex runs under 'auto' for bf16 / fp16 only (measured on an H100, flex in fp32 "
+                       "without TF32 ran at 0.22x the banded kernel at the AIFS shape)")
     if flex_reason is None:
         _log_fallback_once(f"attention_kernel 'auto': flex attention instead of flash-attn ({reason})")
         return "flex"

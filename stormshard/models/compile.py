@@ -14,7 +14,7 @@ names and ``state_dict`` keys do not change (no ``_orig_mod.`` prefix), so check
 between compiled and eager runs both ways. ``fullgraph=True``: the blocks compile without a
 graph break (the kernels that are python loops or sparse products are torch custom ops, opaque
 to dynamo: the banded window kernel, the fused graph attention; the collectives of a sharded
-block are custom ops under compile; the eager-only fused GNN kernels give way to their plain
+block trace as torch's functional collectives; the eager-only fused GNN kernels give way to their plain
 autograd path, which inductor fuses). Shapes are static (``dynamic=False``): a block sees the same
 shapes every step, so it compiles once for training and once for validation (``no_grad``).
 
@@ -46,21 +46,15 @@ _RECOMPILES_PER_BLOCK = 4
 
 def _targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every block to compile, in module order, each once."""
-    found: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
+    found: dict[int, tuple[str, nn.Module]] = {}  # by identity: a module shared by two parents once
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, nn.ModuleList) and leaf == "blocks":
             for i, block in enumerate(module):
-                found.append((f"{name}.{i}", block))
-        elif leaf in COMPILED_TARGETS and name.count(".") == 0:
-            found.append((name, module))
-    out = []
-    for name, module in found:
-        if id(module) not in seen:
-            seen.add(id(module))
-            out.append((name, module))
-    return out
+                found.setdefault(id(block), (f"{name}.{i}", block))
+        elif leaf in COMPILED_TARGETS and "." not in name:
+            found.setdefault(id(module), (name, module))
+    return list(found.values())
 
 
 def compiled_block_names(model: nn.Module) -> list[str]:

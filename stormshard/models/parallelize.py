@@ -28,7 +28,7 @@ from stormshard.layers.checkpointing import checkpoint_blocks
 from stormshard.layers.strategy import indivisible_sizes
 from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
-from stormshard.layers.window import AttentionKernel
+from stormshard.layers.window import AttentionKernel, attention_kernel_problem
 from stormshard.models.config import ModelConfig
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.parallel.shard import SHARD_STRATEGIES, SequenceShard, ShardStrategy
@@ -37,11 +37,10 @@ __all__ = ["check_parallel_strategy", "parallelize", "parallelize_processor", "b
 
 
 def check_attention_kernel_for_training(config: ModelConfig, device_type: str, precision: str) -> None:
-    """Raise ValueError unless ``model.processor.attention_kernel`` can train on ``device_type`` at ``precision``.
-
-    ``flex`` trains on CUDA only (torch's flex attention has no CPU backward); ``flash`` needs CUDA,
-    bf16 and flash-attn >= 2.3; the key applies to the sliding-window processors only (a graph
-    processor with a kernel other than ``auto`` is refused rather than ignored).
+    """Raise ValueError unless ``model.processor.attention_kernel`` can train on ``device_type`` at ``precision``
+    (:func:`~stormshard.layers.window.attention_kernel_problem`: flex trains on CUDA only, with head dims of
+    at least 16; flash needs CUDA, bf16 and flash-attn); the key applies to the sliding-window processors
+    only (a graph processor with a kernel other than ``auto`` is refused rather than ignored).
     """
     kernel = config.processor.attention_kernel
     if kernel == "auto":
@@ -51,35 +50,11 @@ def check_attention_kernel_for_training(config: ModelConfig, device_type: str, p
             f"model.processor.attention_kernel={kernel!r} applies to the sliding-window transformer only; "
             f"model.name={config.name!r} has a graph processor: leave attention_kernel out (or 'auto')"
         )
-    if kernel == "flex":
-        from stormshard.layers.flex_window import flex_attention_unavailable
-
-        reason = flex_attention_unavailable()
-        if reason is not None:
-            raise ValueError(f"model.processor.attention_kernel='flex': {reason}; use 'auto' or 'banded'")
-        head_dim = config.num_channels // max(1, config.processor.num_heads)
-        if device_type == "cuda" and head_dim < 16:
-            raise ValueError(
-                f"model.processor.attention_kernel='flex' needs a head dim of at least 16 on CUDA (Triton's dot), got "
-                f"model.num_channels / model.processor.num_heads = {head_dim}: use fewer heads or 'auto' / 'banded'")
-        if device_type != "cuda":
-            raise ValueError(
-                f"model.processor.attention_kernel='flex' cannot train on {device_type}: torch's flex attention has "
-                "no CPU backward; train with 'auto' or 'banded' (a forecast can still run flex: launch/forecast.py "
-                "--attention-kernel flex)"
-            )
-    if kernel == "flash":
-        from stormshard.layers.window import flash_attn_window_func
-
-        if device_type != "cuda":
-            raise ValueError(f"model.processor.attention_kernel='flash' needs CUDA, this run trains on {device_type}: "
-                             "use 'auto' or 'banded'")
-        if precision != "bf16":
-            raise ValueError(f"model.processor.attention_kernel='flash' needs training.precision='bf16' (flash-attn "
-                             f"computes in fp16/bf16), got {precision!r}: set training.precision='bf16' or use 'auto'")
-        if flash_attn_window_func() is None:
-            raise ValueError("model.processor.attention_kernel='flash' but flash-attn >= 2.3 is not importable: "
-                             "pip install 'flash-attn>=2.3', or use 'auto' (flex attention on CUDA)")
+    problem = attention_kernel_problem(kernel, device_type, precision=precision, backward=True,
+                                       head_dim=config.num_channels // max(1, config.processor.num_heads))
+    if problem is not None:
+        raise ValueError(f"model.processor.attention_kernel={kernel!r} cannot train here (training.precision="
+                         f"{precision!r}, {device_type}): {problem}; or use 'auto' / 'banded'")
 
 
 def check_parallel_strategy(config: ModelConfig, shard_strategy: str, group_size: int) -> None:
