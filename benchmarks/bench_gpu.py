@@ -21,6 +21,13 @@ backward, over the device's bf16 dense peak (spec sheet; the measured rate of an
 product is printed beside it). The whole model's MFU counts its processor FLOPs only (a lower bound).
 Then bf16 vs fp32 and flex vs banded ratios.
 
+Before those, the **flex options** table (``--tables flex``) times flex attention alone at the AIFS
+attention shape (batch 1, 16 heads, 40,320 tokens, head dim 64, window 1120, bf16), forward and
+backward apart, for torch's default Triton tiles and a few candidate ``kernel_options``
+(:func:`stormshard.layers.flex_window.set_flex_kernel_options`), each checked against the default's
+output and gradient. The fastest forward and backward options, where they beat the default by more
+than 2%, are merged into the "tuned" options, and the processor's compiled flex row is run again with them.
+
 **CPU mode** (small shapes): flex vs banded forward of the window kernel (``no_grad``, what a CPU
 forecast runs; the flex compile timed apart), and compile vs eager for a training step of a small
 transformer model (compile time included as its own column).
@@ -46,7 +53,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph  # noqa: E402
-from stormshard.layers.flex_window import flex_attention_unavailable  # noqa: E402
+from stormshard.layers.flex_window import TUNED_KERNEL_OPTIONS, flex_attention_unavailable  # noqa: E402
 from stormshard.layers.window import flash_attn_window_func, sliding_window_attention  # noqa: E402
 from stormshard.models.config import ModelConfig  # noqa: E402
 from stormshard.models.parallelize import build_transformer_processor  # noqa: E402
@@ -109,6 +116,7 @@ class Row:
     mfu: float = float("nan")
     loss: float = float("nan")
     note: str = ""
+    options: str = ""
     extra: dict = field(default_factory=dict)
 
 
@@ -138,7 +146,19 @@ def _compile(module: torch.nn.Module) -> None:
 
 
 def run_processor_row(row: Row, tokens: int, channels: int, heads: int, window: int, layers: int,
-                      device: torch.device, warmup: int, steps: int, peak: float | None) -> None:
+                      device: torch.device, warmup: int, steps: int, peak: float | None,
+                      options: dict | None = None) -> None:
+    from stormshard.layers.flex_window import set_flex_kernel_options
+
+    set_flex_kernel_options(options)
+    try:
+        _run_processor_row(row, tokens, channels, heads, window, layers, device, warmup, steps, peak)
+    finally:
+        set_flex_kernel_options(None)
+
+
+def _run_processor_row(row: Row, tokens: int, channels: int, heads: int, window: int, layers: int,
+                       device: torch.device, warmup: int, steps: int, peak: float | None) -> None:
     torch.manual_seed(0)
     proc = build_transformer_processor(layers, channels, heads, window, attention_kernel=row.kernel).to(device)
     if row.compiled:
@@ -214,15 +234,115 @@ def run_rows(rows: list[Row], run: Callable[[Row], None], budget_end: float) -> 
 
 
 def format_row(r: Row) -> str:
+    kernel = f"{r.kernel} ({r.options})" if r.options else r.kernel
     if r.note:
-        return f"| {r.table} | {r.precision} | {r.kernel} | {'on' if r.compiled else 'off'} | {r.note} | | | | |"
+        return f"| {r.table} | {r.precision} | {kernel} | {'on' if r.compiled else 'off'} | {r.note} | | | | |"
     compile_s = f"{r.compile_s:.1f}" if r.compiled else "-"
-    return (f"| {r.table} | {r.precision} | {r.kernel} | {'on' if r.compiled else 'off'} | {r.step_ms:.1f} | "
+    return (f"| {r.table} | {r.precision} | {kernel} | {'on' if r.compiled else 'off'} | {r.step_ms:.1f} | "
             f"{compile_s} | {r.peak_mib:.0f} | {r.tflops:.1f} | {100 * r.mfu:.1f}% |")
 
 
 HEADER = ("| case | precision | attention kernel | compile | step ms | compile s | peak MiB | TFLOP/s | MFU |\n"
           "|---|---|---|---|---|---|---|---|---|")
+
+
+# candidate flex kernel_options (torch's Triton template): forward tiles, backward tiles, TMA loads
+FLEX_CANDIDATES: list[tuple[str, dict]] = [
+    ("torch default", {}),
+    ("TMA loads", {"USE_TMA": True}),
+    ("fwd 128x64 w4 s3", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3}),
+    ("fwd 128x128 w8 s2", {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 2}),
+    ("bwd 64/64 w4 s3", {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                         "bwd_num_warps": 4, "bwd_num_stages": 3}),
+    ("bwd 32/128 w4 s3", {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                          "bwd_num_warps": 4, "bwd_num_stages": 3}),
+]
+
+
+def _is_phase(options: dict, phase: str) -> bool:
+    """True when every key of ``options`` names ``phase`` ("fwd" / "bwd") only."""
+    return bool(options) and all(k.startswith(phase + "_") for k in options)
+
+
+def flex_options_table(device: torch.device, heads: int, tokens: int, head_dim: int, window: int,
+                       budget_end: float) -> dict:
+    """Time flex attention alone per candidate ``kernel_options``; returns the tuned options (may be {})."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from stormshard.layers.flex_window import window_block_mask
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+               .requires_grad_() for _ in range(3))
+    grad_out = torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
+    mask = window_block_mask(tokens, tokens, 0, window, device)
+    fwd_flops = 4 * tokens * min(2 * window + 1, tokens) * head_dim * heads
+    print(f"\nflex attention alone at the AIFS attention shape: batch 1, {heads} heads, {tokens} tokens, head dim "
+          f"{head_dim}, window {window}, bf16; median of 5 after warm-up; forward TFLOP/s count the attended "
+          "entries, backward counts 2x the forward\n| options | compile s | forward ms | backward ms | forward "
+          "TFLOP/s | backward TFLOP/s | max diff vs default (out, dq) |\n|---|---|---|---|---|---|---|", flush=True)
+    results: dict[str, tuple[float, float]] = {}
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None
+    for label, options in FLEX_CANDIDATES:
+        if time.perf_counter() > budget_end:
+            print(f"| {label} | skipped: --budget-s reached | | | | | |", flush=True)
+            continue
+        try:
+            torch._dynamo.reset()
+            fn = torch.compile(flex_attention)
+            def run(fn=fn, options=options) -> torch.Tensor:  # noqa: ANN001 - bound per candidate
+                return fn(q, k, v, block_mask=mask, scale=head_dim ** -0.5, kernel_options=options or None)
+
+            tic = time.perf_counter()
+            out = run()
+            out.backward(grad_out)
+            _sync(device)
+            compile_s = time.perf_counter() - tic
+            dq = q.grad.clone()
+            for t in (q, k, v):
+                t.grad = None
+            fwd, both = [], []
+            for _ in range(7):
+                _sync(device)
+                tic = time.perf_counter()
+                out = run()
+                _sync(device)
+                mid = time.perf_counter()
+                out.backward(grad_out)
+                _sync(device)
+                fwd.append(mid - tic)
+                both.append(time.perf_counter() - mid)
+                for t in (q, k, v):
+                    t.grad = None
+            f, b = statistics.median(fwd[2:]), statistics.median(both[2:])
+            if reference is None:
+                reference = (out.detach(), dq)
+            diff = (f"{(out.detach() - reference[0]).abs().max().item():.1e}, "
+                    f"{(dq - reference[1]).abs().max().item():.1e}")
+            results[label] = (f, b)
+            print(f"| {label} | {compile_s:.1f} | {f * 1e3:.2f} | {b * 1e3:.2f} | {fwd_flops / f / 1e12:.0f} | "
+                  f"{2 * fwd_flops / b / 1e12:.0f} | {diff} |", flush=True)
+        except Exception as exc:  # noqa: BLE001 - an option torch refuses is reported, the others go on
+            print(f"| {label} | error: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''} "
+                  "| | | | | |", flush=True)
+    torch._dynamo.reset()
+    if "torch default" not in results:
+        return {}
+    base_f, base_b = results["torch default"]
+    tuned: dict = {}
+    chosen = []
+    for phase, index, base in (("fwd", 0, base_f), ("bwd", 1, base_b)):
+        best = min((lab for lab, opts in FLEX_CANDIDATES if lab in results and _is_phase(opts, phase)),
+                   key=lambda lab: results[lab][index], default=None)
+        if best is not None and results[best][index] < 0.98 * base:
+            tuned.update(dict(FLEX_CANDIDATES)[best])
+            chosen.append(best)
+    if "TMA loads" in results and sum(results["TMA loads"]) < 0.98 * (base_f + base_b):
+        tuned.update(USE_TMA=True)
+        chosen.append("TMA loads")
+    print(f"this run's tuned flex options: {', '.join(chosen) if chosen else 'torch default (no candidate beat it by 2%)'}"
+          f" {json.dumps(tuned)}", flush=True)
+    return tuned
 
 
 def kernels_here() -> list[str]:
@@ -248,6 +368,9 @@ def gpu_mode(args: argparse.Namespace, device: torch.device) -> list[Row]:
     layers = args.layers or (2 if args.quick else 4)
     warmup, steps = (2, 3) if args.quick else (2, 5)
     tokens, channels, heads, window = 40320, 1024, 16, 1120
+    tuned = {}
+    if "flex" in args.tables and flex_attention_unavailable() is None:
+        tuned = flex_options_table(device, heads, tokens, channels // heads, window, budget_end)
     combos = [("fp32", "banded", False), ("bf16", "banded", False), ("fp32", "flex", False), ("bf16", "flex", False),
               ("bf16", "flex", True), ("bf16", "banded", True)]
     if "flash" in kernels_here():
@@ -255,9 +378,21 @@ def gpu_mode(args: argparse.Namespace, device: torch.device) -> list[Row]:
     print(f"\nprocessor at the AIFS shape: {tokens} tokens (O96 hidden grid), {channels} channels, {heads} heads, "
           f"window {window}, {layers} blocks, batch 1, forward + backward, no checkpointing; median of {steps} "
           f"steps after {warmup}\n{HEADER}", flush=True)
+    combos = [c for c in combos if _wanted(args, *c)]
     proc_rows = [Row("processor", p, k, c) for p, k, c in combos] if "processor" in args.tables else []
+    if proc_rows and _wanted(args, "bf16", "flex", True) and flex_attention_unavailable() is None:
+        # the library's flex tiles (flex_window.TUNED_KERNEL_OPTIONS) against torch's, and this run's sweep
+        library = TUNED_KERNEL_OPTIONS.get((torch.cuda.get_device_capability(device), torch.bfloat16,
+                                            channels // heads))
+        print(f"library flex options here: {json.dumps(library) if library else 'torch default'}", flush=True)
+        if library:
+            proc_rows.append(Row("processor", "bf16", "flex", True, options="torch default tiles",
+                                 extra={"kernel_options": {}}))
+        if tuned and tuned != library:
+            proc_rows.append(Row("processor", "bf16", "flex", True, options="this run's tuned tiles",
+                                 extra={"kernel_options": tuned}))
     run_rows(proc_rows, lambda r: run_processor_row(r, tokens, channels, heads, window, layers, device, warmup,
-                                                    steps, peak), budget_end)
+                                                    steps, peak, r.extra.get("kernel_options")), budget_end)
     names = [f"var_{i}" for i in range(64)]
     variables = VariableIndex.build(names, forcing=names[-2:], diagnostic=[])
     tic = time.perf_counter()
@@ -268,6 +403,7 @@ def gpu_mode(args: argparse.Namespace, device: torch.device) -> list[Row]:
           f"{time.perf_counter() - tic:.0f} s; MFU counts the processor only\n{HEADER}", flush=True)
     model_combos = [("bf16", "flex", False), ("bf16", "flex", True), ("fp32", "banded", False),
                     ("bf16", "banded", False), ("fp32", "flex", False)]
+    model_combos = [c for c in model_combos if _wanted(args, *c)]
     model_rows = [Row("model o96->o48", p, k, c) for p, k, c in model_combos] if "model" in args.tables else []
     run_rows(model_rows, lambda r: run_model_row(r, graph, variables, 512, 16, 512, m_layers, device, warmup, steps,
                                                  peak), budget_end)
@@ -276,10 +412,16 @@ def gpu_mode(args: argparse.Namespace, device: torch.device) -> list[Row]:
     return rows
 
 
+def _wanted(args: argparse.Namespace, precision: str, kernel: str, compiled: bool) -> bool:
+    """Whether ``--rows`` (a comma list of ``precision/kernel/on|off``; empty: all) asks for this row."""
+    return not args.rows or f"{precision}/{kernel}/{'on' if compiled else 'off'}" in args.rows.split(",")
+
+
 def print_ratios(rows: list[Row]) -> None:
     def find(table: str, precision: str, kernel: str, compiled: bool) -> Row | None:
         for r in rows:
-            if (r.table, r.precision, r.kernel, r.compiled) == (table, precision, kernel, compiled) and not r.note:
+            if (r.table, r.precision, r.kernel, r.compiled) == (table, precision, kernel, compiled) and not r.note \
+                    and not r.options:
                 return r
         return None
 
@@ -303,7 +445,8 @@ def print_ratios(rows: list[Row]) -> None:
         fp32 = find(table, "fp32", "banded", False)
         if best_bf16 and fp32:
             best = min(best_bf16, key=lambda r: r.step_ms)
-            print(f"{table}: fastest bf16 ({best.kernel}, compile {'on' if best.compiled else 'off'}) vs fp32 banded "
+            label = f"{best.kernel} ({best.options})" if best.options else best.kernel
+            print(f"{table}: fastest bf16 ({label}, compile {'on' if best.compiled else 'off'}) vs fp32 banded "
                   f"{fp32.step_ms / best.step_ms:.2f}x, MFU {100 * best.mfu:.1f}%")
 
 
@@ -355,7 +498,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="processor blocks of the AIFS-shape table")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="start no new row after this many seconds")
     parser.add_argument("--json", default=None, help="write the rows as JSON to this path")
-    parser.add_argument("--tables", default="processor,model", help="GPU tables to run: processor, model (comma list)")
+    parser.add_argument("--tables", default="flex,processor,model",
+                        help="GPU tables to run: flex (kernel options), processor, model (comma list)")
+    parser.add_argument("--rows", default="", help="only these rows of the processor and model tables: a comma list "
+                        "of precision/kernel/compile, e.g. bf16/flex/on,fp32/banded/off (default: all)")
     args = parser.parse_args(argv)
     if args.cpu or not torch.cuda.is_available():
         if not args.cpu and not args.quick:

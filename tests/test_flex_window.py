@@ -141,3 +141,45 @@ def test_band_blocks_match_the_elementwise_mask():
                 whole = tile.shape == (block, block)
                 assert bool(full[i, j]) == bool(whole and tile.all()), (num_q, num_k, shift, window, i, j)
                 assert bool(partial[i, j] or full[i, j]) == bool(tile.any()), (num_q, num_k, shift, window, i, j)
+
+
+def test_compiled_flex_processor_forward_equals_eager_banded():
+    """compile_blocks (inductor) around flex blocks: the mask comes from the custom op, nothing of it is
+    traced; the forward of every block compiles without a graph break and equals the eager banded run."""
+    from stormshard.models.compile import compile_blocks
+
+    torch.manual_seed(0)
+    banded = build_transformer_processor(2, 32, 2, 9, attention_kernel="banded")
+    flex = build_transformer_processor(2, 32, 2, 9, attention_kernel="flex")
+    flex.load_state_dict(banded.state_dict())
+    compile_blocks(flex, backend="inductor")
+    x = _rand((1, 200, 32), 7)
+    with torch.no_grad():
+        torch.testing.assert_close(flex(x), banded(x), **CLOSE)
+        torch.testing.assert_close(flex(x[:, :131]), banded(x[:, :131]), **CLOSE)  # another length: a recompile
+
+
+def test_flex_kernel_options_setting_and_bad_values(monkeypatch):
+    """The tile options: the table on CUDA only, a user's dict wins, a bad env value names the variable."""
+    from stormshard.layers import flex_window
+
+    q = _rand((1, 2, 64, 16), 1)
+    monkeypatch.setattr(flex_window, "_USER_OPTIONS", [])
+    monkeypatch.setenv("STORMSHARD_FLEX_KERNEL_OPTIONS", "")
+    assert flex_window.flex_kernel_options(q) is None  # a CPU tensor: torch's defaults
+    flex_window.set_flex_kernel_options({"BLOCK_M": 64})
+    assert flex_window.flex_kernel_options(q) == {"BLOCK_M": 64}
+    with pytest.raises(TypeError, match="dict or None"):
+        flex_window.set_flex_kernel_options("BLOCK_M=64")
+    for bad, match in (("{BLOCK_M: 64", "is not a JSON object"), ("[1, 2]", "must be a JSON object")):
+        monkeypatch.setattr(flex_window, "_USER_OPTIONS", [])
+        monkeypatch.setenv("STORMSHARD_FLEX_KERNEL_OPTIONS", bad)
+        with pytest.raises(ValueError, match=f"STORMSHARD_FLEX_KERNEL_OPTIONS.*{match}"):
+            flex_window.flex_kernel_options(q)
+    monkeypatch.setattr(flex_window, "_USER_OPTIONS", [])
+    monkeypatch.setenv("STORMSHARD_FLEX_KERNEL_OPTIONS", "{}")
+    assert flex_window.flex_kernel_options(q) == {}
+    with torch.no_grad():  # {} reaches flex attention as torch's defaults
+        out = sliding_window_attention(q, q, q, 5, kernel="flex")
+    torch.testing.assert_close(out, sliding_window_attention(q, q, q, 5, kernel="banded"), **CLOSE)
+    monkeypatch.setattr(flex_window, "_USER_OPTIONS", [])

@@ -11,6 +11,8 @@ outside the band skipped, tiles inside it unmasked, only the band's edges evalua
 as 0-dim tensors, so one compiled kernel serves every rank's offsets; block masks are cached per
 ``(Lq, Lk, shift, window, device)``. The kernel is ``torch.compile(flex_attention, dynamic=True)``,
 compiled once per process (a first call costs seconds to tens of seconds; further shapes reuse it).
+Triton tiles come from :data:`TUNED_KERNEL_OPTIONS` (measured per device, dtype and head dim) unless
+:func:`set_flex_kernel_options` or ``STORMSHARD_FLEX_KERNEL_OPTIONS`` say otherwise.
 
 torch 2.13's flex attention has a CPU forward but no CPU backward: on a CPU this kernel serves
 forecasts and forward checks, and asking for a gradient through it raises a ValueError before any
@@ -27,7 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["flex_attention_unavailable", "flex_unusable", "flex_window_attention", "window_block_mask", "band_blocks"]
+__all__ = ["flex_attention_unavailable", "flex_unusable", "flex_window_attention", "window_block_mask", "band_blocks",
+           "flex_kernel_options", "set_flex_kernel_options"]
 
 _MASK_CACHE_SIZE = 64
 _BLOCK = 128  # flex attention's default tile
@@ -75,20 +78,105 @@ def _flex_attention() -> Callable[..., Tensor]:
 
 _block_masks: OrderedDict[tuple, object] = OrderedDict()
 
+# Triton tile options for flex attention, keyed by (CUDA compute capability, dtype, head dim):
+# measured by ``benchmarks/bench_gpu.py`` (its flex-options table); absent keys keep torch's defaults.
+# Measured on one H100 (sm90, torch 2.11, bf16, head dim 64, the AIFS attention shape): forward
+# 1.63 -> 1.40 ms, backward 4.09 -> 3.51 ms against torch's default tiles
+# (benchmarks/results/bench_gpu_h100_run3.log).
+TUNED_KERNEL_OPTIONS: dict[tuple[tuple[int, int], torch.dtype, int], dict] = {
+    ((9, 0), torch.bfloat16, 64): {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
+                                   "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                                   "bwd_num_warps": 4, "bwd_num_stages": 3},
+}
+_CAPABILITIES: list = []  # [((major, minor) per visible CUDA device)] once read (compiled code only reads it)
+_USER_OPTIONS: list = []  # [dict] once set by set_flex_kernel_options or STORMSHARD_FLEX_KERNEL_OPTIONS
+
+
+def set_flex_kernel_options(options: dict | None) -> None:
+    """Use ``options`` (flex attention's ``kernel_options``: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``,
+    ``num_stages``, ``fwd_*`` / ``bwd_*`` variants, ``USE_TMA``, ...) for every later flex call in this
+    process instead of the tuned table; None goes back to the table. The environment variable
+    ``STORMSHARD_FLEX_KERNEL_OPTIONS`` (a JSON object) sets the same at start-up."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"flex kernel options must be a dict or None, got {type(options).__name__}")
+    _USER_OPTIONS.clear()
+    _USER_OPTIONS.append(None if options is None else dict(options))
+
+
+def _user_options() -> dict | None:
+    if not _USER_OPTIONS:
+        import json
+        import os
+
+        raw = os.environ.get("STORMSHARD_FLEX_KERNEL_OPTIONS", "").strip()
+        try:
+            options = json.loads(raw) if raw else None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"STORMSHARD_FLEX_KERNEL_OPTIONS={raw!r} is not a JSON object ({err}): set it to e.g. "
+                             '\'{"BLOCK_M": 128, "BLOCK_N": 64}\' or unset it') from None
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"STORMSHARD_FLEX_KERNEL_OPTIONS={raw!r} must be a JSON object, e.g. "
+                             '\'{"BLOCK_M": 128, "BLOCK_N": 64}\', or unset')
+        _USER_OPTIONS.append(options)
+    return _USER_OPTIONS[0]
+
+
+def flex_kernel_options_ready() -> None:
+    """Read ``STORMSHARD_FLEX_KERNEL_OPTIONS`` and the CUDA devices' compute capabilities now (outside
+    any compiled region; compiled code only reads them)."""
+    _user_options()
+    if torch.cuda.is_available():
+        _capability(0)
+
+
+def _capability(index: int) -> tuple[int, int]:
+    if not _CAPABILITIES:
+        _CAPABILITIES.append(tuple(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())))
+    return _CAPABILITIES[0][index]
+
+
+def flex_kernel_options(q: Tensor) -> dict | None:
+    """The ``kernel_options`` flex attention runs ``q`` with: the user's (:func:`set_flex_kernel_options`),
+    else the measured table's entry for q's device, dtype and head dim, else None (torch's defaults)."""
+    user = _user_options()
+    if user is not None:
+        return user
+    if q.device.type != "cuda" or not TUNED_KERNEL_OPTIONS:
+        return None
+    key = (_capability(q.device.index or 0), q.dtype, q.shape[-1])
+    return TUNED_KERNEL_OPTIONS.get(key)
+
 
 def window_block_mask(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device) -> object:
     """The band ``|i + shift - j| <= window_size`` over ``(num_q, num_k)`` as a flex ``BlockMask``.
 
-    Cached (least recently used, 64 entries) per ``(num_q, num_k, shift, window_size, device)``.
+    Cached (least recently used, 64 entries) per ``(num_q, num_k, shift, window_size, device)``. Inside
+    compiled code the mask's tensors come from the custom op ``stormshard::window_block_tensors``,
+    built eagerly and cached the same way: nothing of the mask is traced (no side effect inside a
+    compiled, checkpointed block; no index arithmetic for Inductor to lower).
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    if torch.compiler.is_compiling():
+        *blocks, shift_t, window_t = torch.ops.stormshard.window_block_tensors(num_q, num_k, shift, window_size,
+                                                                               device)
+        return BlockMask(
+            (num_q, num_k), *blocks, BLOCK_SIZE=(_BLOCK, _BLOCK),
+            mask_mod=lambda b, h, q_idx, k_idx: (q_idx + shift_t - k_idx).abs() <= window_t,
+        )
+    return _cached_block_mask(num_q, num_k, shift, window_size, device)[0]
+
+
+def _cached_block_mask(num_q: int, num_k: int, shift: int, window_size: int,
+                       device: torch.device) -> tuple[object, Tensor, Tensor]:
+    """``(BlockMask, shift tensor, window tensor)`` from the cache, built eagerly when missing."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     key = (num_q, num_k, shift, window_size, str(device))
-    compiling = torch.compiler.is_compiling()  # inside a compiled graph: no cache (its mutation is a side effect)
-    mask = None if compiling else _block_masks.get(key)
-    if mask is not None:
+    entry = _block_masks.get(key)
+    if entry is not None:
         _block_masks.move_to_end(key)
-        return mask
+        return entry
     shift_t = torch.tensor(shift, device=device)
     window_t = torch.tensor(window_size, device=device)
 
@@ -96,17 +184,36 @@ def window_block_mask(num_q: int, num_k: int, shift: int, window_size: int, devi
         return (q_idx + shift_t - k_idx).abs() <= window_t
 
     partial, full = band_blocks(num_q, num_k, shift, window_size, _BLOCK)
-    counts, indices = _kv_block_lists(partial)
-    full_counts, full_indices = _kv_block_lists(full)
-    mask = BlockMask.from_kv_blocks(counts.to(device), indices.to(device), full_counts.to(device),
-                                    full_indices.to(device), BLOCK_SIZE=_BLOCK, mask_mod=in_window,
-                                    seq_lengths=(num_q, num_k))
-    if compiling:
-        return mask
-    _block_masks[key] = mask
+    # per query block its key tiles, and per key block its query tiles (the transpose), partial and full
+    # (built directly: BlockMask.from_kv_blocks' vmap fails inside a custom op called from compiled code)
+    lists = [t.to(device) for tiles in (partial, full, partial.T, full.T) for t in _kv_block_lists(tiles)]
+    kv, full_kv, q, full_q = lists[0:2], lists[2:4], lists[4:6], lists[6:8]
+    mask = BlockMask((num_q, num_k), *kv, *full_kv, *q, *full_q, BLOCK_SIZE=(_BLOCK, _BLOCK), mask_mod=in_window)
+    entry = (mask, shift_t, window_t)
+    _block_masks[key] = entry
     if len(_block_masks) > _MASK_CACHE_SIZE:
         _block_masks.popitem(last=False)
-    return mask
+    return entry
+
+
+@torch.library.custom_op("stormshard::window_block_tensors", mutates_args=())
+def _window_block_tensors(num_q: int, num_k: int, shift: int, window_size: int,
+                          device: torch.device) -> list[Tensor]:
+    """The band mask's tensors for compiled code: kv_num_blocks, kv_indices, full_kv_num_blocks,
+    full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices (int32, ``(1, 1, ...)``),
+    then the 0-dim shift and window. Copies of the cached mask's (outputs are the caller's to reuse)."""
+    mask, shift_t, window_t = _cached_block_mask(num_q, num_k, shift, window_size, device)
+    blocks = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+              mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
+    return [t.clone() for t in (*blocks, shift_t, window_t)]
+
+
+@_window_block_tensors.register_fake
+def _(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device) -> list[Tensor]:
+    q_blocks, k_blocks = -(-num_q // _BLOCK), -(-num_k // _BLOCK)
+    shapes = [(1, 1, q_blocks), (1, 1, q_blocks, k_blocks)] * 2 + [(1, 1, k_blocks), (1, 1, k_blocks, q_blocks)] * 2
+    blocks = [torch.empty(shape, dtype=torch.int32, device=device) for shape in shapes]
+    return blocks + [torch.empty((), dtype=torch.int64, device=device) for _ in range(2)]
 
 
 def band_blocks(num_q: int, num_k: int, shift: int, window_size: int, block: int) -> tuple[Tensor, Tensor]:
@@ -156,4 +263,5 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_o
     q, k, v = (t.to(dtype) for t in (q, k, v))
     shift = int(q_offset) - int(k_offset)
     mask = window_block_mask(q.shape[-2], k.shape[-2], shift, window_size, q.device)
-    return _flex_attention()(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask, scale=scale)
+    return _flex_attention()(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask, scale=scale,
+                             kernel_options=flex_kernel_options(q))

@@ -201,10 +201,11 @@ def flash_attn_window_func():
 def prepare_attention_kernels() -> None:
     """Probe flash-attn and flex attention now (outside any compiled region): ``torch.compile``
     then only reads the answers (:func:`stormshard.models.compile.compile_blocks` calls it)."""
-    from stormshard.layers.flex_window import flex_attention_unavailable
+    from stormshard.layers.flex_window import flex_attention_unavailable, flex_kernel_options_ready
 
     flash_attn_window_func()
     flex_attention_unavailable()
+    flex_kernel_options_ready()
 
 
 def _probe_flash_attn():  # noqa: ANN202 - flash-attn's function or None
