@@ -39,6 +39,7 @@ import warnings
 import einops
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from stormshard.layers.kernel_names import ATTENTION_KERNELS, AttentionKernel
 
@@ -167,14 +168,35 @@ def _banded_grad(ctx, grad_out: Tensor, _grad_lse: Tensor) -> tuple:  # noqa: AN
 _banded_op.register_autograd(_banded_grad, setup_context=_banded_setup)
 
 
+class _EagerBanded(torch.autograd.Function):
+    """The op's forward and backward without torch.library's dispatch, for eager calls (same
+    functions, same numbers; no import of ``torch._dynamo``, which a custom op's kernel wrapper does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window_size, shift, block, scale):  # noqa: ANN001, ANN205
+        out = _banded_forward(q, k, v, window_size, shift, block, scale)
+        _banded_setup(ctx, (q, k, v, window_size, shift, block, scale), out)
+        ctx.mark_non_differentiable(out[1])
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_lse):  # noqa: ANN001, ANN205
+        saved = ctx.saved_tensors
+        dq, dk, dv = _banded_backward(grad_out, *saved, ctx.window_size, ctx.shift, ctx.block, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
 class _BandedWindowAttention:
     """Flash-style banded attention on ``(batch * heads, seq, dim)``: saves (q, k, v, out, lse), recomputes
-    scores in backward. ``apply(q, k, v, window_size, shift, block, scale) -> out``; the kernel is the
-    custom op ``stormshard::banded_window_attention`` (and its backward op), opaque to torch.compile."""
+    scores in backward. ``apply(q, k, v, window_size, shift, block, scale) -> out``; under torch.compile
+    the kernel is the custom op ``stormshard::banded_window_attention`` (and its backward op), opaque
+    to the compiler; eager calls run the same functions as an autograd Function."""
 
     @staticmethod
     def apply(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int, scale: float) -> Tensor:
-        return _banded_op(q, k, v, window_size, shift, block, scale)[0]
+        op = _banded_op if torch.compiler.is_compiling() else _EagerBanded.apply
+        return op(q, k, v, window_size, shift, block, scale)[0]
 
 
 FLASH_ATTN_MIN_VERSION = (2, 3)  # flash_attn_func gained window_size in 2.3

@@ -30,11 +30,10 @@ def _check_mask(mask: Tensor | None, target: Tensor) -> None:
         return
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor (True = valid target), got {mask.dtype}")
-    try:
-        torch.broadcast_shapes(mask.shape, target.shape)
-    except RuntimeError:
+    # the broadcast rule by hand: torch.broadcast_shapes imports sympy (~20 MiB resident) on first use
+    if not all(m == t or m == 1 or t == 1 for m, t in zip(reversed(mask.shape), reversed(target.shape))):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the target's "
-                         f"{tuple(target.shape)}") from None
+                         f"{tuple(target.shape)}")
 
 
 def _masked_normaliser(mask: Tensor, area: Tensor, vw: Tensor, shape: torch.Size, group) -> Tensor:  # noqa: ANN001
