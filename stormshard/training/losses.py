@@ -31,7 +31,8 @@ def _check_mask(mask: Tensor | None, target: Tensor) -> None:
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor (True = valid target), got {mask.dtype}")
     # the broadcast rule by hand: torch.broadcast_shapes imports sympy (~20 MiB resident) on first use
-    if not all(m == t or m == 1 or t == 1 for m, t in zip(reversed(mask.shape), reversed(target.shape))):
+    pairs = zip(reversed(mask.shape), reversed(target.shape), strict=False)  # trailing dims, as broadcasting aligns
+    if not all(m == t or m == 1 or t == 1 for m, t in pairs):
         raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to the target's "
                          f"{tuple(target.shape)}")
 
