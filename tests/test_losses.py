@@ -71,3 +71,39 @@ def test_bad_shapes():
         WeightedMSELoss(vw)(pred, target, area[:5])
     with pytest.raises(ValueError, match="variable_weights has shape"):
         WeightedMSELoss(vw[:2])(pred, target, area)
+
+
+def test_mask_must_broadcast_to_the_target():
+    pred, _, target, area, vw = _data(grid=10)
+    loss = WeightedMSELoss(vw)
+    full = loss(pred, target, area, mask=torch.ones(target.shape, dtype=torch.bool))
+    torch.testing.assert_close(loss(pred, target, area, mask=torch.ones(1, 10, 1, dtype=torch.bool)), full)
+    for shape in ((2, 9, 4), (3, 10, 4), (10, 3)):
+        with pytest.raises(ValueError, match=rf"mask of shape \({', '.join(map(str, shape))}\) does not broadcast"):
+            loss(pred, target, area, mask=torch.ones(shape, dtype=torch.bool))
+
+
+def test_an_eager_step_imports_neither_dynamo_nor_sympy():
+    """The kernels' eager path and the loss stay clear of torch._dynamo and sympy (~70 MiB per rank)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from stormshard.layers.graph_kernels import fused_graph_attention
+from stormshard.layers.window import sliding_window_attention
+from stormshard.training.losses import WeightedMSELoss
+q, k, v = (torch.randn(6, 2, 4, requires_grad=True) for _ in range(3))
+attr, w = torch.randn(9, 3), torch.randn(8, 3, requires_grad=True)
+index = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2], [1, 2, 3, 4, 5, 0, 3, 4, 5]])
+out = fused_graph_attention(q, k, v, attr, w, None, index).sum()
+qw = torch.randn(1, 2, 50, 4, requires_grad=True)
+out = out + sliding_window_attention(qw, qw, qw, 5, kernel="banded").sum()
+pred = torch.randn(1, 6, 2, requires_grad=True)
+out = out + WeightedMSELoss(torch.ones(2))(pred, torch.zeros(1, 6, 2), torch.ones(6), mask=torch.ones(1, 6, 1, dtype=torch.bool))
+out.backward()
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout
