@@ -480,3 +480,31 @@ def test_hetero_graph_container():
             "print([m for m in ('torch_geometric', 'pandas') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", out
+
+
+def test_isolated_build_equals_in_process_and_keeps_scipy_out(tmp_path):
+    """load_or_build_graph(isolate=True) builds a large graph in a child process: the same graph (every
+    tensor equal), and the parent never imports scipy."""
+    import subprocess
+    import sys
+
+    from stormshard.graphs.builder import KNNEdges
+
+    code = f"""
+import sys
+from stormshard.graphs.builder import CHILD_BUILD_MIN_NODES, GraphConfig, KNNEdges, load_or_build_graph
+cfg = GraphConfig(data_grid="o32", hidden="o8", processor=KNNEdges(num_neighbours=4))
+graph = load_or_build_graph(cfg, r"{tmp_path}/g.pt", isolate=True)
+assert graph["data"].num_nodes >= CHILD_BUILD_MIN_NODES, graph["data"].num_nodes
+print("scipy" in sys.modules)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "False", run.stdout
+    isolated = load_graph(tmp_path / "g.pt")
+    built = build_graph(GraphConfig(data_grid="o32", hidden="o8", processor=KNNEdges(num_neighbours=4)))
+    stores = dict(isolated.stores())
+    for key, store in built.stores():
+        for name, value in store.items():
+            other = stores[key][name]
+            assert (torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other), (key, name)

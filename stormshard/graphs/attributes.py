@@ -12,9 +12,6 @@ normalised to mean 1 (they sum to the number of nodes), for area-weighted losses
 from __future__ import annotations
 
 import numpy as np
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
-from scipy.spatial import SphericalVoronoi, cKDTree
 
 from stormshard.graphs.sphere import latlon_to_xyz
 
@@ -73,6 +70,11 @@ def area_weights(lat: np.ndarray, lon: np.ndarray, clip_factor: float | None = 4
     """
     if clip_factor is not None and not clip_factor > 1.0:
         raise ValueError(f"area clip_factor must be greater than 1 or None, got {clip_factor!r}")
+    # scipy on first use: a training run that loads a cached graph never imports it
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+    from scipy.spatial import SphericalVoronoi, cKDTree
+
     xyz = latlon_to_xyz(lat, lon)
     n = xyz.shape[0]
     if n < 4:

@@ -227,11 +227,22 @@ def load_graph(path: str | os.PathLike) -> HeteroGraph:
     return graph
 
 
+# a graph over at least this many data nodes is built in a child process by load_or_build_graph(isolate=True)
+CHILD_BUILD_MIN_NODES = 4096
+
+
 def load_or_build_graph(
-    config: GraphConfig, path: str | os.PathLike, data_latlon: tuple | None = None, progress: bool = False
+    config: GraphConfig, path: str | os.PathLike, data_latlon: tuple | None = None, progress: bool = False,
+    *, isolate: bool = False,
 ) -> HeteroGraph:
     """Load the graph at ``path`` if it was built from this config and these coordinates, else build and save.
-    ``progress``: say which, and a line per phase of a build, on standard error (:mod:`stormshard.progress`)."""
+    ``progress``: say which, and a line per phase of a build, on standard error (:mod:`stormshard.progress`).
+
+    ``isolate``: build a graph of at least :data:`CHILD_BUILD_MIN_NODES` data nodes in a child process
+    (``spawn``) that saves it to ``path``, then load it: the builder's libraries (scipy: ~28 MiB) and
+    its transient arrays never stay resident in this process (training ranks pass it; the child's
+    start, ~2 s, is not worth it for smaller graphs). The child's error is raised here.
+    """
     digest = graph_hash(config, data_latlon)
     path = Path(path)
     with reporting(progress):
@@ -243,7 +254,29 @@ def load_or_build_graph(
             if graph is not None and graph.config_hash == digest:
                 note(f"graph: loaded {path} (built from this config)")
                 return graph
-        graph = build_graph(config, data_latlon)  # its phases print inside this reporting
-        save_graph(graph, path, config)
+        if isolate and _data_node_count(config, data_latlon) >= CHILD_BUILD_MIN_NODES:
+            _build_in_child(config, path, data_latlon, progress)
+            graph = load_graph(path)
+        else:
+            graph = build_graph(config, data_latlon)  # its phases print inside this reporting
+            save_graph(graph, path, config)
         note(f"graph: saved {path}")
     return graph
+
+
+def _data_node_count(config: GraphConfig, data_latlon: tuple | None) -> int:
+    return len(_data_coordinates(config, data_latlon)[0])
+
+
+def _build_and_save(config: GraphConfig, path: str, data_latlon: tuple | None, progress: bool) -> None:
+    """The child's work: build the graph (phases on standard error with ``progress``) and save it."""
+    with reporting(progress):
+        save_graph(build_graph(config, data_latlon), Path(path), config)
+
+
+def _build_in_child(config: GraphConfig, path: Path, data_latlon: tuple | None, progress: bool) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_build_and_save, config, str(path), data_latlon, progress).result()

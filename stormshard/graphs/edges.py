@@ -17,7 +17,6 @@ the encoder (every data point reaches the hidden mesh) and ``cover_destinations`
 from __future__ import annotations
 
 import numpy as np
-from scipy.spatial import cKDTree
 
 from stormshard.graphs.sphere import arc_to_chord, chord_to_arc
 
@@ -31,6 +30,14 @@ __all__ = [
     "cover_destinations",
 ]
 
+
+
+def _kd_tree(points: np.ndarray):  # noqa: ANN202 - scipy's cKDTree
+    """``scipy.spatial.cKDTree(points)``; scipy is imported on first use (a training run that loads a
+    cached graph never loads it: ~28 MiB of resident memory per rank)."""
+    from scipy.spatial import cKDTree
+
+    return cKDTree(points)
 
 def _check_xyz(xyz: np.ndarray, name: str) -> np.ndarray:
     xyz = np.asarray(xyz, dtype=np.float64)
@@ -71,7 +78,7 @@ def knn_edges(src_xyz: np.ndarray, dst_xyz: np.ndarray, k: int, exclude_self: bo
         )
     if exclude_self and src_xyz.shape[0] != dst_xyz.shape[0]:
         raise ValueError("exclude_self=True needs the same node set as source and destination")
-    tree = cKDTree(src_xyz)
+    tree = _kd_tree(src_xyz)
     if exclude_self:
         _, idx = tree.query(dst_xyz, k=k + 1)
         idx = idx.reshape(dst_xyz.shape[0], k + 1)
@@ -97,7 +104,7 @@ def max_nearest_neighbour_distance(xyz: np.ndarray) -> float:
     xyz = _check_xyz(xyz, "xyz")
     if xyz.shape[0] < 2:
         raise ValueError("a nearest-neighbour distance needs at least 2 nodes")
-    tree = cKDTree(xyz)
+    tree = _kd_tree(xyz)
     k = min(xyz.shape[0], 8)
     dist, _ = tree.query(xyz, k=k)
     dist = np.where(dist > 1e-12, dist, np.inf)[:, 1:]
@@ -118,8 +125,8 @@ def cutoff_edges(src_xyz: np.ndarray, dst_xyz: np.ndarray, factor: float) -> tup
     if not np.isfinite(factor) or factor <= 0:
         raise ValueError(f"cutoff factor must be a positive number (AIFS uses 0.6), got {factor!r}")
     radius = float(factor) * max_nearest_neighbour_distance(dst_xyz)
-    pairs = cKDTree(dst_xyz).sparse_distance_matrix(
-        cKDTree(src_xyz), float(arc_to_chord(radius)), output_type="ndarray"
+    pairs = _kd_tree(dst_xyz).sparse_distance_matrix(
+        _kd_tree(src_xyz), float(arc_to_chord(radius)), output_type="ndarray"
     )
     edges = np.stack([pairs["j"].astype(np.int64), pairs["i"].astype(np.int64)])
     return sort_unique_edges(edges, src_xyz.shape[0]), radius
@@ -136,7 +143,7 @@ def cover_sources(edge_index: np.ndarray, src_xyz: np.ndarray, dst_xyz: np.ndarr
     missing = np.flatnonzero(~covered)
     if missing.size == 0:
         return edge_index, 0
-    _, nearest = cKDTree(dst_xyz).query(src_xyz[missing], k=1)
+    _, nearest = _kd_tree(dst_xyz).query(src_xyz[missing], k=1)
     extra = np.stack([missing.astype(np.int64), np.asarray(nearest, np.int64).reshape(-1)])
     return sort_unique_edges(np.concatenate([edge_index, extra], axis=1), src_xyz.shape[0]), int(missing.size)
 
@@ -154,6 +161,6 @@ def cover_destinations(
     missing = np.flatnonzero(~covered)
     if missing.size == 0:
         return edge_index, 0
-    _, nearest = cKDTree(src_xyz).query(dst_xyz[missing], k=1)
+    _, nearest = _kd_tree(src_xyz).query(dst_xyz[missing], k=1)
     extra = np.stack([np.asarray(nearest, np.int64).reshape(-1), missing.astype(np.int64)])
     return sort_unique_edges(np.concatenate([edge_index, extra], axis=1), src_xyz.shape[0]), int(missing.size)

@@ -163,7 +163,7 @@ class Trainer:
         # it; a failure on rank 0 ends every rank
         progress = self.config.logging.progress and self.rank == 0
         return rank_zero_first(lambda: load_or_build_graph(self.config.graph, cache, data_latlon=latlon,
-                                                           progress=progress),
+                                                           progress=progress, isolate=True),
                                f"building the graph {cache}")
 
     # ------------------------------------------------------------------ data
