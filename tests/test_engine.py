@@ -447,10 +447,16 @@ def test_generated_deepspeed_config():
     params = {"lr": 0.02, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2, "torch_adam": True, "foreach": True}
     expected = {**own, "bf16": {"immediate_grad_update": True, "enabled": True}, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
                 "gradient_clipping": 0.5, "train_batch_size": 3 * 2 * 4,
-                "optimizer": {"type": "AdamW", "params": params}}
+                "optimizer": {"type": "AdamW", "params": params},
+                # ZeRO 1 partitions no gradients: no copy into a contiguous buffer unless asked for
+                "zero_optimization": {"stage": 1, "contiguous_gradients": False}}
     # torch's AdamW on every accelerator (no JIT build of DeepSpeed's fused Adam)
     assert resolve_deepspeed_config(settings, 4) == expected
     assert settings.deepspeed == own  # the settings are not modified
+    asked = EngineSettings(deepspeed={"zero_optimization": {"stage": 1, "contiguous_gradients": True}}, **KNOBS)
+    assert resolve_deepspeed_config(asked, 4)["zero_optimization"] == {"stage": 1, "contiguous_gradients": True}
+    stage2 = EngineSettings(deepspeed={"zero_optimization": {"stage": 2}}, **KNOBS)
+    assert resolve_deepspeed_config(stage2, 4)["zero_optimization"] == {"stage": 2}
     # an explicit train_batch_size is a cross-check; zero_optimization defaults to stage 0
     plain = EngineSettings(deepspeed={"train_batch_size": 6}, **KNOBS)
     assert resolve_deepspeed_config(plain, 1)["zero_optimization"] == {"stage": 0}
