@@ -380,7 +380,8 @@ def _attention_backward(grad_out: Tensor, saved: tuple[Tensor, ...], st: CsrStru
 
 # The kernel is a torch custom op (opaque to torch.compile: dynamo neither traces the sparse CSR
 # products nor the structure cache, so a compiled block has no graph break here), with its
-# backward registered as a second op. Eager calls go through the same ops.
+# backward registered as a second op. Eager calls run the same functions as an autograd Function
+# (_EagerGraphAttention), without torch.library's dispatch.
 
 
 def _structure_of(edge_index: Tensor, q: Tensor, k: Tensor, heads: int) -> CsrStructure:

@@ -127,7 +127,7 @@ def _banded_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
 
 
 # torch custom ops: torch.compile keeps the python block loop opaque (one op in the graph, no
-# graph break, no unrolled loop to compile); eager calls run the same ops
+# graph break, no unrolled loop to compile); eager calls run the same functions (_EagerBanded)
 @torch.library.custom_op("stormshard::banded_window_attention", mutates_args=())
 def _banded_op(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,
                scale: float) -> tuple[Tensor, Tensor]:
