@@ -76,7 +76,7 @@ def _flex_attention() -> Callable[..., Tensor]:
     return _COMPILED[0]
 
 
-_block_masks: OrderedDict[tuple, object] = OrderedDict()
+_block_masks: OrderedDict[tuple, tuple[object, Tensor, Tensor]] = OrderedDict()  # key -> (mask, shift, window)
 
 # Triton tile options for flex attention, keyed by (CUDA compute capability, dtype, head dim):
 # measured by ``benchmarks/bench_gpu.py`` (its flex-options table); absent keys keep torch's defaults.

@@ -392,8 +392,23 @@ def _structure_of(edge_index: Tensor, q: Tensor, k: Tensor, heads: int) -> CsrSt
 @torch.library.custom_op("stormshard::fused_graph_attention", mutates_args=())
 def _graph_attention_op(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor, edge_index: Tensor,
                         heads: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _forward_outputs(q, k, v, attr3, w_e, b_e, edge_index, heads)
+
+
+def _forward_outputs(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor, edge_index: Tensor,
+                     heads: int) -> tuple[Tensor, ...]:
+    """``(out, alpha, wb, u, agg)`` (contiguous) of :func:`_attention_forward` on the cached structure:
+    the op's and the eager Function's forward."""
     out = _attention_forward(q, k, v, attr3, w_e, b_e, _structure_of(edge_index, q, k, heads), heads)
     return tuple(t.contiguous() for t in out)
+
+
+def _grads_from_saved(grad_out: Tensor, saved: tuple[Tensor, ...], heads: int, needs: list[bool]) -> list[Tensor | None]:
+    """:func:`_attention_backward` from what the forward saved, ``(q, k, v, attr3, w_e, alpha, wb, u, agg,
+    edge_index)``: the backward op's and the eager Function's backward."""
+    q, k, v, attr3, _w_e, alpha, wb, u, agg, edge_index = saved
+    return _attention_backward(grad_out, (q, k, v, attr3, alpha, wb, u, agg), _structure_of(edge_index, q, k, heads),
+                               heads, needs)
 
 
 @_graph_attention_op.register_fake
@@ -409,8 +424,7 @@ def _graph_attention_fake(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
 def _graph_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor,
                                  alpha: Tensor, wb: Tensor, u: Tensor, agg: Tensor, edge_index: Tensor, heads: int,
                                  needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = _attention_backward(grad_out, (q, k, v, attr3, alpha, wb, u, agg), _structure_of(edge_index, q, k, heads),
-                                heads, list(needs))
+    grads = _grads_from_saved(grad_out, (q, k, v, attr3, w_e, alpha, wb, u, agg, edge_index), heads, list(needs))
     # gradients not asked for are empty tensors (an op returns tensors only)
     return tuple(q.new_empty(0) if g is None else g.contiguous() for g in grads)
 
@@ -447,8 +461,7 @@ class _EagerGraphAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attr3, w_e, b_e, edge_index, heads):  # noqa: ANN001, ANN205
-        out = tuple(t.contiguous() for t in _attention_forward(q, k, v, attr3, w_e, b_e,
-                                                               _structure_of(edge_index, q, k, heads), heads))
+        out = _forward_outputs(q, k, v, attr3, w_e, b_e, edge_index, heads)
         _graph_attention_setup(ctx, (q, k, v, attr3, w_e, b_e, edge_index, heads), out)
         ctx.mark_non_differentiable(*out[1:])
         return out
@@ -457,9 +470,7 @@ class _EagerGraphAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, *_aux):  # noqa: ANN001, ANN205
         needs = [bool(n) for n in ctx.needs_input_grad[:6]]
-        q, k, v, attr3, _w_e, alpha, wb, u, agg, edge_index = ctx.saved_tensors
-        grads = _attention_backward(grad_out, (q, k, v, attr3, alpha, wb, u, agg),
-                                    _structure_of(edge_index, q, k, ctx.heads), ctx.heads, needs)
+        grads = _grads_from_saved(grad_out, ctx.saved_tensors, ctx.heads, needs)
         return (*(g.contiguous() if need else None for g, need in zip(grads, needs, strict=True)), None, None)
 
 
