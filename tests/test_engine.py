@@ -444,13 +444,11 @@ def test_generated_deepspeed_config():
     keeps DeepSpeed's own keys."""
     own = {"bf16": {"immediate_grad_update": True}, "zero_optimization": {"stage": 1}, "communication_data_type": "bf16"}
     settings = EngineSettings(deepspeed=own, precision="bf16", **KNOBS)
-    params = {"lr": 0.02, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.2, "torch_adam": True, "foreach": True}
     expected = {**own, "bf16": {"immediate_grad_update": True, "enabled": True}, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
                 "gradient_clipping": 0.5, "train_batch_size": 3 * 2 * 4,
-                "optimizer": {"type": "AdamW", "params": params},
                 # ZeRO 1 partitions no gradients: no copy into a contiguous buffer unless asked for
                 "zero_optimization": {"stage": 1, "contiguous_gradients": False}}
-    # torch's AdamW on every accelerator (no JIT build of DeepSpeed's fused Adam)
+    # no optimizer section: the engine hands DeepSpeed torch's AdamW (no JIT build of DeepSpeed's fused Adam)
     assert resolve_deepspeed_config(settings, 4) == expected
     assert settings.deepspeed == own  # the settings are not modified
     asked = EngineSettings(deepspeed={"zero_optimization": {"stage": 1, "contiguous_gradients": True}}, **KNOBS)
@@ -521,29 +519,123 @@ def test_bad_engine_layouts():
         build_engine(make_model(0), build_process_groups(ParallelLayout(world_size=1)), EngineSettings(engine="ddp"))
 
 
-def test_lean_adamw_matches_torch_and_skips_dynamo():
-    """The torch engines' AdamW (foreach kernels, no torch._dynamo import) takes the same steps as torch's
-    default per-tensor AdamW on a CPU, bit for bit, and its state dict loads into torch's."""
+def _adamw_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, drop_grad_of: str | None = None) -> None:
+    for step in steps:
+        x, target = batch(step, 2)
+        (model(x) - target).pow(2).mean().backward()
+        if drop_grad_of is not None and step == steps[-1]:
+            dict(model.named_parameters())[drop_grad_of].grad = None  # a parameter without a gradient
+        opt.step()
+        opt.zero_grad()
+
+
+def test_flat_adamw_matches_torch_and_skips_dynamo():
+    """The torch engines' AdamW (flat buffers on a CPU, no torch._dynamo import) takes the same steps as
+    torch's default per-tensor AdamW, bit for bit: with two param groups, across state dicts in both
+    directions and when a parameter has no gradient (the group goes to torch's path); its state dict is
+    torch's layout, in compact tensors."""
     import subprocess
     import sys
 
-    from stormshard.training.engine.adamw import LeanAdamW, build_adamw
+    from stormshard.training.engine.adamw import FlatAdamW, build_adamw
 
     kwargs = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+    def groups(model: nn.Module) -> list[dict]:
+        named = list(model.named_parameters())
+        return [{"params": [p for n, p in named if "norm" not in n]},
+                {"params": [p for n, p in named if "norm" in n], "lr": 0.003, "weight_decay": 0.0}]
+
     ours, ref = make_model(3), make_model(3)
-    opt, ref_opt = build_adamw(ours.parameters(), **kwargs), torch.optim.AdamW(ref.parameters(), **kwargs)
-    assert isinstance(opt, LeanAdamW) and opt.defaults["foreach"] is True
-    for step in range(3):
-        x, target = batch(step, 2)
-        for model, o in ((ours, opt), (ref, ref_opt)):
-            (model(x) - target).pow(2).mean().backward()
-            o.step()
-            o.zero_grad()
+    opt, ref_opt = build_adamw(groups(ours), **kwargs), torch.optim.AdamW(groups(ref), **kwargs)
+    assert isinstance(opt, FlatAdamW) and opt.defaults["foreach"] is True
+    for model, o in ((ours, opt), (ref, ref_opt)):
+        _adamw_steps(model, o, range(3))
+    assert all(opt._flat[id(g)] is not None for g in opt.param_groups)  # both groups took the flat path
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
-    ref_opt.load_state_dict(opt.state_dict())
+    saved = opt.state_dict()
+    for entry in saved["state"].values():  # compact copies, not views of the flat buffers
+        for value in entry.values():
+            assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    ref_saved = ref_opt.state_dict()
+    for i, entry in ref_saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(saved["state"][i][key], value), (i, key)
+    # torch's state into ours, ours into torch's: the next steps stay equal
+    resumed, resumed_ref = make_model(0), make_model(0)
+    resumed.load_state_dict(ref.state_dict())
+    resumed_ref.load_state_dict(ours.state_dict())
+    opt2, ref_opt2 = build_adamw(groups(resumed), **kwargs), torch.optim.AdamW(groups(resumed_ref), **kwargs)
+    opt2.load_state_dict(ref_saved)
+    ref_opt2.load_state_dict(saved)
+    for model, o in ((resumed, opt2), (resumed_ref, ref_opt2), (ours, opt), (ref, ref_opt)):
+        _adamw_steps(model, o, range(3, 5), drop_grad_of="gain")
+    assert opt._flat[id(opt.param_groups[0])] is None  # "gain" had no gradient: torch's path from then on
+    for a, b, c, d in zip(ours.parameters(), ref.parameters(), resumed.parameters(), resumed_ref.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(c, b) and torch.equal(d, b)
     code = ("import sys, torch; from stormshard.training.engine.adamw import build_adamw; "
             "p = [torch.nn.Parameter(torch.ones(3))]; o = build_adamw(p, lr=0.1); p[0].grad = torch.ones(3); "
             "o.step(); o.zero_grad(); o.load_state_dict(o.state_dict()); print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False", out
+
+
+def test_deepspeed_zero_steps_import_no_compiler():
+    """A DeepSpeed ZeRO 1 engine trains without loading torch._dynamo or sympy: it is handed torch's AdamW
+    (not DeepSpeed's, whose constructor imports the compiler) and DeepSpeed's Muon module is imported with
+    its torch.compile deferred; the same steps, bit for bit, as DeepSpeed building torch's AdamW itself
+    (the engines' parity tests)."""
+    import subprocess
+    import sys
+
+    code = """
+import os, sys, socket, torch, torch.distributed as dist
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from stormshard.parallel.topology import ParallelLayout, build_process_groups
+from stormshard.training.engine import EngineSettings, build_engine
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+settings = EngineSettings(engine="deepspeed", micro_batch_size=2, deepspeed={"zero_optimization": {"stage": 1}},
+                          gradient_clipping=1.0, schedule={"lr": 0.01, "lr_min": 0.001, "warmup_steps": 1, "total_steps": 3})
+engine = build_engine(model, build_process_groups(ParallelLayout(world_size=1)), settings)
+for step in range(2):
+    engine.backward(engine.forward(torch.randn(2, 4)).pow(2).mean())
+    engine.step()
+    engine.zero_grad()
+import deepspeed.runtime.zero.muon.muon_optimizer  # imported by DeepSpeed, compiler deferred
+print(type(engine.ds.optimizer.optimizer).__name__, sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+dist.destroy_process_group()
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == "LeanAdamW []", run.stdout[-2000:]
+
+
+def test_deferred_compile_compiles_at_first_call():
+    """The torch.compile that DeepSpeed's Muon module is imported under: nothing compiled until a call, then
+    the function compiled once with its options, with and without the decorator's parentheses."""
+    from stormshard.training.engine.deepspeed_engine import _compile_at_first_call
+
+    compiled = []
+
+    def fake_compile(fn, **kwargs):
+        compiled.append((fn.__name__, kwargs))
+        return lambda *a: ("compiled", fn(*a))
+
+    deferred = _compile_at_first_call(fake_compile)
+
+    @deferred
+    def plain(x):
+        return x + 1
+
+    @deferred(mode="max-autotune")
+    def tuned(x):
+        return x * 2
+
+    assert compiled == [] and plain.__name__ == "plain"
+    assert plain(1) == ("compiled", 2) and plain(2) == ("compiled", 3) and tuned(3) == ("compiled", 6)
+    assert compiled == [("plain", {}), ("tuned", {"mode": "max-autotune"})]

@@ -111,11 +111,8 @@ def all_reduce_flat_(tensors: Sequence[Tensor], group: object | None, bucket_cap
             else:
                 flat = torch.cat([t.reshape(-1) for t in bucket])
                 all_reduce_(flat, group)
-                offset = 0
-                for t in bucket:
-                    n = t.numel()
-                    t.copy_(flat[offset : offset + n].view_as(t))
-                    offset += n
+                parts = flat.split([t.numel() for t in bucket])
+                torch._foreach_copy_(bucket, [part.view(t.shape) for part, t in zip(parts, bucket, strict=True)])
             calls += 1
     return calls
 

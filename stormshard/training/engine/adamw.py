@@ -18,12 +18,14 @@ steps as the per-tensor loop, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _get_scalar_dtype as _scalar_dtype
 
-__all__ = ["LeanAdamW", "build_adamw"]
+__all__ = ["LeanAdamW", "FlatAdamW", "build_adamw"]
 
 _METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
 
@@ -56,8 +58,159 @@ class LeanAdamW(torch.optim.AdamW):
             return _STEP(self, closure)
 
 
-def build_adamw(params: Iterable[Tensor], **kwargs: Any) -> torch.optim.AdamW:
+@dataclass(eq=False)
+class _FlatState:
+    """One param group's AdamW state in flat buffers: ``exp_avg`` and ``exp_avg_sq`` ``(numel,)`` (the
+    per-parameter state entries are views of them) and one ``step`` tensor shared by the entries."""
+
+    numels: list[int]
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: Tensor
+    grad: Tensor = field(init=False)  # the gathered gradients and parameters, reused every step
+    param: Tensor = field(init=False)
+    param_views: list[Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grad, self.param = torch.empty_like(self.exp_avg), torch.empty_like(self.exp_avg)
+
+
+class FlatAdamW(LeanAdamW):
+    """:class:`LeanAdamW` whose step on CPU parameters runs over flat buffers: one kernel per AdamW
+    operation for a whole param group instead of one per parameter (torch's ``foreach`` ops loop over
+    the tensors on a CPU). Per step the group's gradients and parameters are gathered into two flat
+    temporaries (one ``cat`` each), the update runs on them with the operations of torch's
+    multi-tensor AdamW in its order (elementwise, so every element gets the same arithmetic: the same
+    steps bit for bit), and the parameters are copied back. The moments live in flat buffers whose
+    views are the usual per-parameter ``state[p]`` entries; ``state_dict`` returns compact copies in
+    torch's layout (it loads into ``torch.optim.AdamW`` and back).
+
+    A group takes the flat path when its parameters share one CPU device and one real floating dtype,
+    with the defaults AdamW keeps for them (no ``amsgrad``, ``maximize``, ``capturable``,
+    ``differentiable``, ``fused``, a float ``lr``), and every parameter has a gradient at the step; a
+    step where one has none, or state whose step counts differ, moves the group to torch's
+    per-parameter path for good. GPU parameters always take torch's path (its ``foreach`` kernels are
+    multi-tensor there)."""
+
+    def __init__(self, params: Iterable[Tensor], **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self._flat: dict[int, _FlatState | None] = {}  # id(group) -> flat state; None: torch's path
+
+    def _flat_capable(self, group: dict[str, Any]) -> bool:
+        params = group["params"]
+        first = params[0] if params else None
+        return (first is not None and first.device.type == "cpu" and first.dtype.is_floating_point
+                and not any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable", "fused"))
+                and not isinstance(group["lr"], Tensor) and not any(isinstance(b, Tensor) for b in group["betas"])
+                and all(p.device == first.device and p.dtype == first.dtype and not p.is_sparse for p in params)
+                and len({id(p) for p in params}) == len(params))
+
+    def _adopt(self, group: dict[str, Any]) -> _FlatState | None:
+        """The group's flat state: built from zeros, or from the per-parameter state it holds (after a
+        ``load_state_dict``); None (torch's path) where it cannot be flat."""
+        params = group["params"]
+        if not self._flat_capable(group):
+            return None
+        states = [self.state.get(p, {}) for p in params]
+        numels = [p.numel() for p in params]
+        p0 = params[0]
+        exp_avg = torch.zeros(sum(numels), dtype=p0.dtype, device=p0.device)
+        exp_avg_sq = torch.zeros_like(exp_avg)
+        step = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
+        if any(states):
+            keys = {"step", "exp_avg", "exp_avg_sq"}
+            if not all(set(s) == keys for s in states):
+                return None
+            steps = {float(s["step"]) for s in states}
+            if len(steps) != 1:
+                return None
+            torch.cat([s["exp_avg"].detach().reshape(-1) for s in states], out=exp_avg)
+            torch.cat([s["exp_avg_sq"].detach().reshape(-1) for s in states], out=exp_avg_sq)
+            step = states[0]["step"].detach().clone()
+        flat = _FlatState(numels, exp_avg, exp_avg_sq, step)
+        flat.param_views = [v.view_as(p) for v, p in zip(flat.param.split(numels), params, strict=True)]
+        for p, a, b in zip(params, exp_avg.split(numels), exp_avg_sq.split(numels), strict=True):
+            self.state[p] = {"step": step, "exp_avg": a.view_as(p), "exp_avg_sq": b.view_as(p)}
+        return flat
+
+    def _leave_flat(self, group: dict[str, Any]) -> None:
+        """Give the group's parameters their own state tensors (torch's path from now on)."""
+        for p in group["params"]:
+            if p in self.state:
+                self.state[p] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in self.state[p].items()}
+        self._flat[id(group)] = None
+
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        torch_path = False
+        for group in self.param_groups:
+            key = id(group)
+            if key not in self._flat:
+                self._flat[key] = self._adopt(group)
+            flat = self._flat[key]
+            if flat is not None and any(p.grad is None or p.grad.is_sparse for p in group["params"]):
+                self._leave_flat(group)
+                flat = None
+            if flat is None:
+                torch_path = True
+            else:
+                with torch.no_grad():
+                    _flat_adamw_step(group, flat)
+        if torch_path:  # torch's per-parameter step over the groups that are not flat
+            flat_groups = [g for g in self.param_groups if self._flat.get(id(g)) is not None]
+            saved = [g["params"] for g in flat_groups]
+            try:
+                for g in flat_groups:
+                    g["params"] = []
+                LeanAdamW.step(self)
+            finally:
+                for g, ps in zip(flat_groups, saved, strict=True):
+                    g["params"] = ps
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout; the flat groups' entries as compact copies (not views of the flat buffers)."""
+        out = super().state_dict()
+        out["state"] = {i: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()}
+                        for i, s in out["state"].items()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._flat = {}  # rebuilt from the loaded per-parameter state at the next step
+
+
+def _flat_adamw_step(group: dict[str, Any], flat: _FlatState) -> None:
+    """torch's ``_multi_tensor_adam`` (decoupled weight decay, no amsgrad/maximize/capturable), each
+    operation once over the group's flat buffers."""
+    params = group["params"]
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    grad = torch.cat([p.grad.reshape(-1) for p in params], out=flat.grad)
+    param = torch.cat([p.reshape(-1) for p in params], out=flat.param)
+    flat.step.add_(1.0)
+    step = flat.step.item()
+    if wd != 0:
+        param.mul_(1 - lr * wd)
+    flat.exp_avg.lerp_(grad, 1 - beta1)
+    flat.exp_avg_sq.mul_(beta2)
+    flat.exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = (lr / bias_correction1) * -1
+    denom = flat.exp_avg_sq.sqrt()
+    denom.div_(bias_correction2 ** 0.5)
+    denom.add_(eps)
+    param.addcdiv_(flat.exp_avg, denom, value=step_size)
+    torch._foreach_copy_(params, flat.param_views)
+
+
+def build_adamw(params: Iterable[Tensor], flat: bool = True, **kwargs: Any) -> torch.optim.AdamW:
     """AdamW over ``params`` with ``foreach=True`` and ``kwargs`` (lr, betas, eps, weight_decay):
-    :class:`LeanAdamW` where this torch version allows it, else ``torch.optim.AdamW``."""
+    :class:`FlatAdamW` (``flat=False``: :class:`LeanAdamW`, for parameters that are flat already, such
+    as DeepSpeed's ZeRO partitions) where this torch version allows it, else ``torch.optim.AdamW``."""
     lean = _STEP is not None and all(_BODIES.values()) and not kwargs.get("differentiable", False)
-    return (LeanAdamW if lean else torch.optim.AdamW)(params, foreach=True, **kwargs)
+    kind = (FlatAdamW if flat else LeanAdamW) if lean else torch.optim.AdamW
+    return kind(params, foreach=True, **kwargs)

@@ -11,12 +11,12 @@ DeepSpeed key                      from
 ``gradient_clipping``               ``gradient_clipping``
 ``train_batch_size``                micro batch x accumulation x data-parallel size (a value in
                                     the section must equal it)
-``optimizer``                       ``{"type": "AdamW", "params": {lr, betas, eps, weight_decay}}``
-                                    with ``torch_adam: true`` on every accelerator: torch's
-                                    AdamW, no JIT build of DeepSpeed's fused Adam (which needs
-                                    nvcc at start-up and fails on arch lists such as ``9.0a``),
-                                    ``foreach: true`` (multi-tensor kernels on every device; the
-                                    same steps as torch's per-tensor loop, bit for bit)
+``optimizer``                       not written (and removed from the section): the engine hands
+                                    DeepSpeed torch's AdamW as its client optimizer, built with
+                                    ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``foreach``
+                                    (:func:`~stormshard.training.engine.adamw.build_adamw`: the same
+                                    steps as torch's AdamW, bit for bit, no JIT build of DeepSpeed's
+                                    fused Adam, and no ``torch._dynamo`` import)
 ``zero_optimization``               ``{"stage": 0}`` unless the section sets it
 ``bf16``                            ``{"enabled": precision == "bf16" and ZeRO stage >= 1}``
                                     (DeepSpeed's other ``bf16`` keys in the section kept). At ZeRO 0 DeepSpeed
@@ -47,15 +47,12 @@ def resolve_deepspeed_config(settings: EngineSettings, data_parallel_size: int) 
     check_train_batch_size(settings, data_parallel_size)
     micro, accumulation = settings.micro_batch_size, settings.accumulation
     expected = micro * accumulation * data_parallel_size
-    kwargs = settings.adamw_kwargs()
-    params: dict[str, Any] = {"lr": kwargs["lr"], "betas": list(kwargs["betas"]), "eps": kwargs["eps"],
-                              "weight_decay": kwargs["weight_decay"], "torch_adam": True, "foreach": True}
+    cfg.pop("optimizer", None)  # the engine passes its AdamW to deepspeed.initialize (DeepSpeedEngine)
     cfg.update(
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accumulation,
         gradient_clipping=settings.clipping,
         train_batch_size=expected,
-        optimizer={"type": "AdamW", "params": params},
     )
     cfg.setdefault("zero_optimization", {"stage": 0})
     if cfg["zero_optimization"].get("stage") == 1:

@@ -19,6 +19,10 @@ optimizer with the forward under bf16 autocast (hooks inside the module's call).
 
 from __future__ import annotations
 
+import functools
+import importlib
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +32,7 @@ from stormshard.parallel.compression import PowerSGDCompressor
 from stormshard.parallel.grads import reduce_model_parallel_gradients, register_model_parallel_grad_hooks
 from stormshard.parallel.shapes import group_size
 from stormshard.parallel.topology import ProcessGroups
+from stormshard.training.engine.adamw import FlatAdamW, LeanAdamW, build_adamw
 from stormshard.training.engine.base import TrainingEngine, arg_names, check_state_keys
 from stormshard.training.engine.deepspeed_config import deepspeed_bf16
 from stormshard.training.engine.grad_sum import Placement, model_group_sum_placement
@@ -36,7 +41,7 @@ from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.engine.zero_grad_sum import ZeroPartitionGradSum, partition_sum_blocker
 from stormshard.training.schedule import build_scheduler
 
-__all__ = ["DeepSpeedEngine", "on_cpu_accelerator", "disable_cpu_shm_build"]
+__all__ = ["DeepSpeedEngine", "on_cpu_accelerator", "disable_cpu_shm_build", "import_muon_without_compiling"]
 
 
 class DeepSpeedEngine(TrainingEngine):
@@ -52,8 +57,14 @@ class DeepSpeedEngine(TrainingEngine):
             autocast_inside_forward(module, compute_device_type(module))
         params = [p for p in module.parameters() if p.requires_grad]
         schedule = settings.schedule
+        zero = int(config.get("zero_optimization", {}).get("stage", 0))
+        adamw = settings.adamw_kwargs()
+        import_muon_without_compiling()
+        register_zero_optimizers()
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, model_parameters=params, config=config, mpu=groups,
+            # torch's AdamW (.adamw): flat buffers at ZeRO 0; at ZeRO 1/2 DeepSpeed hands it flat partitions
+            optimizer=lambda ps: build_adamw(ps, flat=zero == 0, **adamw),
             lr_scheduler=lambda opt: build_scheduler(opt, schedule),
         )
         self.module = self.ds.module
@@ -172,6 +183,58 @@ class DeepSpeedEngine(TrainingEngine):
         self.ds.global_samples = int(state.get("global_samples", 0))
         self.ds.micro_steps = int(state["micro_steps"])
         self.ds.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def register_zero_optimizers() -> None:
+    """Let DeepSpeed's ZeRO take stormshard's AdamW classes as it takes ``torch.optim.AdamW`` (they are
+    torch's AdamW with the same steps, :mod:`.adamw`); otherwise it asks for ``zero_allow_untested_optimizer``."""
+    from deepspeed.runtime.zero import utils
+
+    for kind in (LeanAdamW, FlatAdamW):
+        if kind not in utils.ZERO_SUPPORTED_OPTIMIZERS:
+            utils.ZERO_SUPPORTED_OPTIMIZERS.append(kind)
+
+
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_without_compiling() -> None:
+    """Import DeepSpeed's Muon optimizer module with its ``torch.compile`` deferred to first use.
+
+    DeepSpeed's ZeRO imports that module at start-up (its optimizer check) and in every backward (the
+    gradient averaging), although stormshard never runs Muon; the module applies ``torch.compile`` to its
+    update functions at import, which loads ``torch._dynamo`` and sympy (~75 MiB resident per rank).
+    Imported here first, under a ``torch.compile`` that compiles each function at its first call, it
+    is the same module (compiled if it is ever used) and no compiler is loaded when it is not."""
+    if _MUON in sys.modules or "torch._dynamo" in sys.modules:
+        return
+    compile_now = torch.compile
+    torch.compile = _compile_at_first_call(compile_now)
+    try:
+        importlib.import_module(_MUON)
+    except ImportError:  # a DeepSpeed without Muon: nothing to defer
+        pass
+    finally:
+        torch.compile = compile_now
+
+
+def _compile_at_first_call(compile_now: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``torch.compile`` that returns a function compiling ``fn`` with ``compile_now`` when first called."""
+
+    def deferred(fn: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
+        if fn is None:  # @torch.compile(mode=...)
+            return lambda f: deferred(f, **kwargs)
+        compiled: list[Callable[..., Any]] = []
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kw: Any) -> Any:
+            if not compiled:
+                compiled.append(compile_now(fn, **kwargs))
+            return compiled[0](*args, **kw)
+
+        return call
+
+    return deferred
 
 
 def on_cpu_accelerator() -> bool:
