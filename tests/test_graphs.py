@@ -484,23 +484,34 @@ def test_hetero_graph_container():
 
 def test_isolated_build_equals_in_process_and_keeps_scipy_out(tmp_path):
     """load_or_build_graph(isolate=True) builds a large graph in a child process: the same graph (every
-    tensor equal), and the parent never imports scipy."""
+    tensor equal), and the parent never imports scipy. The caller is a script without a main guard (the
+    child must not run it again) and a failing build's exception is raised in the caller."""
     import subprocess
     import sys
 
     from stormshard.graphs.builder import KNNEdges
 
-    code = f"""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"""
 import sys
 from stormshard.graphs.builder import CHILD_BUILD_MIN_NODES, GraphConfig, KNNEdges, load_or_build_graph
+print("script body runs")
+open(r"{tmp_path}/file", "w").close()
+try:  # a path under a file cannot be saved: the child's OSError comes back here
+    load_or_build_graph(GraphConfig(data_grid="o32", hidden="o8", processor=KNNEdges(num_neighbours=4)),
+                        r"{tmp_path}/file/g.pt", isolate=True)
+except OSError as exc:
+    print("child error:", type(exc).__name__)
 cfg = GraphConfig(data_grid="o32", hidden="o8", processor=KNNEdges(num_neighbours=4))
 graph = load_or_build_graph(cfg, r"{tmp_path}/g.pt", isolate=True)
 assert graph["data"].num_nodes >= CHILD_BUILD_MIN_NODES, graph["data"].num_nodes
 print("scipy" in sys.modules)
-"""
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == "False", run.stdout
+    lines = run.stdout.strip().splitlines()
+    assert lines.count("script body runs") == 1, run.stdout  # not again in the child
+    assert any(line.startswith("child error:") for line in lines) and lines[-1] == "False", run.stdout
     isolated = load_graph(tmp_path / "g.pt")
     built = build_graph(GraphConfig(data_grid="o32", hidden="o8", processor=KNNEdges(num_neighbours=4)))
     stores = dict(isolated.stores())

@@ -239,7 +239,8 @@ def load_or_build_graph(
     ``progress``: say which, and a line per phase of a build, on standard error (:mod:`stormshard.progress`).
 
     ``isolate``: build a graph of at least :data:`CHILD_BUILD_MIN_NODES` data nodes in a child process
-    (``spawn``) that saves it to ``path``, then load it: the builder's libraries (scipy: ~28 MiB) and
+    (a fresh interpreter, not multiprocessing: the caller's script is not imported again) that saves it
+    to ``path``, then load it: the builder's libraries (scipy: ~28 MiB) and
     its transient arrays never stay resident in this process (training ranks pass it; the child's
     start, ~2 s, is not worth it for smaller graphs). The child's error is raised here.
     """
@@ -274,9 +275,52 @@ def _build_and_save(config: GraphConfig, path: str, data_latlon: tuple | None, p
         save_graph(build_graph(config, data_latlon), Path(path), config)
 
 
-def _build_in_child(config: GraphConfig, path: Path, data_latlon: tuple | None, progress: bool) -> None:
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+# the child: a fresh interpreter with the parent's sys.path, its job pickled on standard input
+_CHILD_CODE = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+               "from stormshard.graphs.builder import _child_main; _child_main()")
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pool.submit(_build_and_save, config, str(path), data_latlon, progress).result()
+
+def _build_in_child(config: GraphConfig, path: Path, data_latlon: tuple | None, progress: bool) -> None:
+    """Run :func:`_build_and_save` in a fresh Python process and raise its exception here.
+
+    Not multiprocessing's ``spawn``: that imports the caller's main script again in the child, which
+    runs the whole script there when it has no ``if __name__ == "__main__"`` guard."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    job = pickle.dumps((config, str(path), data_latlon, progress))
+    run = subprocess.run([sys.executable, "-c", _CHILD_CODE, json.dumps(sys.path)], input=job,
+                         stdout=subprocess.PIPE, check=False)
+    try:
+        error = pickle.loads(run.stdout) if run.stdout else None
+    except Exception:  # noqa: BLE001 - anything unreadable: report the exit status below
+        error = None
+    if isinstance(error, BaseException):
+        raise error
+    if run.returncode != 0:
+        raise RuntimeError(f"building the graph for {path} in a child process failed (exit status "
+                           f"{run.returncode}; its messages are above)")
+
+
+def _child_main() -> None:
+    """The child process: read the job from standard input, build and save, and write ``None`` or the
+    exception (pickled) to standard output (the build's own output goes to standard error)."""
+    import pickle
+    import sys
+
+    job = pickle.loads(sys.stdin.buffer.read())
+    result_out, sys.stdout = sys.stdout.buffer, sys.stderr
+    try:
+        _build_and_save(*job)
+        result: BaseException | None = None
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
+        result = exc
+    try:
+        data = pickle.dumps(result)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+        data = pickle.dumps(RuntimeError(f"{type(result).__name__}: {result}"))
+    result_out.write(data)
+    result_out.flush()
+    sys.exit(0 if result is None else 1)

@@ -18,7 +18,7 @@ steps as the per-tensor loop, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,27 +59,35 @@ class LeanAdamW(torch.optim.AdamW):
 
 
 @dataclass(eq=False)
-class _FlatState:
-    """One param group's AdamW state in flat buffers: ``exp_avg`` and ``exp_avg_sq`` ``(numel,)`` (the
-    per-parameter state entries are views of them) and one ``step`` tensor shared by the entries."""
+class _FlatBuffers:
+    """One param group's AdamW moments, flat ``(numel,)``. Allocated when the optimizer is built,
+    before any activation exists, so that they sit low in the heap instead of between a step's freed
+    activations."""
 
-    numels: list[int]
     exp_avg: Tensor
     exp_avg_sq: Tensor
-    step: Tensor
-    grad: Tensor = field(init=False)  # the gathered gradients and parameters, reused every step
-    param: Tensor = field(init=False)
-    param_views: list[Tensor] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.grad, self.param = torch.empty_like(self.exp_avg), torch.empty_like(self.exp_avg)
+    @classmethod
+    def allocate(cls, numel: int, like: Tensor) -> _FlatBuffers:
+        exp_avg = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return cls(exp_avg, torch.zeros_like(exp_avg))
+
+
+@dataclass(eq=False)
+class _FlatState:
+    """One param group's AdamW state in flat buffers: the per-parameter state entries are views of
+    ``buffers.exp_avg`` / ``buffers.exp_avg_sq`` and share one ``step`` tensor."""
+
+    numels: list[int]
+    buffers: _FlatBuffers
+    step: Tensor
 
 
 class FlatAdamW(LeanAdamW):
     """:class:`LeanAdamW` whose step on CPU parameters runs over flat buffers: one kernel per AdamW
     operation for a whole param group instead of one per parameter (torch's ``foreach`` ops loop over
     the tensors on a CPU). Per step the group's gradients and parameters are gathered into two flat
-    temporaries (one ``cat`` each), the update runs on them with the operations of torch's
+    temporaries (one ``cat`` each, after backward: no extra peak memory), the update runs on them with the operations of torch's
     multi-tensor AdamW in its order (elementwise, so every element gets the same arithmetic: the same
     steps bit for bit), and the parameters are copied back. The moments live in flat buffers whose
     views are the usual per-parameter ``state[p]`` entries; ``state_dict`` returns compact copies in
@@ -95,6 +103,8 @@ class FlatAdamW(LeanAdamW):
     def __init__(self, params: Iterable[Tensor], **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self._flat: dict[int, _FlatState | None] = {}  # id(group) -> flat state; None: torch's path
+        self._reserved = {id(g): _FlatBuffers.allocate(sum(p.numel() for p in g["params"]), g["params"][0])
+                          for g in self.param_groups if self._flat_capable(g)}
 
     def _flat_capable(self, group: dict[str, Any]) -> bool:
         params = group["params"]
@@ -113,9 +123,10 @@ class FlatAdamW(LeanAdamW):
             return None
         states = [self.state.get(p, {}) for p in params]
         numels = [p.numel() for p in params]
-        p0 = params[0]
-        exp_avg = torch.zeros(sum(numels), dtype=p0.dtype, device=p0.device)
-        exp_avg_sq = torch.zeros_like(exp_avg)
+        buffers = self._reserved.pop(id(group), None)
+        if buffers is None or buffers.exp_avg.numel() != sum(numels):
+            buffers = _FlatBuffers.allocate(sum(numels), params[0])
+        exp_avg, exp_avg_sq = buffers.exp_avg.zero_(), buffers.exp_avg_sq.zero_()
         step = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
         if any(states):
             keys = {"step", "exp_avg", "exp_avg_sq"}
@@ -127,8 +138,7 @@ class FlatAdamW(LeanAdamW):
             torch.cat([s["exp_avg"].detach().reshape(-1) for s in states], out=exp_avg)
             torch.cat([s["exp_avg_sq"].detach().reshape(-1) for s in states], out=exp_avg_sq)
             step = states[0]["step"].detach().clone()
-        flat = _FlatState(numels, exp_avg, exp_avg_sq, step)
-        flat.param_views = [v.view_as(p) for v, p in zip(flat.param.split(numels), params, strict=True)]
+        flat = _FlatState(numels, buffers, step)
         for p, a, b in zip(params, exp_avg.split(numels), exp_avg_sq.split(numels), strict=True):
             self.state[p] = {"step": step, "exp_avg": a.view_as(p), "exp_avg_sq": b.view_as(p)}
         return flat
@@ -148,10 +158,11 @@ class FlatAdamW(LeanAdamW):
         torch_path = False
         for group in self.param_groups:
             key = id(group)
+            gradless = any(p.grad is None or p.grad.is_sparse for p in group["params"])
             if key not in self._flat:
-                self._flat[key] = self._adopt(group)
+                self._flat[key] = None if gradless else self._adopt(group)
             flat = self._flat[key]
-            if flat is not None and any(p.grad is None or p.grad.is_sparse for p in group["params"]):
+            if flat is not None and gradless:
                 self._leave_flat(group)
                 flat = None
             if flat is None:
@@ -186,25 +197,27 @@ class FlatAdamW(LeanAdamW):
 def _flat_adamw_step(group: dict[str, Any], flat: _FlatState) -> None:
     """torch's ``_multi_tensor_adam`` (decoupled weight decay, no amsgrad/maximize/capturable), each
     operation once over the group's flat buffers."""
-    params = group["params"]
+    params, b = group["params"], flat.buffers
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    grad = torch.cat([p.grad.reshape(-1) for p in params], out=flat.grad)
-    param = torch.cat([p.reshape(-1) for p in params], out=flat.param)
+    # gathered per step: allocated after backward has freed the activations, they take no peak memory
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    param = torch.cat([p.reshape(-1) for p in params])
     flat.step.add_(1.0)
     step = flat.step.item()
     if wd != 0:
         param.mul_(1 - lr * wd)
-    flat.exp_avg.lerp_(grad, 1 - beta1)
-    flat.exp_avg_sq.mul_(beta2)
-    flat.exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+    b.exp_avg.lerp_(grad, 1 - beta1)
+    b.exp_avg_sq.mul_(beta2)
+    b.exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     step_size = (lr / bias_correction1) * -1
-    denom = flat.exp_avg_sq.sqrt()
+    denom = b.exp_avg_sq.sqrt()
     denom.div_(bias_correction2 ** 0.5)
     denom.add_(eps)
-    param.addcdiv_(flat.exp_avg, denom, value=step_size)
-    torch._foreach_copy_(params, flat.param_views)
+    param.addcdiv_(b.exp_avg, denom, value=step_size)
+    del grad, denom
+    torch._foreach_copy_(params, [v.view(p.shape) for v, p in zip(param.split(flat.numels), params, strict=True)])
 
 
 def build_adamw(params: Iterable[Tensor], flat: bool = True, **kwargs: Any) -> torch.optim.AdamW:
