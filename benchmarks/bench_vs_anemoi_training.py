@@ -120,6 +120,30 @@ def summarize(harness: Path, env_python: Path, rounds: list[Path]) -> list[dict]
     return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
 
 
+def merge_runs(harness: Path, env_dir: Path, bases: list[Path], out: str | None) -> int:
+    """One table over every round under ``bases`` (directories an earlier run wrote: ``<stamp>/r<k>``)."""
+    missing = [str(b) for b in bases if not b.is_dir()]
+    if missing:
+        print(f"--merge: no such directory: {', '.join(missing)} (give the OUT/<stamp> directories of earlier runs)",
+              file=sys.stderr)
+        return 2
+    rounds = sorted(r for b in bases for r in b.glob("r*") if (r / "bench").is_dir())
+    rows = summarize(harness, env_dir / "bin" / "python", rounds)
+    if not rows:
+        print(f"--merge: no complete runs under {', '.join(map(str, bases))}", file=sys.stderr)
+        return 1
+    note = (f"Machine: {machine()}; gloo, OMP_NUM_THREADS=1; {len(rounds)} round(s) of {len(bases)} run(s) merged. "
+            "Per run the median step (first 5 untimed), per row the median over runs (min-max). "
+            "speed vs anemoi: steps/s ratio (> 1: stormshard faster); PSS vs anemoi < 1: stormshard smaller.")
+    table = markdown(rows)
+    print(table)
+    print()
+    print(note)
+    if out:
+        Path(out).write_text(table + "\n\n" + note + "\n")
+    return 0
+
+
 def markdown(rows: list[dict]) -> str:
     order = {lib: i for i, lib in enumerate(ORDER)}
     rows = sorted(rows, key=lambda r: (r["bench"], r["processes"], order.get(r["library"], 9)))
@@ -148,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucketed", action="store_true", help="also the old 'bucketed' reduction at 2 processes")
     p.add_argument("--out", default=str(ROOT / ".cache" / "anemoi-training-bench" / "vs_anemoi"))
     p.add_argument("--markdown", default=None, help="write the table (and the machine line) to this file")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="run nothing: one table over the rounds of earlier runs (their OUT/<stamp> directories)")
     args = p.parse_args(argv)
     if args.quick:
         args.variants, args.sizes, args.procs, args.rounds, args.steps = "gt", "o16", "1,2", 1, args.steps or 15
@@ -168,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
               f"    {where}/setup.sh                 # or ANEMOI_TRAINING_ENV=/path {where}/setup.sh\n"
               "then run this script again (ANEMOI_TRAINING_HARNESS points at another harness copy).")
         return 0
+    if args.merge:
+        return merge_runs(harness, env_dir, [Path(d) for d in args.merge], args.markdown)
     env = {**os.environ, "ANEMOI_TRAINING_ENV": str(env_dir), "STORMSHARD": str(ROOT),
            "DATA_DIR": os.environ.get("DATA_DIR", str(ROOT / ".cache" / "anemoi-training-bench" / "data")),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
