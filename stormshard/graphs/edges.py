@@ -31,13 +31,13 @@ __all__ = [
 ]
 
 
-
 def _kd_tree(points: np.ndarray):  # noqa: ANN202 - scipy's cKDTree
     """``scipy.spatial.cKDTree(points)``; scipy is imported on first use (a training run that loads a
     cached graph never loads it: ~28 MiB of resident memory per rank)."""
     from scipy.spatial import cKDTree
 
     return cKDTree(points)
+
 
 def _check_xyz(xyz: np.ndarray, name: str) -> np.ndarray:
     xyz = np.asarray(xyz, dtype=np.float64)

@@ -58,28 +58,20 @@ class LeanAdamW(torch.optim.AdamW):
             return _STEP(self, closure)
 
 
-@dataclass(eq=False)
-class _FlatBuffers:
-    """One param group's AdamW moments, flat ``(numel,)``. Allocated when the optimizer is built,
-    before any activation exists, so that they sit low in the heap instead of between a step's freed
-    activations."""
-
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
-
-    @classmethod
-    def allocate(cls, numel: int, like: Tensor) -> _FlatBuffers:
-        exp_avg = torch.zeros(numel, dtype=like.dtype, device=like.device)
-        return cls(exp_avg, torch.zeros_like(exp_avg))
+def _zero_moments(numel: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """Flat ``(numel,)`` zeros for ``exp_avg`` and ``exp_avg_sq`` in ``like``'s dtype and device."""
+    exp_avg = torch.zeros(numel, dtype=like.dtype, device=like.device)
+    return exp_avg, torch.zeros_like(exp_avg)
 
 
 @dataclass(eq=False)
 class _FlatState:
     """One param group's AdamW state in flat buffers: the per-parameter state entries are views of
-    ``buffers.exp_avg`` / ``buffers.exp_avg_sq`` and share one ``step`` tensor."""
+    ``exp_avg`` / ``exp_avg_sq`` ``(numel,)`` and share one ``step`` tensor."""
 
     numels: list[int]
-    buffers: _FlatBuffers
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
     step: Tensor
 
 
@@ -103,7 +95,9 @@ class FlatAdamW(LeanAdamW):
     def __init__(self, params: Iterable[Tensor], **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
         self._flat: dict[int, _FlatState | None] = {}  # id(group) -> flat state; None: torch's path
-        self._reserved = {id(g): _FlatBuffers.allocate(sum(p.numel() for p in g["params"]), g["params"][0])
+        # the moments are allocated now, before any activation exists, so that they sit low in the heap
+        # instead of between a step's freed activations; a group's state takes them at its first step
+        self._reserved = {id(g): _zero_moments(sum(p.numel() for p in g["params"]), g["params"][0])
                           for g in self.param_groups if self._flat_capable(g)}
 
     def _flat_capable(self, group: dict[str, Any]) -> bool:
@@ -123,10 +117,9 @@ class FlatAdamW(LeanAdamW):
             return None
         states = [self.state.get(p, {}) for p in params]
         numels = [p.numel() for p in params]
-        buffers = self._reserved.pop(id(group), None)
-        if buffers is None or buffers.exp_avg.numel() != sum(numels):
-            buffers = _FlatBuffers.allocate(sum(numels), params[0])
-        exp_avg, exp_avg_sq = buffers.exp_avg.zero_(), buffers.exp_avg_sq.zero_()
+        exp_avg, exp_avg_sq = self._reserved.pop(id(group), (None, None))
+        if exp_avg is None or exp_avg.numel() != sum(numels):
+            exp_avg, exp_avg_sq = _zero_moments(sum(numels), params[0])
         step = torch.tensor(0.0, dtype=_scalar_dtype(), device="cpu")
         if any(states):
             keys = {"step", "exp_avg", "exp_avg_sq"}
@@ -138,7 +131,7 @@ class FlatAdamW(LeanAdamW):
             torch.cat([s["exp_avg"].detach().reshape(-1) for s in states], out=exp_avg)
             torch.cat([s["exp_avg_sq"].detach().reshape(-1) for s in states], out=exp_avg_sq)
             step = states[0]["step"].detach().clone()
-        flat = _FlatState(numels, buffers, step)
+        flat = _FlatState(numels, exp_avg, exp_avg_sq, step)
         for p, a, b in zip(params, exp_avg.split(numels), exp_avg_sq.split(numels), strict=True):
             self.state[p] = {"step": step, "exp_avg": a.view_as(p), "exp_avg_sq": b.view_as(p)}
         return flat
@@ -183,9 +176,12 @@ class FlatAdamW(LeanAdamW):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's layout; the flat groups' entries as compact copies (not views of the flat buffers)."""
+        """torch's layout; the flat groups' entries as compact copies (not views of the flat buffers, nor
+        one shared ``step``); the other groups' entries as torch returns them (no copy)."""
         out = super().state_dict()
-        out["state"] = {i: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()}
+        flat = {i for packed, group in zip(out["param_groups"], self.param_groups, strict=True)
+                if self._flat.get(id(group)) is not None for i in packed["params"]}
+        out["state"] = {i: ({k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()} if i in flat else s)
                         for i, s in out["state"].items()}
         return out
 
@@ -197,7 +193,7 @@ class FlatAdamW(LeanAdamW):
 def _flat_adamw_step(group: dict[str, Any], flat: _FlatState) -> None:
     """torch's ``_multi_tensor_adam`` (decoupled weight decay, no amsgrad/maximize/capturable), each
     operation once over the group's flat buffers."""
-    params, b = group["params"], flat.buffers
+    params = group["params"]
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     # gathered per step: allocated after backward has freed the activations, they take no peak memory
     grad = torch.cat([p.grad.reshape(-1) for p in params])
@@ -206,16 +202,16 @@ def _flat_adamw_step(group: dict[str, Any], flat: _FlatState) -> None:
     step = flat.step.item()
     if wd != 0:
         param.mul_(1 - lr * wd)
-    b.exp_avg.lerp_(grad, 1 - beta1)
-    b.exp_avg_sq.mul_(beta2)
-    b.exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+    flat.exp_avg.lerp_(grad, 1 - beta1)
+    flat.exp_avg_sq.mul_(beta2)
+    flat.exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     step_size = (lr / bias_correction1) * -1
-    denom = b.exp_avg_sq.sqrt()
+    denom = flat.exp_avg_sq.sqrt()
     denom.div_(bias_correction2 ** 0.5)
     denom.add_(eps)
-    param.addcdiv_(b.exp_avg, denom, value=step_size)
+    param.addcdiv_(flat.exp_avg, denom, value=step_size)
     del grad, denom
     torch._foreach_copy_(params, [v.view(p.shape) for v, p in zip(param.split(flat.numels), params, strict=True)])
 
