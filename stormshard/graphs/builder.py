@@ -93,7 +93,11 @@ def _data_coordinates(config: GraphConfig, data_latlon: tuple | None) -> tuple[n
 
 def graph_hash(config: GraphConfig, data_latlon: tuple | None = None) -> str:
     """SHA-256 of the graph format version, the config and the data coordinates (float64 degrees)."""
-    lat, lon = _data_coordinates(config, data_latlon)
+    return _hash_of(config, *_data_coordinates(config, data_latlon))
+
+
+def _hash_of(config: GraphConfig, lat: np.ndarray, lon: np.ndarray) -> str:
+    """:func:`graph_hash` of already resolved data coordinates (degrees)."""
     h = hashlib.sha256()
     h.update(f"stormshard-graph-v{GRAPH_FORMAT_VERSION}".encode())
     h.update(config.model_dump_json().encode())
@@ -244,7 +248,8 @@ def load_or_build_graph(
     its transient arrays never stay resident in this process (training ranks pass it; the child's
     start, ~2 s, is not worth it for smaller graphs). The child's error is raised here.
     """
-    digest = graph_hash(config, data_latlon)
+    lat, lon = _data_coordinates(config, data_latlon)  # once: a named grid is generated here
+    digest = _hash_of(config, lat, lon)
     path = Path(path)
     with reporting(progress):
         if path.exists():
@@ -255,7 +260,7 @@ def load_or_build_graph(
             if graph is not None and graph.config_hash == digest:
                 note(f"graph: loaded {path} (built from this config)")
                 return graph
-        if isolate and _data_node_count(config, data_latlon) >= CHILD_BUILD_MIN_NODES:
+        if isolate and len(lat) >= CHILD_BUILD_MIN_NODES:
             _build_in_child(config, path, data_latlon, progress)
             graph = load_graph(path)
         else:
@@ -263,10 +268,6 @@ def load_or_build_graph(
             save_graph(graph, path, config)
         note(f"graph: saved {path}")
     return graph
-
-
-def _data_node_count(config: GraphConfig, data_latlon: tuple | None) -> int:
-    return len(_data_coordinates(config, data_latlon)[0])
 
 
 def _build_and_save(config: GraphConfig, path: str, data_latlon: tuple | None, progress: bool) -> None:
