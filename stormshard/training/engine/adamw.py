@@ -154,6 +154,7 @@ class FlatAdamW(LeanAdamW):
             gradless = any(p.grad is None or p.grad.is_sparse for p in group["params"])
             if key not in self._flat:
                 self._flat[key] = None if gradless else self._adopt(group)
+                self._reserved.pop(key, None)  # taken by the flat state, or not needed on torch's path
             flat = self._flat[key]
             if flat is not None and gradless:
                 self._leave_flat(group)
