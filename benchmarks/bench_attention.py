@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from stormshard.kernels.dispatch import sliding_window_attention  # noqa: E402
 from stormshard.layers.transformer import TransformerProcessor  # noqa: E402
-from stormshard.layers.window import sliding_window_attention  # noqa: E402
 from stormshard.parallel.counter import CommCounter  # noqa: E402
 from stormshard.parallel.sequence import halo_exchange  # noqa: E402
 from stormshard.parallel.shapes import balanced_sizes  # noqa: E402

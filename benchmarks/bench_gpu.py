@@ -24,7 +24,7 @@ Then bf16 vs fp32 and flex vs banded ratios.
 Before those, the **flex options** table (``--tables flex``) times flex attention alone at the AIFS
 attention shape (batch 1, 16 heads, 40,320 tokens, head dim 64, window 1120, bf16), forward and
 backward apart, for torch's default Triton tiles and a few candidate ``kernel_options``
-(:func:`stormshard.layers.flex_window.set_flex_kernel_options`), each checked against the default's
+(:func:`stormshard.kernels.flex.set_flex_kernel_options`), each checked against the default's
 output and gradient. The fastest forward and backward options, where they beat the default by more
 than 2%, are merged into the "tuned" options, and the processor's compiled flex row is run again with them.
 
@@ -53,8 +53,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph  # noqa: E402
-from stormshard.layers.flex_window import TUNED_KERNEL_OPTIONS, flex_attention_unavailable  # noqa: E402
-from stormshard.layers.window import flash_attn_window_func, sliding_window_attention  # noqa: E402
+from stormshard.kernels.dispatch import sliding_window_attention  # noqa: E402
+from stormshard.kernels.flash import flash_attn_window_func  # noqa: E402
+from stormshard.kernels.flex import TUNED_KERNEL_OPTIONS, flex_attention_unavailable  # noqa: E402
 from stormshard.models.config import ModelConfig  # noqa: E402
 from stormshard.models.parallelize import build_transformer_processor  # noqa: E402
 from stormshard.models.registry import build_model  # noqa: E402
@@ -148,7 +149,7 @@ def _compile(module: torch.nn.Module) -> None:
 def run_processor_row(row: Row, tokens: int, channels: int, heads: int, window: int, layers: int,
                       device: torch.device, warmup: int, steps: int, peak: float | None,
                       options: dict | None = None) -> None:
-    from stormshard.layers.flex_window import set_flex_kernel_options
+    from stormshard.kernels.flex import set_flex_kernel_options
 
     set_flex_kernel_options(options)
     try:
@@ -269,7 +270,7 @@ def flex_options_table(device: torch.device, heads: int, tokens: int, head_dim: 
     """Time flex attention alone per candidate ``kernel_options``; returns the tuned options (may be {})."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from stormshard.layers.flex_window import window_block_mask
+    from stormshard.kernels.flex import window_block_mask
 
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=gen)

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from stormshard.kernels.dispatch import sliding_window_attention
+from stormshard.kernels.reference import dense_window_attention
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.conditional import ConditionalTransformerBlock
 from stormshard.layers.mlp import MLP
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
-from stormshard.layers.window import dense_window_attention, sliding_window_attention
 from stormshard.models.parallelize import build_transformer_processor
 from stormshard.parallel.counter import CommCounter
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
@@ -119,7 +120,7 @@ def test_kernel_long_sequence_is_banded():
 
 def test_flash_window_mapping():
     """The (left, right) window handed to flash-attn reproduces our offsets under flash's alignment rule."""
-    from stormshard.layers.window import flash_window_sides
+    from stormshard.kernels.flash import flash_window_sides
 
     for num_q, num_k, shift, w in itertools.product([1, 5, 9], [5, 9, 14], [0, 2, 4, 7], [0, 1, 3, 20]):
         if shift + num_q > num_k:

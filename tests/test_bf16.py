@@ -335,8 +335,8 @@ def test_kernels_accumulate_softmax_in_fp32():
     """The window kernel and graph attention in bf16 (also under autocast) against float64: their
     softmax statistics are fp32, so the error is that of rounding inputs and the output to bf16
     (at most ~2^-8 relative), not of a bf16 softmax."""
-    from stormshard.layers.graph_transformer import graph_attention
-    from stormshard.layers.window import dense_window_attention, sliding_window_attention
+    from stormshard.kernels.dispatch import sliding_window_attention
+    from stormshard.kernels.reference import dense_window_attention, graph_attention
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g).bfloat16() for _ in range(3))

@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from stormshard.kernels.dispatch import sliding_window_attention
+from stormshard.kernels.reference import dense_window_attention
 from stormshard.layers import set_attention_kernel
 from stormshard.layers.attention import SlidingWindowAttention
-from stormshard.layers.window import dense_window_attention, sliding_window_attention
 from stormshard.models.parallelize import build_transformer_processor
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
 from stormshard.parallel.shard import SequenceShard
@@ -129,7 +130,7 @@ def test_sharded_flex_forward_equals_single_process_banded(world):
 
 
 def test_band_blocks_match_the_elementwise_mask():
-    from stormshard.layers.flex_window import band_blocks
+    from stormshard.kernels.flex import band_blocks
 
     for num_q, num_k, shift, window, block in [(300, 300, 0, 40, 16), (333, 380, 10, 32, 32), (50, 20, 30, 2, 8),
                                                (129, 257, -20, 0, 16), (1001, 1001, 0, 1000, 128)]:
@@ -161,7 +162,7 @@ def test_compiled_flex_processor_forward_equals_eager_banded():
 
 def test_flex_kernel_options_setting_and_bad_values(monkeypatch):
     """The tile options: the table on CUDA only, a user's dict wins, a bad env value names the variable."""
-    from stormshard.layers import flex_window
+    from stormshard.kernels import flex as flex_window
 
     q = _rand((1, 2, 64, 16), 1)
     monkeypatch.setattr(flex_window, "_USER_OPTIONS", [])

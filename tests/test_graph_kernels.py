@@ -1,4 +1,4 @@
-"""The fused graph kernels (stormshard.layers.graph_kernels) against the straightforward math, in float64.
+"""The fused graph kernels (stormshard.kernels.graph_csr) against the straightforward math, in float64.
 
 Reference: ``graph_attention`` (per-edge gathers, torch-geometric softmax and scatter) with the
 edge embedding ``Linear(edge_attr)`` formed per edge, i.e. the graph blocks' previous
@@ -14,14 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.utils import scatter
 
-import stormshard.layers.graph_transformer as gt
+import stormshard.kernels.dispatch as dispatch
+from stormshard.kernels.graph_csr import csr_structure, fused_graph_attention, segment_sum
+from stormshard.kernels.reference import graph_attention
 from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock
-from stormshard.layers.graph_kernels import csr_structure, fused_graph_attention, segment_sum
-from stormshard.layers.graph_transformer import (
-    GraphTransformerMapperBlock,
-    GraphTransformerProcessorBlock,
-    graph_attention,
-)
+from stormshard.layers.graph_transformer import GraphTransformerMapperBlock, GraphTransformerProcessorBlock
 from stormshard.parallel.graph import GraphShardPlan
 
 F64 = torch.float64
@@ -205,7 +202,7 @@ def _run(block, kind, plan, x_src, x_dst, attr, w, w_e):  # noqa: ANN001
 def test_transformer_blocks_match_previous_path(kind, num_chunks, monkeypatch):
     case = _block_case(kind)
     new = _run(_make_block(kind, case[0], num_chunks), kind, *case)
-    monkeypatch.setattr(gt, "fused_graph_attention", reference_attention)  # the previous math
+    monkeypatch.setattr(dispatch, "fused_graph_attention", reference_attention)  # the previous math
     ref = _run(_make_block(kind, case[0], 1), kind, *case)
     torch.testing.assert_close(new[0], ref[0], rtol=1e-11, atol=1e-11)
     for a, b in zip(new[2], ref[2], strict=True):
@@ -230,7 +227,7 @@ def test_gnn_blocks_match_scatter_path(kind, num_chunks, monkeypatch):
 
 
 def test_structure_cache_drops_dead_edge_indices():
-    from stormshard.layers.graph_kernels import cached_structures
+    from stormshard.kernels.graph_csr import cached_structures
 
     edge_index = torch.stack([torch.arange(6) % 4, torch.arange(6) % 3])
     csr_structure(edge_index, 4, 3, 2)

@@ -10,10 +10,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "stormshard"
 MAX_LINES = 600
 
 #: The floors, lowest first. A package imports only packages on lower floors (and itself):
-#: parallel knows nothing of weather; checkpoint/ and inference/ stand below training/.
+#: parallel knows nothing of weather; kernels import nothing of the layers that call them;
+#: checkpoint/ and inference/ stand below training/.
 FLOORS: dict[str, int] = {
     "errors": 0, "lazy": 0, "progress": 0,
-    "parallel": 1,
+    "parallel": 1, "kernels": 1,
     "graphs": 2, "layers": 2,
     "data": 3, "models": 3,
     "checkpoint": 4,

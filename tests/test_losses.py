@@ -90,8 +90,8 @@ def test_an_eager_step_imports_neither_dynamo_nor_sympy():
 
     code = """
 import sys, torch
-from stormshard.layers.graph_kernels import fused_graph_attention
-from stormshard.layers.window import sliding_window_attention
+from stormshard.kernels.graph_csr import fused_graph_attention
+from stormshard.kernels.dispatch import sliding_window_attention
 from stormshard.training.losses import WeightedMSELoss
 q, k, v = (torch.randn(6, 2, 4, requires_grad=True) for _ in range(3))
 attr, w = torch.randn(9, 3), torch.randn(8, 3, requires_grad=True)

@@ -140,8 +140,8 @@ def check_forecast_attention_kernel(kernel: str, device_type: str, precision: st
                                     head_dim: int | None = None) -> None:
     """ValueError unless ``--attention-kernel`` ``kernel`` can run a forecast (forward only) on ``device_type``
     at ``precision`` with heads of ``head_dim`` (None: not known yet); the rule is
-    :func:`~stormshard.layers.window.attention_kernel_problem`."""
-    from stormshard.layers.window import attention_kernel_problem
+    :func:`~stormshard.kernels.dispatch.attention_kernel_problem`."""
+    from stormshard.kernels.dispatch import attention_kernel_problem
 
     problem = attention_kernel_problem(kernel, device_type, precision=precision, head_dim=head_dim, backward=False)
     if problem is not None:

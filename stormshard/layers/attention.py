@@ -25,8 +25,8 @@ from __future__ import annotations
 import einops
 from torch import Tensor, nn
 
+from stormshard.kernels.dispatch import AttentionKernel, check_attention_kernel, sliding_window_attention
 from stormshard.layers.strategy import check_split, check_strategy_name
-from stormshard.layers.window import AttentionKernel, check_attention_kernel, sliding_window_attention
 from stormshard.parallel.sequence import add_halos, remove_halos, shard_heads, shard_sequence
 from stormshard.parallel.shard import ATTENTION_STRATEGIES, SequenceShard, ShardStrategy
 

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stormshard.parallel.graph_edges import destination_chunks
 
-__all__ = ["map_destination_chunks", "check_num_chunks", "precompute_chunks"]
+__all__ = ["map_destination_chunks", "check_num_chunks", "precompute_chunks", "chunk_edge_indices"]
 
 ChunkFn = Callable[[Tensor | None, int, int], tuple[Tensor, ...]]
 
@@ -37,6 +37,17 @@ def precompute_chunks(edge_index: Tensor, num_dst: int, num_chunks: int) -> tupl
     sizes depend on the edges' values, so computing them inside a torch.compile'd block would break
     its graph."""
     return None if num_chunks == 1 else tuple(destination_chunks(edge_index, num_dst, num_chunks))
+
+
+def chunk_edge_indices(edge_index: Tensor,
+                       chunks: tuple[tuple[int, int, Tensor], ...] | None) -> dict[int, Tensor] | None:
+    """Per chunk of :func:`precompute_chunks`, keyed by its first destination: the ``(2, E_c)`` edge
+    index of its edges with destinations counted from the chunk's first (``edge_index[:, ids]``,
+    row 1 minus ``first``). Built once, so that a kernel's structures cached per index tensor are
+    built once per chunk, not on every call; None for one chunk."""
+    if chunks is None:
+        return None
+    return {first: torch.stack([edge_index[0, ids], edge_index[1, ids] - first]) for first, _end, ids in chunks}
 
 
 def map_destination_chunks(

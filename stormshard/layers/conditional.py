@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from stormshard.kernels.names import AttentionKernel
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
-from stormshard.layers.window import AttentionKernel
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
 __all__ = ["ConditionalLayerNorm", "ConditionalTransformerBlock"]

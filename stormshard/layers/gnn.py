@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stormshard.kernels.graph_csr import segment_sum
 from stormshard.layers.chunking import check_num_chunks, map_destination_chunks, precompute_chunks
 from stormshard.layers.gnn_kernel_settings import EdgeBufferPool, EdgeKernelOptions, check_kernel_args
 from stormshard.layers.gnn_kernels import fusable, fused_edge_mlp, fused_mlp
@@ -76,7 +77,6 @@ from stormshard.layers.graph_inputs import (
     check_plan,
     check_positive_int,
 )
-from stormshard.layers.graph_kernels import segment_sum
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
 

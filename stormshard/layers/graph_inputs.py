@@ -70,8 +70,8 @@ def check_node_and_edge_shapes(
 
 class PlanFollowsModule(nn.Module):
     """Base of the graph blocks that hold ``self.plan`` (a :class:`GraphShardPlan`) and
-    ``self.edge_chunks``: ``module.to(device)`` / ``.cuda()`` moves the plan's index tensors and the
-    chunks' edge ids with the parameters. The forward then never copies them (on a GPU a copy per
+    ``self.edge_chunks`` (and, in graph-transformer blocks, ``self.chunk_index``): ``module.to(device)`` /
+    ``.cuda()`` moves the plan's index tensors and the chunks' edge ids and edge indices with the parameters. The forward then never copies them (on a GPU a copy per
     call would also be a new tensor each time, missing the CSR caches keyed by the index tensor)."""
 
     plan: GraphShardPlan
@@ -87,4 +87,6 @@ class PlanFollowsModule(nn.Module):
             self.plan = self.plan.to(device)
             if self.edge_chunks is not None:
                 self.edge_chunks = tuple((first, end, ids.to(device)) for first, end, ids in self.edge_chunks)
+            if getattr(self, "chunk_index", None) is not None:
+                self.chunk_index = {first: index.to(device) for first, index in self.chunk_index.items()}
         return out

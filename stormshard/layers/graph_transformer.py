@@ -9,7 +9,7 @@ For an edge ``j -> i`` with edge features ``e_ji`` (per head ``h``, head size ``
 
 (pre-norm, residual; the bracketed term with ``self_projection=True``, anemoi-models'
 ``lin_self``, so that a block has anemoi's parameters and cost). The blocks compute the attention with
-:func:`stormshard.layers.graph_kernels.fused_graph_attention` (CSR sampled products, segment
+:func:`stormshard.kernels.graph_csr.fused_graph_attention` (CSR sampled products, segment
 softmax and a sparse product; no ``(E, heads, d)`` tensor is formed or kept for the backward);
 :func:`graph_attention` is the same math written out per edge (torch-geometric ``softmax`` and
 ``scatter``), kept as the reference. Layouts: node features ``(num_nodes, channels)``, ``edge_attr``
@@ -41,13 +41,18 @@ checkpointing per chunk (see :mod:`stormshard.layers.chunking`); results are equ
 
 from __future__ import annotations
 
-import math
-
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from stormshard.layers.chunking import check_num_chunks, map_destination_chunks, precompute_chunks
+from stormshard.kernels.dispatch import check_graph_kernel, graph_attention_kernel
+from stormshard.kernels.names import GraphKernel
+from stormshard.layers.chunking import (
+    check_num_chunks,
+    chunk_edge_indices,
+    map_destination_chunks,
+    precompute_chunks,
+)
 from stormshard.layers.graph_inputs import (
     PlanFollowsModule,
     check_local_rows,
@@ -55,41 +60,10 @@ from stormshard.layers.graph_inputs import (
     check_plan,
     check_positive_int,
 )
-from stormshard.layers.graph_kernels import fused_graph_attention
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
 
-__all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "graph_attention"]
-
-
-def graph_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    edge_emb: Tensor,
-    edge_index: Tensor,
-    num_dst: int,
-) -> Tensor:
-    """Attention of each destination node over its incoming edges.
-
-    ``query`` ``(num_dst, *batch, heads, d)``, ``key``/``value`` ``(num_src, *batch, heads, d)``,
-    ``edge_emb`` ``(E, *batch or 1s, heads, d)`` (added to keys and values), ``edge_index``
-    ``(2, E)``. Returns ``(num_dst, *batch, heads, d)`` in ``value``'s dtype; a destination without
-    incoming edges gets zeros. The logits, the softmax statistics (max and sum per destination) and
-    the weighted sum over edges are computed in fp32 whatever the input dtype (bf16 included).
-    """
-    # imported here: the blocks' fast path never loads torch-geometric (~100 MB resident)
-    from torch_geometric.utils import scatter, softmax
-
-    src, dst = edge_index[0], edge_index[1]
-    acc = torch.promote_types(value.dtype, torch.float32)
-    k_j = key.index_select(0, src) + edge_emb
-    v_j = value.index_select(0, src) + edge_emb
-    q_i = query.index_select(0, dst)
-    logits = (q_i.to(acc) * k_j.to(acc)).sum(dim=-1) / math.sqrt(query.shape[-1])  # (E, heads)
-    weights = softmax(logits, dst, num_nodes=num_dst)
-    out = scatter(weights.unsqueeze(-1) * v_j.to(acc), dst, dim=0, dim_size=num_dst, reduce="sum")
-    return out.to(v_j.dtype)
+__all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "set_graph_kernel"]
 
 
 def _mlp(channels: int, ratio: float) -> nn.Sequential:
@@ -110,8 +84,11 @@ class _GraphTransformerBase(PlanFollowsModule):
         num_chunks: int,
         hidden_dim: int | None,
         self_projection: bool = False,
+        graph_kernel: GraphKernel = "auto",
     ) -> None:
         super().__init__()
+        check_graph_kernel(graph_kernel)
+        self.graph_kernel = graph_kernel
         for name, value in (("src_channels", src_channels), ("dst_channels", dst_channels),
                             ("edge_channels", edge_channels), ("num_heads", num_heads)):
             check_positive_int(name, value)
@@ -153,9 +130,7 @@ class _GraphTransformerBase(PlanFollowsModule):
         split = "n ... (h d) -> n ... h d"
         k, v = halo_linear(plan, h_src, (self.to_k.weight, self.to_v.weight), (self.to_k.bias, self.to_v.bias))
         k, v = rearrange(k, split, h=heads), rearrange(v, split, h=heads)
-        edge_index = plan.edge_index.to(x_dst.device)
-        # edge attributes are often a module buffer, which bf16 engines leave in fp32: compute in the nodes' dtype
-        edge_attr = edge_attr.to(x_dst.dtype)
+        edge_index = plan.edge_index
         w_e, b_e = self.to_e.weight, self.to_e.bias
 
         def rows(x: Tensor, first: int, end: int) -> Tensor:
@@ -163,18 +138,14 @@ class _GraphTransformerBase(PlanFollowsModule):
             return x if first == 0 and end == x.shape[0] else x[first:end]
 
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
-            index, attr = (edge_index, edge_attr) if ids is None else (edge_index[:, ids], edge_attr[ids])
-            if first:
-                index = torch.stack([index[0], index[1] - first])
+            # a chunk's destination-local edge index was built once (its kernel structures are cached on it)
+            index, attr = (edge_index, edge_attr) if ids is None else (self.chunk_index[first], edge_attr[ids])
             q_in = rows(h_dst, first, end)
             q = rearrange(self.to_q(q_in), split, h=heads)
-            # fused kernel (stormshard.layers.graph_kernels): same math as graph_attention with the
-            # edge embedding to_e(attr) added to keys and values, no (E, heads, d) tensor formed
-            # logits, softmax statistics and the weighted sum in fp32 whatever the compute dtype (bf16)
-            acc = torch.promote_types(q.dtype, torch.float32)
-            with torch.autocast(device_type=q.device.type, enabled=False):
-                attn = fused_graph_attention(q.to(acc), k.to(acc), v.to(acc), attr.to(acc), w_e.to(acc),
-                                             None if b_e is None else b_e.to(acc), index, end - first).to(q.dtype)
+            # the edge embedding to_e(attr) added to keys and values, never formed as an (E, heads, d)
+            # tensor; logits, softmax statistics and sums in fp32 whatever the compute dtype (bf16);
+            # the kernel (csr or triton) chosen by stormshard.kernels.dispatch
+            attn = graph_attention_kernel(self.graph_kernel, q, k, v, attr, w_e, b_e, index, end - first)
             attn = rearrange(attn, "n ... h d -> n ... (h d)")
             if self.to_self is not None:
                 attn = attn + self.to_self(q_in)
@@ -206,12 +177,14 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
         num_chunks: int = 1,
         hidden_dim: int | None = None,
         self_projection: bool = False,
+        graph_kernel: GraphKernel = "auto",
     ) -> None:
         super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
-                         self_projection)
+                         self_projection, graph_kernel)
         self.plan = check_plan(plan, processor=False)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
+        self.chunk_index = chunk_edge_indices(self.plan.edge_index, self.edge_chunks)
         self.norm_src = nn.LayerNorm(src_channels)
         self.norm_dst = nn.LayerNorm(dst_channels)
 
@@ -240,12 +213,14 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         num_chunks: int = 1,
         hidden_dim: int | None = None,
         self_projection: bool = False,
+        graph_kernel: GraphKernel = "auto",
     ) -> None:
         super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
-                         self_projection)
+                         self_projection, graph_kernel)
         self.plan = check_plan(plan, processor=True)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
+        self.chunk_index = chunk_edge_indices(self.plan.edge_index, self.edge_chunks)
         self.norm = nn.LayerNorm(channels)
 
     def forward(self, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:
@@ -253,3 +228,16 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         check_local_rows(self.plan, x.shape[0], x.shape[0], edge_attr)
         h = self.norm(x)
         return self._attend(h, h, x, edge_attr, self.plan), edge_attr
+
+
+def set_graph_kernel(model: nn.Module, kernel: GraphKernel) -> int:
+    """Make every graph-transformer block of ``model`` compute its attention with ``kernel``
+    (``"auto"``, ``"csr"``, ``"triton"``: :mod:`stormshard.kernels.dispatch`); returns how many blocks
+    changed. The kernels compute the same function (to round-off): a model trained with one runs with
+    another. An unknown kernel is a ValueError; one that cannot run on the model's device fails at
+    its first call, naming the reason."""
+    check_graph_kernel(kernel)
+    blocks = [m for m in model.modules() if isinstance(m, _GraphTransformerBase)]
+    for block in blocks:
+        block.graph_kernel = kernel
+    return len(blocks)

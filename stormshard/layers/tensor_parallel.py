@@ -33,10 +33,10 @@ import einops
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from stormshard.kernels.dispatch import AttentionKernel, check_attention_kernel, sliding_window_attention
 from stormshard.layers.mlp import MLP
 from stormshard.layers.strategy import check_split
 from stormshard.layers.transformer import TransformerBlock
-from stormshard.layers.window import AttentionKernel, check_attention_kernel, sliding_window_attention
 from stormshard.parallel.shapes import group_size
 from stormshard.parallel.shard import SequenceShard
 from stormshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear

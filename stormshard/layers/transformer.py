@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from stormshard.kernels.names import AttentionKernel
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
 from stormshard.layers.strategy import check_strategy_name
-from stormshard.layers.window import AttentionKernel
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
 __all__ = ["TransformerBlock", "TransformerProcessor"]

@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from stormshard.layers.window import prepare_attention_kernels
+from stormshard.kernels.dispatch import prepare_attention_kernels
 
 __all__ = ["compile_blocks", "compiled_block_names", "COMPILED_TARGETS", "BACKEND_VARIABLE"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stormshard.layers.kernel_names import AttentionKernel
+from stormshard.kernels.names import AttentionKernel, GraphKernel
 
 __all__ = ["ProcessorConfig", "MapperConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS"]
 
@@ -101,6 +101,10 @@ class ModelConfig(_Strict):
     decoder: MapperConfig = MapperConfig()
     ensemble: EnsembleConfig | None = None
     activation_checkpointing: bool = False
+    graph_kernel: GraphKernel = Field(
+        "auto", description="graph-transformer attention kernel of the encoder, decoder and graph processor: "
+        "'auto' (CUDA: Triton when it imports, else csr; elsewhere csr), 'csr' (sparse CSR products, every "
+        "device), 'triton' (the Triton kernel: CUDA, or a CPU under TRITON_INTERPRET=1)")
     # anemoi's AIFS features (all off by default; an imported anemoi model sets them):
     latent_skip: bool = False  # the processor's input added to its output
     decoder_embedding: bool = False  # the decoder's own embedding of the data-node inputs (anemoi's emb_nodes_dst)

@@ -126,7 +126,8 @@ class EncoderProcessorDecoder(nn.Module):
             return GNNMapperBlock(c, c, edge_channels, plan, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks,
                                   buffer_pool=self.edge_buffer_pool)
         return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, plan, mlp_ratio=cfg.mlp_ratio,
-                                           num_chunks=cfg.num_chunks, self_projection=cfg.self_projection)
+                                           num_chunks=cfg.num_chunks, self_projection=cfg.self_projection,
+                                           graph_kernel=self.config.graph_kernel)
 
     def check_input(self, x: Tensor) -> None:
         expect = (self.config.multistep_input, self.plan.data_sizes[self.plan.rank], len(self.variables.input_names))

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from stormshard.kernels.dispatch import AttentionKernel, attention_kernel_problem
 from stormshard.layers.checkpointing import checkpoint_blocks
 from stormshard.layers.strategy import indivisible_sizes
 from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
-from stormshard.layers.window import AttentionKernel, attention_kernel_problem
 from stormshard.models.config import ModelConfig
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.parallel.shard import SHARD_STRATEGIES, SequenceShard, ShardStrategy
@@ -38,7 +38,7 @@ __all__ = ["check_parallel_strategy", "parallelize", "parallelize_processor", "b
 
 def check_attention_kernel_for_training(config: ModelConfig, device_type: str, precision: str) -> None:
     """Raise ValueError unless ``model.processor.attention_kernel`` can train on ``device_type`` at ``precision``
-    (:func:`~stormshard.layers.window.attention_kernel_problem`: flex trains on CUDA only, with head dims of
+    (:func:`~stormshard.kernels.dispatch.attention_kernel_problem`: flex trains on CUDA only, with head dims of
     at least 16; flash needs CUDA, bf16 and flash-attn); the key applies to the sliding-window processors
     only (a graph processor with a kernel other than ``auto`` is refused rather than ignored).
     """

@@ -112,7 +112,8 @@ class GraphProcessor(nn.Module):
         else:
             self.blocks = nn.ModuleList(
                 GraphTransformerProcessorBlock(c, edge_channels, p.num_heads, graph_plan, mlp_ratio=p.mlp_ratio,
-                                               num_chunks=p.num_chunks, self_projection=p.self_projection)
+                                               num_chunks=p.num_chunks, self_projection=p.self_projection,
+                                               graph_kernel=config.graph_kernel)
                 for _ in range(p.num_layers)
             )
 

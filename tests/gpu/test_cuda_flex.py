@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
+from stormshard.kernels.dispatch import resolve_attention_kernel, sliding_window_attention
 from stormshard.layers.attention import SlidingWindowAttention
-from stormshard.layers.window import resolve_attention_kernel, sliding_window_attention
 from tests.gpu.test_cuda_training import _run, dataset  # noqa: F401 - the shared dataset fixture
 
 FP32_TOL, BF16_TOL = 1e-4, 3e-2

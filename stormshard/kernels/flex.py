@@ -1,6 +1,6 @@
 """Sliding-window attention through ``torch.nn.attention.flex_attention`` with a block mask.
 
-Same definition as :func:`stormshard.layers.window.sliding_window_attention`: query ``i`` at global
+Same definition as :func:`stormshard.kernels.dispatch.sliding_window_attention`: query ``i`` at global
 position ``q_offset + i`` attends key ``j`` at ``k_offset + j`` exactly when
 ``|pos_q - pos_k| <= window_size``; a query with no key in reach returns zeros. Layout: ``q``
 ``(batch, heads, Lq, dim)``, ``k`` and ``v`` ``(batch, heads, Lk, dim)``.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["flex_attention_unavailable", "flex_unusable", "flex_window_attention", "window_block_mask", "band_blocks",
+__all__ = ["flex_attention_unavailable", "flex_problem", "flex_unusable", "flex_window_attention", "window_block_mask", "band_blocks",
            "flex_kernel_options", "set_flex_kernel_options"]
 
 _MASK_CACHE_SIZE = 64
@@ -55,13 +55,28 @@ def flex_attention_unavailable() -> str | None:
 _PRECISION_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
+def flex_problem(device_type: str, *, precision: str | None, head_dim: int | None, backward: bool) -> str | None:
+    """Why flex attention cannot run on ``device_type`` at ``precision`` (``"fp32"``, ``"bf16"``, ...; None:
+    not known) with heads of ``head_dim`` (None: not known), with a backward or forward only; None when it can."""
+    unavailable = flex_attention_unavailable()
+    if unavailable is not None:
+        return unavailable
+    if device_type == "cuda" and head_dim is not None and head_dim < 16:
+        return (f"flex attention on CUDA needs a head dim of at least 16 (Triton's dot), got num_channels / "
+                f"num_heads = {head_dim}: use fewer heads")
+    if device_type != "cuda" and backward:
+        return (f"torch's flex attention has no backward on {device_type}: train there with 'auto' or 'banded' "
+                "(a forecast can run flex: launch/forecast.py --attention-kernel flex)")
+    if device_type == "cpu" and precision == "fp64":
+        return "flex attention on a CPU computes in fp32, bf16 or fp16, not fp64: use fp32, or 'banded' for fp64"
+    return None
+
+
 def flex_unusable(q: Tensor, v: Tensor, backward: bool = False) -> str | None:
     """None when flex attention can compute ``q`` / ``v`` here (with a backward: ``backward``), else why
-    not: :func:`~stormshard.layers.window.attention_kernel_problem` on the tensors' device, dtype and head dim."""
-    from stormshard.layers.window import attention_kernel_problem
-
-    return attention_kernel_problem("flex", q.device.type, precision=_PRECISION_OF.get(q.dtype),
-                                    head_dim=min(q.shape[-1], v.shape[-1]), backward=backward)
+    not: :func:`flex_problem` on the tensors' device, dtype and head dim."""
+    return flex_problem(q.device.type, precision=_PRECISION_OF.get(q.dtype), head_dim=min(q.shape[-1], v.shape[-1]),
+                        backward=backward)
 
 
 def _flex_attention() -> Callable[..., Tensor]:
@@ -251,7 +266,7 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_o
                           k_offset: int = 0, *, scale: float) -> Tensor:
     """``softmax(q k^T * scale + band) v`` by flex attention; ``(batch, heads, Lq, dim)`` out, q's dtype.
 
-    Inputs are checked by the caller (:func:`stormshard.layers.window.sliding_window_attention`).
+    Inputs are checked by the caller (:func:`stormshard.kernels.dispatch.sliding_window_attention`).
     Raises ValueError when a gradient is asked for on a CPU (torch has no CPU backward for it).
     """
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
