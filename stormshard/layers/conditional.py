@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from stormshard.kernels.names import AttentionKernel
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
+from stormshard.layers.norm import LayerNorm
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
 __all__ = ["ConditionalLayerNorm", "ConditionalTransformerBlock"]
@@ -24,7 +25,7 @@ class ConditionalLayerNorm(nn.Module):
         super().__init__()
         if num_channels < 1 or cond_channels < 1:
             raise ValueError(f"num_channels ({num_channels}) and cond_channels ({cond_channels}) must be positive")
-        self.norm = nn.LayerNorm(num_channels, elementwise_affine=False)
+        self.norm = LayerNorm(num_channels, elementwise_affine=False)
         self.scale_shift = nn.Linear(cond_channels, 2 * num_channels)
         nn.init.zeros_(self.scale_shift.weight)
         nn.init.zeros_(self.scale_shift.bias)

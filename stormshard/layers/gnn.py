@@ -77,6 +77,7 @@ from stormshard.layers.graph_inputs import (
     check_plan,
     check_positive_int,
 )
+from stormshard.layers.norm import LayerNorm
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
 
@@ -123,7 +124,7 @@ def gnn_mlp(
     layers: list[nn.Module] = [nn.Linear(in_channels, hidden), nn.GELU()]
     for _ in range(hidden_layers - 1):
         layers += [nn.Linear(hidden, hidden), nn.GELU()]
-    return GNNMLP(*layers, nn.Linear(hidden, out_channels), nn.LayerNorm(out_channels),
+    return GNNMLP(*layers, nn.Linear(hidden, out_channels), LayerNorm(out_channels),
                   kernel_options=kernel_options, buffer_pool=buffer_pool)
 
 

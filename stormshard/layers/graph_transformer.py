@@ -60,6 +60,7 @@ from stormshard.layers.graph_inputs import (
     check_plan,
     check_positive_int,
 )
+from stormshard.layers.norm import LayerNorm
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
 
@@ -110,7 +111,7 @@ class _GraphTransformerBase(PlanFollowsModule):
         # anemoi's lin_self: a projection of the normed destination added to the attention output
         self.to_self = nn.Linear(dst_channels, hidden_dim) if self_projection else None
         self.proj = nn.Linear(hidden_dim, dst_channels)
-        self.norm_mlp = nn.LayerNorm(dst_channels)
+        self.norm_mlp = LayerNorm(dst_channels)
         self.mlp = _mlp(dst_channels, mlp_ratio)
 
     def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
@@ -185,8 +186,8 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
         self.chunk_index = chunk_edge_indices(self.plan.edge_index, self.edge_chunks)
-        self.norm_src = nn.LayerNorm(src_channels)
-        self.norm_dst = nn.LayerNorm(dst_channels)
+        self.norm_src = LayerNorm(src_channels)
+        self.norm_dst = LayerNorm(dst_channels)
 
     def forward(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> Tensor:
         self._check_channels(x_src, x_dst, edge_attr)
@@ -221,7 +222,7 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
         self.chunk_index = chunk_edge_indices(self.plan.edge_index, self.edge_chunks)
-        self.norm = nn.LayerNorm(channels)
+        self.norm = LayerNorm(channels)
 
     def forward(self, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:
         self._check_channels(x, x, edge_attr)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from stormshard.kernels.names import AttentionKernel
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
+from stormshard.layers.norm import LayerNorm
 from stormshard.layers.strategy import check_strategy_name
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
@@ -34,10 +35,10 @@ class TransformerBlock(nn.Module):
                  shard_strategy: ShardStrategy = "shard_sequence", shard: SequenceShard | None = None, *,
                  attention_kernel: AttentionKernel = "auto") -> None:
         super().__init__()
-        self.norm_attention = nn.LayerNorm(num_channels)
+        self.norm_attention = LayerNorm(num_channels)
         self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard,
                                                 attention_kernel=attention_kernel)
-        self.norm_mlp = nn.LayerNorm(num_channels)
+        self.norm_mlp = LayerNorm(num_channels)
         self.mlp = MLP(num_channels, mlp_ratio)
 
     @property

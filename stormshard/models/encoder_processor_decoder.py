@@ -29,6 +29,7 @@ from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
+from stormshard.layers.norm import LayerNorm
 from stormshard.models.config import ModelConfig
 from stormshard.models.processors import GraphProcessor, TrainableEdges, WindowTransformerProcessor
 from stormshard.models.sharding import ModelShardPlan
@@ -92,7 +93,7 @@ class EncoderProcessorDecoder(nn.Module):
         self.encoder = self._mapper(config.encoder, enc_channels, self.plan.encoder)
         self.processor = self.build_processor(graph)
         self.decoder = self._mapper(config.decoder, dec_channels, self.plan.decoder)
-        self.head = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, n_out))
+        self.head = nn.Sequential(LayerNorm(c), nn.Linear(c, n_out))
         unknown = sorted(set(config.relu_bounded) - set(variables.output_names))
         if unknown:
             raise ValueError(f"model.relu_bounded names {unknown}, which are not output variables "

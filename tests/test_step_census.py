@@ -1,0 +1,72 @@
+"""A steady-state training step does no per-step host work and no activation dtype round trips.
+
+The census (``benchmarks/step_census.py``) records every aten operator of one step after two warm-up
+steps: sorts (a CSR structure rebuilt per call), host syncs, and dtype casts with the stormshard line
+that asked for them. Issue 31: the graph kernels' structures are built once per chunk (before: 24
+sorts per step of this model, 8 CSR rebuilds), and under bf16 autocast the only activation casts are
+the model's input and output (plus, on the csr kernel, its fp32 inputs, by design on a CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from stormshard.layers.norm import LayerNorm
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "step_census.py"
+_spec = importlib.util.spec_from_file_location("step_census", _PATH)
+step_census = importlib.util.module_from_spec(_spec)
+sys.modules["step_census"] = step_census  # its dataclass looks its module up
+_spec.loader.exec_module(step_census)
+
+
+def _steady_census(model: str, precision: str, graph_kernel: str = "auto"):  # noqa: ANN202
+    step, params = step_census.small_model_step(model, precision, graph_kernel, grid="o8", hidden="o4", channels=16)
+    for _ in range(2):
+        step()
+    return step_census.census(step, params)
+
+
+def _ours(counter) -> dict[str, int]:  # noqa: ANN001
+    return {where: n for where, n in counter.items() if where.startswith("stormshard/")}
+
+
+@pytest.mark.parametrize("model", ["graphtransformer", "transformer", "gnn"])
+def test_a_steady_step_sorts_nothing_and_never_waits_for_the_device(model):
+    result = _steady_census(model, "fp32")
+    assert not result.sorts, f"sorts in a steady-state step:\n{result.table()}"
+    assert not _ours(result.syncs), f"host syncs asked for by stormshard:\n{result.table()}"
+    assert not result.activation_casts and not result.parameter_casts, result.table()
+
+
+def test_bf16_casts_only_at_the_model_boundary_and_in_the_csr_kernel():
+    result = _steady_census("graphtransformer", "bf16", "csr")
+    ours = _ours(result.activation_casts)
+    allowed = ("stormshard/models/encoder_processor_decoder.py", "stormshard/kernels/dispatch.py")
+    assert all(where.startswith(allowed) for where in ours), result.table()
+    boundary = sum(n for where, n in ours.items() if where.startswith(allowed[0]))
+    assert boundary <= 3, result.table()  # the inputs' cast to bf16 (data, hidden features), the output's to fp32
+
+
+def test_layer_norm_keeps_the_compute_dtype_under_autocast():
+    torch.manual_seed(0)
+    norm = LayerNorm(24)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(7, 3, 24)
+    torch.testing.assert_close(norm(x), torch.nn.functional.layer_norm(x, (24,), norm.weight, norm.bias), rtol=0,
+                               atol=0)
+    xb = x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(xb)
+    assert out.dtype == torch.bfloat16
+    ref = torch.nn.functional.layer_norm(xb.double(), (24,), norm.weight.double(), norm.bias.double())
+    assert (out.double() - ref).abs().max() < 3e-2
+    out.float().sum().backward()
+    assert xb.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
