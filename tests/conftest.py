@@ -6,6 +6,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU tensors (read when triton.jit decorates, so set
+    # before anything imports triton; spawned rank workers inherit it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.distributed import shutdown_pools  # noqa: E402
 
 torch.set_num_threads(1)

@@ -24,13 +24,15 @@ Nothing is communicated here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from stormshard.env import env_json_object
+
 __all__ = ["flex_attention_unavailable", "flex_problem", "flex_unusable", "flex_window_attention", "window_block_mask", "band_blocks",
-           "flex_kernel_options", "set_flex_kernel_options"]
+           "flex_kernel_options", "set_flex_kernel_options", "flex_option_keys", "flex_options_from_env"]
 
 _MASK_CACHE_SIZE = 64
 _BLOCK = 128  # flex attention's default tile
@@ -118,21 +120,30 @@ def set_flex_kernel_options(options: dict | None) -> None:
     _USER_OPTIONS.append(None if options is None else dict(options))
 
 
+def flex_option_keys() -> frozenset[str]:
+    """The ``kernel_options`` keys flex attention takes: the installed torch's ``FlexKernelOptions``
+    (``BLOCK_M``, ``num_warps``, ``USE_TMA``, ...) and their ``fwd_`` / ``bwd_`` variants."""
+    try:
+        from torch.nn.attention.flex_attention import FlexKernelOptions
+
+        base = set(FlexKernelOptions.__annotations__)
+    except ImportError:  # torch < 2.5: flex attention itself is unavailable (flex_attention_unavailable says so)
+        base = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    return frozenset(base | {f"{p}_{k}" for p in ("fwd", "bwd") for k in base})
+
+
+def flex_options_from_env(env: Mapping[str, str] | None = None) -> dict | None:
+    """``STORMSHARD_FLEX_KERNEL_OPTIONS``: a JSON object of :func:`flex_option_keys` (None when unset);
+    anything else (not JSON, not an object, an unknown key) is an :class:`~stormshard.env.EnvError`
+    naming the variable (the training preflight reads it before any work)."""
+    keys = flex_option_keys()
+    return env_json_object("STORMSHARD_FLEX_KERNEL_OPTIONS", example='{"BLOCK_M": 128, "BLOCK_N": 64}',
+                           allowed=keys, known=keys, env=env)
+
+
 def _user_options() -> dict | None:
     if not _USER_OPTIONS:
-        import json
-        import os
-
-        raw = os.environ.get("STORMSHARD_FLEX_KERNEL_OPTIONS", "").strip()
-        try:
-            options = json.loads(raw) if raw else None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"STORMSHARD_FLEX_KERNEL_OPTIONS={raw!r} is not a JSON object ({err}): set it to e.g. "
-                             '\'{"BLOCK_M": 128, "BLOCK_N": 64}\' or unset it') from None
-        if options is not None and not isinstance(options, dict):
-            raise ValueError(f"STORMSHARD_FLEX_KERNEL_OPTIONS={raw!r} must be a JSON object, e.g. "
-                             '\'{"BLOCK_M": 128, "BLOCK_N": 64}\', or unset')
-        _USER_OPTIONS.append(options)
+        _USER_OPTIONS.append(flex_options_from_env())
     return _USER_OPTIONS[0]
 
 

@@ -43,6 +43,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from stormshard.kernels.reference import graph_operands
+
 __all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "cached_structures", "CsrStructure"]
 
 
@@ -500,31 +502,9 @@ def fused_graph_attention(
     Returns ``(num_dst, *batch, heads, d)``; a destination without incoming edges gets zeros.
     Differentiable in every tensor argument (not twice).
     """
-    num_dst = query.shape[0] if num_dst is None else num_dst
-    if query.shape[0] != num_dst:
-        raise ValueError(f"query has {query.shape[0]} rows but num_dst is {num_dst}")
-    if query.dim() < 3 or key.shape != value.shape or key.shape[1:] != query.shape[1:]:
-        raise ValueError(
-            f"query (num_dst, *batch, heads, d) and key/value (num_src, *batch, heads, d) must agree, got "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
-    heads, d = query.shape[-2], query.shape[-1]
-    batch_shape = tuple(query.shape[1:-2])
-    batch = math.prod(batch_shape)
-    fdim = edge_attr.shape[-1]
-    if edge_weight.shape != (heads * d, fdim):
-        raise ValueError(f"edge_weight must be ({heads * d}, {fdim}), got {tuple(edge_weight.shape)}")
-    num_edges = edge_index.shape[1]
-    if edge_attr.shape[0] != num_edges:
-        raise ValueError(f"edge_attr has {edge_attr.shape[0]} rows but edge_index has {num_edges} edges")
-    if edge_attr.dim() == 2:
-        attr3 = edge_attr.unsqueeze(1)
-    elif tuple(edge_attr.shape[1:-1]) == batch_shape:
-        attr3 = edge_attr.reshape(num_edges, batch, fdim)
-    elif all(s == 1 for s in edge_attr.shape[1:-1]):
-        attr3 = edge_attr.reshape(num_edges, 1, fdim)
-    else:
-        raise ValueError(f"edge_attr batch dims {tuple(edge_attr.shape[1:-1])} do not match {batch_shape}")
+    ops = graph_operands(query, key, value, edge_attr, edge_weight, edge_index, num_dst)
+    num_dst, heads, d, batch, attr3 = ops.num_dst, ops.heads, ops.head_dim, ops.batch, ops.attr3
+    fdim, num_edges = edge_attr.shape[-1], ops.num_edges
     if edge_bias is None:
         edge_bias = torch.zeros(heads * d, dtype=query.dtype, device=query.device)
 

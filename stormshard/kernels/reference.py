@@ -11,11 +11,12 @@ Nothing is communicated here.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_window_inputs", "dense_window_attention", "graph_attention"]
+__all__ = ["check_window_inputs", "dense_window_attention", "graph_attention", "GraphOperands", "graph_operands"]
 
 
 def check_window_inputs(q: Tensor, k: Tensor, v: Tensor, window_size: int, block_size: int | None) -> None:
@@ -84,3 +85,58 @@ def graph_attention(
     weights = softmax(logits, dst, num_nodes=num_dst)
     out = scatter(weights.unsqueeze(-1) * v_j.to(acc), dst, dim=0, dim_size=num_dst, reduce="sum")
     return out.to(v_j.dtype)
+
+
+@dataclass(frozen=True)
+class GraphOperands:
+    """A graph-attention call's sizes, checked once for every graph kernel (:func:`graph_operands`)."""
+
+    num_dst: int
+    heads: int
+    head_dim: int
+    batch_shape: tuple[int, ...]
+    num_edges: int
+    attr3: Tensor  # edge_attr as (E, 1 | prod(batch), F), a view where the layout allows
+
+    @property
+    def batch(self) -> int:
+        return math.prod(self.batch_shape)
+
+
+def graph_operands(query: Tensor, key: Tensor, value: Tensor, edge_attr: Tensor, edge_weight: Tensor,
+                   edge_index: Tensor, num_dst: int | None) -> GraphOperands:
+    """The checks every graph kernel makes on its inputs (the contract of
+    :func:`stormshard.kernels.dispatch.graph_attention_kernel`), and the sizes they imply: ``query``
+    ``(num_dst, *batch, heads, d)``, ``key`` / ``value`` ``(num_src, *batch, heads, d)``, ``edge_attr`` ``(E, F)``
+    or ``(E, *batch, F)``, ``edge_weight`` ``(heads * d, F)``, ``edge_index`` an integer ``(2, E)``. A
+    ValueError names the argument, the shapes and the fix."""
+    num_dst = query.shape[0] if num_dst is None else num_dst
+    if query.shape[0] != num_dst:
+        raise ValueError(f"query has {query.shape[0]} rows but num_dst is {num_dst}: pass num_dst=query.shape[0]")
+    if query.dim() < 3 or key.shape != value.shape or key.shape[1:] != query.shape[1:]:
+        raise ValueError(
+            f"query (num_dst, *batch, heads, d) and key/value (num_src, *batch, heads, d) must agree, got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    heads, d = query.shape[-2:]
+    batch_shape = tuple(query.shape[1:-2])
+    fdim = edge_attr.shape[-1]
+    if edge_weight.shape != (heads * d, fdim):
+        raise ValueError(f"edge_weight must be ({heads * d}, {fdim}) (heads * d, edge features), got "
+                         f"{tuple(edge_weight.shape)}")
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2 or edge_index.dtype.is_floating_point:
+        raise ValueError(f"edge_index must be an integer (2, E) tensor, got {edge_index.dtype} "
+                         f"{tuple(edge_index.shape)}")
+    num_edges = edge_index.shape[1]
+    if edge_attr.shape[0] != num_edges:
+        raise ValueError(f"edge_attr has {edge_attr.shape[0]} rows but edge_index has {num_edges} edges")
+    if edge_attr.dim() == 2:
+        attr3 = edge_attr.unsqueeze(1)
+    elif tuple(edge_attr.shape[1:-1]) == batch_shape:
+        attr3 = edge_attr.reshape(num_edges, math.prod(batch_shape), fdim)
+    elif all(s == 1 for s in edge_attr.shape[1:-1]):
+        attr3 = edge_attr.reshape(num_edges, 1, fdim)
+    else:
+        raise ValueError(f"edge_attr batch dims {tuple(edge_attr.shape[1:-1])} do not match {batch_shape}: pass "
+                         "edge_attr as (E, F) (shared by the batch) or (E, *batch, F)")
+    return GraphOperands(num_dst, heads, d, batch_shape, num_edges, attr3)

@@ -1,0 +1,404 @@
+"""Graph attention as Triton kernels: one program per (destination node, batch entry), all heads at once.
+
+The same computation as :func:`stormshard.kernels.graph_csr.fused_graph_attention`, with the edge
+embedding kept factored: per head ``W = [W_e | b_e]`` ``(H, d, F + 1)`` and attributes with a ones
+column ``a = [attr, 1]``, the logit of edge ``j -> i`` is ``scale * (q_i . k_j + u_i . a_ji)`` with
+``u = W^T q`` and the output ``sum_j alpha_ji v_j + W agg_i`` with ``agg_i = sum_j alpha_ji a_ji``:
+no ``(E, heads, d)`` tensor is ever formed (anemoi's Triton kernel reads one: 3.3 GB at the AIFS
+decoder in bf16) and the ones column is never stored (the kernels set it on load).
+
+Layouts (contiguous): ``q`` / output ``(Nd, B, H, d)``, ``k`` / ``v`` ``(Ns, B, H, d)`` (``B`` the
+batch dims flattened), attributes ``(E, F)`` shared by the batch or ``(E, B, F)`` in the caller's
+edge order, ``W`` as ``(F + 1, H * d)`` (tiny). Kernels (:mod:`~stormshard.kernels.graph_triton_kernels`):
+
+- forward, grid ``(Nd, B)``: a program loads ``q[i, b]`` ``[HP, DP]`` (``HP`` / ``DP`` the powers of
+  two at or above ``H`` / ``d``, padding masked), computes ``u = W^T q`` in registers, walks the
+  node's CSR range ``BLOCK_E`` edges at a time as ``[BLOCK_E, HP, DP]`` tiles with an online softmax
+  (running max and sum per head), and writes the output (``+ W agg`` in registers) and the
+  log-sum-exp per head. One program per (node, batch entry) rather than per node: each neighbour row
+  ``k[j, b]`` is one contiguous ``H * d`` run, the register tile does not grow with the batch and
+  the grid has ``B`` times more programs for small graphs; batch entries sharing a node's edges
+  re-read only its int32 ids and ``F`` attributes per edge.
+- backward, destination side, grid ``(Nd, B)``, one pass over the node's edges: recomputes ``alpha``
+  from the log-sum-exp, ``dalpha = go . v_j + gu . a_j`` (``gu = W^T go``) and ``delta = sum_j
+  alpha_j dalpha_j`` alongside ``sum_j alpha_j dalpha_j x_j`` and ``sum_j alpha_j x_j`` (``x`` = ``k``,
+  ``a``), so ``sum_j ds_j x_j`` with ``ds = alpha (dalpha - delta) scale`` needs no second pass;
+  writes ``dq = sum_j ds_j k_j + W de`` (``de = sum_j ds_j a_j``) and per (node, head) ``u``, ``gu``,
+  ``agg``, ``de``, ``delta`` (``F + 1`` columns: small) for the source side and the weight gradient.
+  ``delta`` is not flash attention's ``go . out``: with a bf16 output that rounding (2^-9 of
+  ``|go| |out|``, in every ``ds`` of the node) made the query and key gradients 5-10x less accurate
+  than the csr kernel's on the same inputs (measured under the interpreter, whose bf16 conversion
+  truncates; about half that when rounding to nearest); summed in fp32 it costs two accumulators, and
+  the output is not saved;
+- backward, source side, grid ``(Ns, B)``, over the transposed CSR (a source's out-edges in a
+  fixed order): ``dk = sum ds q_dst``, ``dv = sum alpha go_dst`` and each edge's attribute gradient
+  ``sum_h alpha gu + ds u`` (every (edge, batch entry) has one source program; shared attributes are
+  summed over the batch outside);
+- dense epilogue outside: ``dW = sum_nodes go (x) agg + q (x) de`` (one small product per head).
+
+No atomics anywhere: every output element is written by one program and sums run in a fixed order,
+so the backward is deterministic (bit-identical gradients run to run). Logits, softmax statistics
+and sums are fp32 (fp64 for fp64 inputs) whatever the input dtypes; bf16 / fp16 / fp32 inputs and
+fp32 attributes or weights (autocast) are converted on load, never copied; the kernels run with
+autocast off.
+
+Read per edge (``s`` the input element size, ``H d`` channels): forward ``2 H d s`` (``k``, ``v``
+rows) ``+ F s_attr + 8`` (int32 source and edge ids); destination side the same; source side
+``2 H d s`` (``q``, ``go`` rows) ``+ 2 H (F + 1) 4`` (``u``, ``gu``) ``+ 2 H 4`` (log-sum-exp,
+``delta``) ``+ F s_attr + 8``; written per edge only the attribute gradient (``F`` values, when the
+attributes need one). Saved for backward: ``q``, ``k``, ``v``, the attributes, the weights and the
+log-sum-exp ``(Nd, B, H)``; of edge size only the cached int32 structure (16 bytes per edge) and the
+caller's attributes (``4 F`` bytes per edge at fp32), against ``2 H d`` bytes per edge for anemoi's
+bf16 ``[E, heads, d]`` edge tensor (2048 at 16 x 64), which its backward also writes as a gradient.
+
+The sorted structure (destination CSR: row pointers, source ids, edge ids; source CSR: pointers,
+destination ids, edge ids; int32 where sizes allow; stable sorts: deterministic) is built once per
+``edge_index`` tensor and cached (keyed by identity, storage and version, dropped with the tensor),
+so a call sorts nothing and does not sync with the host once cached. Forward and backward are torch
+custom ops (``stormshard::triton_graph_attention`` and ``..._backward``), opaque to torch.compile
+(no graph break); eager calls take an autograd Function running the same functions.
+
+Triton is imported lazily: this module imports without it (:func:`triton_graph_unavailable` says
+why the kernel cannot run). Nothing is communicated here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from stormshard.kernels.reference import graph_operands
+
+__all__ = ["triton_graph_attention", "triton_graph_unavailable", "triton_graph_structure", "TritonGraphStructure",
+           "structure_builds", "tile_config"]
+
+
+def triton_graph_unavailable(device_type: str) -> str | None:
+    """None when the Triton kernel can run on ``device_type`` (``"cuda"``, ``"cpu"``, ...), else why not
+    and the fix (one sentence, no final period)."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed: `pip install triton` (or the CUDA build of torch, which ships it)"
+    try:
+        import triton  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - a broken install is a reason, not a crash
+        return f"Triton does not import ({type(err).__name__}: {err}): reinstall it with `pip install triton`"
+    if device_type != "cuda" and not _interpreting():
+        return (f"Triton kernels run on CUDA devices, not {device_type!r}: set TRITON_INTERPRET=1 before "
+                "triton is imported to run them in Triton's interpreter (slow: tests only)")
+    return None
+
+
+def _interpreting() -> bool:
+    """Whether the kernels run in Triton's interpreter: the environment when they were decorated (the
+    kernels module is imported), else the environment now."""
+    kernels = sys.modules.get("stormshard.kernels.graph_triton_kernels")
+    if kernels is not None:
+        return type(kernels.graph_attention_fwd).__name__ == "InterpretedFunction"
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernels():  # noqa: ANN202 - the kernels module (imports triton)
+    from stormshard.kernels import graph_triton_kernels
+
+    return graph_triton_kernels
+
+
+# --------------------------------------------------------------------------------------------
+# sorted structure, cached per edge_index tensor
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class TritonGraphStructure:
+    """The edges of a graph sorted by destination and by source (stable sorts).
+
+    ``dst_ptr`` ``(Nd + 1,)``: destination ``i``'s edges are positions ``dst_ptr[i]:dst_ptr[i + 1]`` of
+    ``dst_nbr`` (their sources) and ``dst_eid`` (their ids in the caller's edge order); ``src_ptr``
+    ``(Ns + 1,)``, ``src_nbr`` (destinations) and ``src_eid`` likewise by source. int32 where the
+    sizes allow, else int64."""
+
+    num_src: int
+    num_dst: int
+    num_edges: int
+    dst_ptr: Tensor
+    dst_nbr: Tensor
+    dst_eid: Tensor
+    src_ptr: Tensor
+    src_nbr: Tensor
+    src_eid: Tensor
+
+
+_BUILDS = 0
+_STRUCTURES: dict[tuple, tuple[weakref.ref, TritonGraphStructure]] = {}
+_MAX_STRUCTURES = 32
+
+
+def structure_builds() -> int:
+    """How many :class:`TritonGraphStructure` were built in this process (cache misses)."""
+    return _BUILDS
+
+
+def _sorted_by(rows: Tensor, cols: Tensor, num_rows: int, index_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(ptr, cols in row order, edge ids in row order)`` of the edges ``rows -> cols`` (stable)."""
+    order = torch.argsort(rows, stable=True)
+    ptr = torch.zeros(num_rows + 1, dtype=torch.long, device=rows.device)
+    torch.cumsum(torch.bincount(rows, minlength=num_rows), 0, out=ptr[1:])
+    return ptr.to(index_dtype), cols[order].to(index_dtype), order.to(index_dtype)
+
+
+def _build(edge_index: Tensor, num_src: int, num_dst: int) -> TritonGraphStructure:
+    global _BUILDS
+    src, dst = edge_index[0].long(), edge_index[1].long()
+    if src.numel() and bool(((src < 0) | (src >= num_src) | (dst < 0) | (dst >= num_dst)).any()):  # first build only
+        raise ValueError(
+            f"edge_index holds sources in [{int(src.min())}, {int(src.max())}] and destinations in "
+            f"[{int(dst.min())}, {int(dst.max())}], outside [0, {num_src}) x [0, {num_dst}] (num_src, num_dst): "
+            "fix the graph or pass the node counts it was built for"
+        )
+    small = max(src.numel(), num_src, num_dst) < 2**31 - 1
+    index_dtype = torch.int32 if small else torch.int64
+    _BUILDS += 1
+    return TritonGraphStructure(num_src, num_dst, src.numel(), *_sorted_by(dst, src, num_dst, index_dtype),
+                                *_sorted_by(src, dst, num_src, index_dtype))
+
+
+def triton_graph_structure(edge_index: Tensor, num_src: int, num_dst: int) -> TritonGraphStructure:
+    """The (cached) :class:`TritonGraphStructure` of ``edge_index`` ``(2, E)`` (row 0 sources ``<
+    num_src``, row 1 destinations ``< num_dst``). Cached per tensor: identity, storage, version (an
+    in-place change rebuilds), shape and node counts; an entry goes when its tensor goes."""
+    key = (id(edge_index), edge_index.data_ptr(), edge_index._version, tuple(edge_index.shape),
+           tuple(edge_index.stride()), edge_index.dtype, edge_index.device, num_src, num_dst)
+    entry = _STRUCTURES.get(key)
+    if entry is not None and entry[0]() is edge_index:
+        return entry[1]
+    structure = _build(edge_index, num_src, num_dst)
+    while len(_STRUCTURES) >= _MAX_STRUCTURES:  # oldest first
+        _STRUCTURES.pop(next(iter(_STRUCTURES)))
+    _STRUCTURES[key] = (weakref.ref(edge_index, lambda _ref, key=key: _STRUCTURES.pop(key, None)), structure)
+    return structure
+
+
+# --------------------------------------------------------------------------------------------
+# launches
+# --------------------------------------------------------------------------------------------
+
+
+def tile_config(heads: int, head_dim: int, features: int) -> dict[str, int]:
+    """``HP``, ``DP``, ``FP`` (``heads``, ``head_dim``, ``features + 1`` padded to powers of two),
+    ``BLOCK_E`` (edges per tile: a ``[BLOCK_E, HP, DP]`` tile of about 8K elements, 2 to 64 edges)
+    and ``num_warps`` (8 for tiles of 8K elements, else 4)."""
+    hp, dp, fp = (1 << max(n - 1, 0).bit_length() for n in (heads, head_dim, features + 1))
+    block_e = min(64, max(2, 8192 // (hp * dp)))
+    return dict(HP=hp, DP=dp, FP=fp, BLOCK_E=block_e, num_warps=8 if block_e * hp * dp >= 8192 else 4)
+
+
+def _acc_dtype(*tensors: Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _triton_dtype(dtype: torch.dtype):  # noqa: ANN202
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _weights(w_e: Tensor, b_e: Tensor) -> Tensor:
+    """``(F + 1, H * d)``: column ``f`` of every head's ``[W_e | b_e]`` as one contiguous row."""
+    return torch.cat([w_e.t(), b_e.unsqueeze(0).to(w_e.dtype)], 0).contiguous()
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor,
+             edge_index: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out (Nd, B, H, d) in q's dtype, lse (Nd, B, H) in the accumulation dtype)``; ``q`` / ``k`` /
+    ``v`` ``(N, B, H, d)``, ``attr3`` ``(E, 1 | B, F)``, ``w_e`` ``(H d, F)``, ``b_e`` ``(H d,)``."""
+    nd, batch, heads, d = q.shape
+    st = triton_graph_structure(edge_index, k.shape[0], nd)
+    acc = _acc_dtype(q, k, v)
+    out = torch.empty_like(q)
+    lse = torch.empty((nd, batch, heads), dtype=acc, device=q.device)
+    if nd * batch:
+        cfg = tile_config(heads, d, attr3.shape[-1])
+        _kernels().graph_attention_fwd[(nd, batch)](
+            q, k, v, attr3, _weights(w_e, b_e), out, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, batch,
+            H=heads, D=d, F=attr3.shape[-1], SHARED=attr3.shape[1] == 1, ACC=_triton_dtype(acc), **cfg)
+    return out, lse
+
+
+def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor, lse: Tensor,
+              edge_index: Tensor, needs: list[bool]) -> list[Tensor | None]:
+    """Gradients of ``(q, k, v, attr3, w_e, b_e)`` (None where ``needs`` is False) from the output
+    gradient ``go`` ``(Nd, B, H, d)`` and what the forward saved."""
+    nd, batch, heads, d = q.shape
+    ns, (num_edges, attr_batch, fdim) = k.shape[0], attr3.shape
+    st = triton_graph_structure(edge_index, ns, nd)
+    acc = _acc_dtype(q, k, v)
+    go = go.contiguous()
+    w = _weights(w_e, b_e)
+    common = dict(H=heads, D=d, F=fdim, SHARED=attr_batch == 1, ACC=_triton_dtype(acc), **tile_config(heads, d, fdim))
+    need_q, need_k, need_v, need_a, need_w, need_b = needs
+    dq = torch.empty_like(q)
+    u, gu, agg, de = (torch.empty((nd, batch, heads, fdim + 1), dtype=acc, device=q.device) for _ in range(4))
+    delta = torch.empty((nd, batch, heads), dtype=acc, device=q.device)
+    kernels = _kernels()
+    if nd * batch:
+        kernels.graph_attention_bwd_dst[(nd, batch)](
+            q, k, v, attr3, w, go, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, dq, u, gu, agg, de, delta, batch,
+            **common)
+    dk = dv = da = None
+    if need_k or need_v or need_a:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        # per (edge, batch entry); shared attributes sum it over the batch below
+        da = torch.empty((num_edges if need_a else 0, batch, fdim),
+                         dtype=attr3.dtype if attr_batch == batch else acc, device=q.device)
+        if ns * batch:
+            kernels.graph_attention_bwd_src[(ns, batch)](
+                q, k, v, attr3, go, lse, delta, u, gu, st.src_ptr, st.src_nbr, st.src_eid, dk, dv, da, batch,
+                NEED_DA=need_a, **common)
+        if need_a and attr_batch != batch:
+            da = da.sum(1, keepdim=True).to(attr3.dtype)
+    dw = db = None
+    if need_w or need_b:
+        rows = nd * batch
+        per_head = (torch.einsum("nhf,nhd->fhd", agg.view(rows, heads, -1), go.view(rows, heads, d).to(acc))
+                    + torch.einsum("nhf,nhd->fhd", de.view(rows, heads, -1), q.view(rows, heads, d).to(acc)))
+        per_head = per_head.reshape(fdim + 1, heads * d)
+        dw, db = per_head[:fdim].t().contiguous().to(w_e.dtype), per_head[fdim].to(b_e.dtype)
+    return [dq if need_q else None, dk if need_k else None, dv if need_v else None, da if need_a else None, dw, db]
+
+
+# --------------------------------------------------------------------------------------------
+# custom ops (torch.compile) and the eager autograd Function
+# --------------------------------------------------------------------------------------------
+
+
+def _run_forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor,
+                 edge_index: Tensor) -> tuple[Tensor, Tensor]:
+    with torch.autocast(q.device.type, enabled=False):
+        return _forward(q, k, v, attr3, w_e, b_e, edge_index)
+
+
+def _run_backward(go: Tensor, saved: tuple[Tensor, ...], needs: list[bool]) -> list[Tensor | None]:
+    with torch.autocast(go.device.type, enabled=False):
+        return _backward(go, *saved, list(needs))
+
+
+@torch.library.custom_op("stormshard::triton_graph_attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor,
+                  edge_index: Tensor) -> tuple[Tensor, Tensor]:
+    return _run_forward(q, k, v, attr3, w_e, b_e, edge_index)
+
+
+@_attention_op.register_fake
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor,
+                    edge_index: Tensor) -> tuple[Tensor, Tensor]:
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q, k, v))
+
+
+@torch.library.custom_op("stormshard::triton_graph_attention_backward", mutates_args=())
+def _attention_backward_op(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor,
+                           lse: Tensor, edge_index: Tensor,
+                           needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = _run_backward(go, (q, k, v, attr3, w_e, b_e, lse, edge_index), needs)
+    # gradients not asked for are empty tensors (an op returns tensors only)
+    return tuple(q.new_empty(0) if g is None else g.contiguous() for g in grads)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: Tensor,
+                             lse: Tensor, edge_index: Tensor,
+                             needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    like = (q, k, v, attr3, w_e, b_e)
+    return tuple(t.new_empty(t.shape) if need else q.new_empty(0) for t, need in zip(like, needs, strict=True))
+
+
+def _setup(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
+    q, k, v, attr3, w_e, b_e, edge_index = inputs
+    _out, lse = output
+    ctx.save_for_backward(q, k, v, attr3, w_e, b_e, lse, edge_index)
+
+
+def _op_backward(ctx, grad_out: Tensor, _grad_lse: Tensor) -> tuple:  # noqa: ANN001
+    needs = [bool(n) for n in ctx.needs_input_grad[:6]]
+    grads = torch.ops.stormshard.triton_graph_attention_backward(grad_out, *ctx.saved_tensors, needs)
+    return (*(g if need else None for g, need in zip(grads, needs, strict=True)), None)
+
+
+_attention_op.register_autograd(_op_backward, setup_context=_setup)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The ops' forward and backward for eager calls, without torch.library's dispatch (same functions,
+    same saved tensors, same numbers)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attr3, w_e, b_e, edge_index):  # noqa: ANN001, ANN205
+        out = _run_forward(q, k, v, attr3, w_e, b_e, edge_index)
+        _setup(ctx, (q, k, v, attr3, w_e, b_e, edge_index), out)
+        ctx.mark_non_differentiable(out[1])
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_lse):  # noqa: ANN001, ANN205
+        needs = [bool(n) for n in ctx.needs_input_grad[:6]]
+        return (*_run_backward(grad_out, ctx.saved_tensors, needs), None)
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+
+
+def triton_graph_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    edge_attr: Tensor,
+    edge_weight: Tensor,
+    edge_bias: Tensor | None,
+    edge_index: Tensor,
+    num_dst: int | None = None,
+) -> Tensor:
+    """Graph attention with the edge embedding ``edge_attr @ edge_weight.T + edge_bias`` added to keys
+    and values, by the Triton kernels (module docstring); the contract of
+    :func:`~stormshard.kernels.graph_csr.fused_graph_attention`:
+
+    - ``query`` ``(num_dst, *batch, heads, d)``, ``key`` / ``value`` ``(num_src, *batch, heads, d)``
+      (bf16, fp16, fp32 or fp64; 1-16 heads and head sizes 8-64 are the tested range);
+    - ``edge_attr`` ``(E, F)`` (shared by the batch) or ``(E, *batch, F)``;
+    - ``edge_weight`` ``(heads * d, F)`` and ``edge_bias`` ``(heads * d,)`` or None (an
+      ``nn.Linear(F, heads * d)``'s parameters, output channels ordered ``(head, d)``), any float dtype;
+    - ``edge_index`` ``(2, E)``, row 0 source (``< num_src``), row 1 destination (``< num_dst``), any
+      order, duplicates allowed.
+
+    Returns ``(num_dst, *batch, heads, d)`` in query's dtype; a destination without incoming edges gets
+    zeros. Differentiable in every tensor argument (not twice); deterministic.
+    """
+    ops = graph_operands(query, key, value, edge_attr, edge_weight, edge_index, num_dst)
+    num_dst, heads, d, num_edges = ops.num_dst, ops.heads, ops.head_dim, ops.num_edges
+    batch_shape = ops.batch_shape
+    attr3 = ops.attr3.contiguous()
+    if edge_bias is None:
+        edge_bias = edge_weight.new_zeros(heads * d)
+    batch = math.prod(batch_shape)
+    if batch > 65535:  # the launch grid's second axis
+        raise ValueError(f"the batch dims {batch_shape} hold {batch} entries, more than the Triton kernel's 65535: "
+                         "split the batch or use graph_kernel 'csr'")
+    q = query.reshape(num_dst, batch, heads, d).contiguous()
+    k = key.reshape(key.shape[0], batch, heads, d).contiguous()
+    v = value.reshape(value.shape[0], batch, heads, d).contiguous()
+    if num_edges == 0:  # keeps every input in the graph (zero gradients)
+        out = q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum() + attr3.sum() + edge_weight.sum()
+                                          + edge_bias.sum()).to(q.dtype)
+        return out.reshape(query.shape)
+    op = _attention_op if torch.compiler.is_compiling() else _EagerAttention.apply
+    out = op(q, k, v, attr3, edge_weight.contiguous(), edge_bias.contiguous(), edge_index)[0]
+    return out.reshape(query.shape)
