@@ -13,7 +13,11 @@
 
 A CHECKPOINT is a step_NNNNNNNN directory, a run's checkpoints directory (its latest checkpoint)
 or a consolidated checkpoint. Nothing is written when conversion fails; the error lists every
-difference found (one message, exit status 2; ``--debug`` adds the traceback). After ``reshard``, resume with ``OUT/resume_config.json``:
+difference found (one message, exit status 2; ``--debug`` adds the traceback). Nothing a file names
+runs: a stored config whose model builder is ``package.module:attribute`` (a module that importing
+would run) is an error for ``export`` and ``reshard`` unless ``--trust-model-code`` is given, and
+``upgrade`` unpickles format-1 files with an allow-list (tensors, numpy arrays and scalars,
+DeepSpeed's plain-data classes), anything else only with ``--trust-model-code``. After ``reshard``, resume with ``OUT/resume_config.json``:
 
     deepspeed --num_accelerators 4 launch/train.py --config runs/k4/checkpoints/resume_config.json --resume
 """
@@ -21,6 +25,7 @@ difference found (one message, exit status 2; ``--debug`` adds the traceback). A
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -39,8 +44,8 @@ from stormshard.checkpoint.export import export_bundle  # noqa: E402
 from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint  # noqa: E402
 from stormshard.checkpoint.reshard import reshard_checkpoint  # noqa: E402
 from stormshard.checkpoint.upgrade import upgrade_checkpoints  # noqa: E402
-from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
-from stormshard.errors import check_writable_directory  # noqa: E402
+from stormshard.cli import add_debug_flag, add_trust_flag, check_arguments_not_empty, run_cli  # noqa: E402
+from stormshard.errors import check_writable_directory, no_partial_output  # noqa: E402
 from stormshard.parallel.shard import SHARD_STRATEGIES  # noqa: E402
 from stormshard.progress import reporting  # noqa: E402
 
@@ -65,16 +70,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None, help="the training dataset, if data.path has moved")
     p.add_argument("--graph", default=None, help="the training graph file (default: found next to the run)")
     p.add_argument("--overwrite", action="store_true")
+    add_trust_flag(p)
     p = sub.add_parser("export", help="an inference bundle for stormshard.load_model")
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--dataset", default=None)
     p.add_argument("--graph", default=None)
     p.add_argument("--overwrite", action="store_true")
+    add_trust_flag(p)
     p = sub.add_parser("upgrade", help="rewrite checkpoints of the pickled format 1 in the current format, in place "
-                                       "(opens the pickles: only checkpoints you wrote yourself)")
+                                       "(the pickles are read with an allow-list: tensors, numpy, DeepSpeed's "
+                                       "plain-data classes)")
     p.add_argument("checkpoint", help="a run's checkpoints directory (every step in it), a step_NNNNNNNN "
                                       "directory or a consolidated checkpoint")
+    add_trust_flag(p, "also unpickle what the allow-list refuses (any other class or function the file names)")
     p = sub.add_parser("import-anemoi", help="an inference bundle from an anemoi checkpoint (read without "
                                              "anemoi and without running anything in the file)")
     p.add_argument("checkpoint", help="an anemoi-training inference-*.ckpt or Lightning last.ckpt (anemoi-models "
@@ -103,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
     def body() -> None:
-        with reporting():  # a line per phase on standard error; standard output keeps the results (--json)
-            _run(args)
+        check_arguments_not_empty(argv)  # an empty --out would mean the current directory
+        out = getattr(args, "out", None)  # a failure leaves none of it behind (a full disk is named with it)
+        with reporting(), no_partial_output(out) if out else contextlib.nullcontext():
+            _run(args)  # standard error: a line per phase; standard output keeps the results (--json)
 
     return run_cli(body, debug=args.debug)
 
@@ -117,7 +128,7 @@ def _run(args: argparse.Namespace) -> None:
         info = inspect_checkpoint(args.checkpoint)
         print(json.dumps(info, indent=1) if args.json else format_inspection(info, parameters=not args.brief))
     elif args.command == "upgrade":
-        for path, what in upgrade_checkpoints(args.checkpoint):
+        for path, what in upgrade_checkpoints(args.checkpoint, trust_pickles=args.trust_model_code):
             print(f"{path}: {what}")
     elif args.command == "consolidate":
         check_output_path(args.checkpoint, args.out, args.overwrite)
@@ -128,7 +139,7 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "reshard":
         out = reshard_checkpoint(args.checkpoint, args.out, args.gpus_per_model, args.shard_strategy,
                                  world_size=args.world_size, dataset=args.dataset, graph=args.graph,
-                                 overwrite=args.overwrite)
+                                 overwrite=args.overwrite, trust_model_code=args.trust_model_code)
         print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
     elif args.command == "export-anemoi":
         check_output_path(args.checkpoint, args.out, args.overwrite)
@@ -142,8 +153,9 @@ def _run(args: argparse.Namespace) -> None:
               f"fine-tune it with launch/train.py --config {out / 'finetune_config.json'} data.path=DATASET")
     else:
         out = export_bundle(args.checkpoint, args.out, dataset=args.dataset, graph=args.graph,
-                            overwrite=args.overwrite)
-        print(f"exported {out}: load it with stormshard.checkpoint.export.load_model({str(out)!r})")
+                            overwrite=args.overwrite, trust_model_code=args.trust_model_code)
+        trust = ", trust_model_code=True" if args.trust_model_code else ""
+        print(f"exported {out}: load it with stormshard.checkpoint.export.load_model({str(out)!r}{trust})")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ persistence and the training-period climatology; CRPS and spread/skill for ensem
 maps/<variable>_step<k>.png; and OUT/plots/scores_<variable>.png (scores against lead time),
 OUT/scores.json (several dates combined), OUT/climatology.npz.
 
-A failure prints one message (``error: ...``) from rank 0 and exits with status 2 for bad input,
-1 otherwise (``stormshard.cli``).
+A model whose stored config names its builder as ``package.module:attribute`` (a module that
+importing would run) is refused before any work unless ``--trust-model-code`` is given. A failure
+prints one message (``error: ...``) from rank 0 and exits with status 2 for bad input, 1 otherwise
+(``stormshard.cli``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
+from stormshard.cli import add_debug_flag, add_trust_flag, check_arguments_not_empty, run_cli  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--graph", default=None, help="the graph file (checkpoints only; default: found or rebuilt)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the DeepSpeed launcher")
+    add_trust_flag(parser)
     add_debug_flag(parser)
     return parser.parse_args(argv)
 
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
     def body() -> None:
+        check_arguments_not_empty(argv)  # an empty --out would mean the current directory
         import torch
         import torch.distributed as dist
 
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                          precision=args.precision, formats=args.formats, plot_variables=args.plot,
                          plot_steps=args.plot_steps, verify=not args.no_scores,
                          cells_per_chunk=args.cells_per_chunk, graph=args.graph, overwrite=args.overwrite,
-                         attention_kernel=args.attention_kernel,
+                         attention_kernel=args.attention_kernel, trust_model_code=args.trust_model_code,
                          verbose=(dist.get_rank() if dist.is_initialized() else 0) == 0)
         finally:
             if owns_group:

@@ -14,7 +14,10 @@ resolved config is saved as ``<training.output_dir>/config.json``.
 
 Options: ``--resume`` continues from the newest checkpoint in ``training.output_dir`` (an error,
 raised before anything starts, when that directory holds none);
-``--deepspeed_config FILE`` (a DeepSpeed JSON config) replaces the config's ``deepspeed`` section;
+``--trust-model-code``: a ``--config`` that came with a bundle or checkpoint (a stormshard
+``metadata.json`` beside it, e.g. a bundle's ``finetune_config.json``) may name its model builder as
+``package.module:attribute`` (without the flag that is an error, and nothing is imported; a builder
+named by your own config needs no flag); ``--deepspeed_config FILE`` (a DeepSpeed JSON config) replaces the config's ``deepspeed`` section;
 its ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``gradient_clipping`` and
 ``optimizer`` (AdamW) move to ``training.micro_batch_size``, ``training.gradient_accumulation_steps``,
 ``training.gradient_clipping`` and the ``optimizer`` section, and a value the config sets differently
@@ -37,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stormshard.cli import add_debug_flag, run_cli  # noqa: E402
+from stormshard.cli import add_debug_flag, add_trust_flag, check_arguments_not_empty, run_cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,18 +53,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON config replacing the deepspeed section (its batch, clipping and "
                         "optimizer keys move to the engine-neutral fields)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the DeepSpeed launcher")
+    add_trust_flag(parser, "import the model builder module (model.name 'package.module:attribute') that a --config "
+                           "which came with a bundle or checkpoint (a stormshard metadata.json beside it) names")
     add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may stand before or after the options
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
     def body() -> None:
+        check_arguments_not_empty(argv)  # an empty --config / --deepspeed_config value names the option
         # the config is read and validated before torch or DeepSpeed is imported: a bad one fails in a
         # fraction of a second (stormshard.training.config imports neither)
         from stormshard.training.config import load_experiment_config
 
         config = load_experiment_config(args.config, deepspeed_config=args.deepspeed_config,
                                         cli_overrides=args.overrides)
+        from stormshard.models.trust import check_model_code, stored_beside
+
+        stored = stored_beside(args.config)  # a bundle's finetune_config.json: a stored file, not the user's own
+        if stored is not None:
+            check_model_code(config.model.name, f"--config {args.config} (it came with {stored.parent})",
+                             args.trust_model_code)
         from stormshard.training.launch import run_training
 
         run_training(config, resume=args.resume)

@@ -43,9 +43,11 @@ from stormshard.errors import (
     ReportedByRank,
     format_validation_errors,
     is_bad_input,
+    is_disk_full,
 )
 
-__all__ = ["add_debug_flag", "process_rank", "report_failure", "run_cli", "write_elastic_error_file"]
+__all__ = ["add_debug_flag", "add_trust_flag", "check_arguments_not_empty", "process_rank", "report_failure", "run_cli",
+           "write_elastic_error_file"]
 
 # (rank, world size) variables of the launchers stormshard.training.launch knows, in its order
 _RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
@@ -55,6 +57,34 @@ _RANK_VARIABLES = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_W
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     """``--debug``: print the Python traceback of a failure as well."""
     parser.add_argument("--debug", action="store_true", help="print the Python traceback of a failure")
+
+
+#: what ``--trust-model-code`` allows by default (:mod:`stormshard.models.trust`)
+IMPORT_STORED_BUILDER = ("import the model builder module that the stored config of the bundle or checkpoint names "
+                         "(model.name 'package.module:attribute')")
+
+
+def add_trust_flag(parser: argparse.ArgumentParser, what: str = IMPORT_STORED_BUILDER) -> None:
+    """``--trust-model-code``: let a file run the code it names (``what`` says which), refused without it."""
+    parser.add_argument("--trust-model-code", action="store_true",
+                        help=f"{what}; this runs code from the file: use it only for files you trust (without "
+                             "it, such a file is an error and nothing runs)")
+
+
+def check_arguments_not_empty(argv: list[str] | None) -> None:
+    """A ``ValueError`` naming the option (``--out is empty``) when a command-line value is empty, e.g.
+    from an unset shell variable (``--out "$OUT"``): an empty path would mean the current directory."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    for i, token in enumerate(tokens):
+        flag, sep, value = token.partition("=")
+        if token.startswith("--") and sep and not value.strip():
+            name = flag
+        elif not token.strip():
+            name = tokens[i - 1] if i and tokens[i - 1].startswith("--") else f"argument {i + 1}"
+        else:
+            continue
+        raise ValueError(f"{name} is empty (an unset shell variable?): an empty value is never read as the current "
+                         "directory; give a value")
 
 
 def process_rank() -> int:
@@ -102,6 +132,11 @@ def report_failure(exc: BaseException, debug: bool = False, stream: TextIO | Non
     rank = process_rank()
     if isinstance(exc, ReportedByRank):  # e.g. rank 0 prints its own exception, the others this one
         status, printer, text = EXIT_FAILURE, exc.reporter == rank, f"error: {exc}"
+    elif is_disk_full(exc):  # every rank that hits it says so (another rank's disk may be fine)
+        prefix = f"[rank {rank}] " if _world_size() > 1 else ""
+        status, printer = EXIT_FAILURE, True
+        text = (f"{prefix}error: the disk is full ({exc.strerror or 'no space left on device'}) writing "
+                f"{exc.filename or 'the output'}: free space there or write to another file system")
     elif is_bad_input(exc):
         status, printer, text = EXIT_BAD_INPUT, rank == 0, f"error: {_message(exc)}"
     else:

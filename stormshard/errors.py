@@ -11,17 +11,23 @@ conversion, inference) agree here on how a failure ends a job, without importing
   written, run by every entry point before any work;
 - :class:`ReportedByRank`: a failure whose message one rank (``reporter``) prints for the whole job
   (a rank that died, a failure of rank 0 the others waited for); exit status :data:`EXIT_FAILURE`;
-- :func:`format_validation_errors`: one line per problem of a pydantic ``ValidationError``.
+- :func:`format_validation_errors`: one line per problem of a pydantic ``ValidationError``;
+- :func:`is_disk_full` / :func:`disk_full_error`: a full disk (``ENOSPC``, ``EDQUOT``) while writing,
+  with the path it was writing (the entry points print "the disk is full" and the path);
+  :func:`no_partial_output`: a failure while writing an output leaves none of it behind.
 
 This module imports nothing from stormshard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +35,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "BAD_INPUT", "ReportedByRank", "format_validation_errors", "is_bad_input",
-           "OutputPathError", "check_writable_directory", "nearest_existing_parent"]
+           "OutputPathError", "check_writable_directory", "nearest_existing_parent", "is_disk_full", "disk_full_error", "no_partial_output"]
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -47,6 +53,99 @@ def is_bad_input(exc: BaseException) -> bool:
     """Whether ``exc`` means bad input: one of :data:`BAD_INPUT`, or an ``OSError`` refusing a path
     (a read-only file system, no permission: the output path has to change, nothing is broken)."""
     return isinstance(exc, BAD_INPUT) or (isinstance(exc, OSError) and exc.errno in REFUSED_PATH_ERRNOS)
+
+
+#: errno values of an ``OSError`` that means the disk (or the user's quota) is full
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that failed because the disk (or quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def disk_full_error(exc: OSError, path: str | os.PathLike) -> OSError:
+    """``exc`` (a full disk) naming ``path``, the output being written, when it names no file itself
+    (``write()`` does not); raise it ``from exc``."""
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(exc.filename or path))
+
+
+def _stamp(p: Path) -> tuple:
+    """What changes when ``p`` is rewritten: a file's inode, size and mtime; a directory's inode and its
+    children's names and mtimes."""
+    st = p.lstat()
+    if not p.is_dir() or p.is_symlink():
+        return st.st_ino, st.st_size, st.st_mtime_ns
+    try:
+        children = frozenset((c.name, c.lstat().st_mtime_ns) for c in p.iterdir())
+    except OSError:
+        children = frozenset()
+    return st.st_ino, children
+
+
+def _entries(root: Path, depth: int) -> dict[Path, tuple]:
+    """``{path: stamp}`` of the entries of ``root`` down to ``depth`` levels."""
+    out: dict[Path, tuple] = {}
+    level = [root]
+    for _ in range(depth):
+        below = []
+        for d in level:
+            try:
+                children = list(d.iterdir()) if d.is_dir() and not d.is_symlink() else []
+            except OSError:
+                continue
+            for c in children:
+                out[c] = _stamp(c)
+                below.append(c)
+        level = below
+    return out
+
+
+def _remove(p: Path) -> None:
+    """Remove ``p`` (a file or a tree) if it is there; a cleanup never raises."""
+    try:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    except OSError:  # e.g. a parent that is a file: nothing was written there
+        pass
+
+
+@contextlib.contextmanager
+def no_partial_output(path: str | os.PathLike, outputs: Collection[str] = (), remove: bool = True) -> Iterator[None]:
+    """Run the body that writes the output ``path``; when it fails (any exception, an interrupt too),
+    remove (``remove``: the rank that writes) what of the output did not exist before: ``path``
+    itself, its ``<path>.partial`` sibling and the directories created above it. When ``path`` existed
+    (a forecast's ``--out``), the entries up to two levels into it that are new, and those named in
+    ``outputs`` (``forecast.zarr``, ``scores.json``, ...) that were rewritten; everything else there
+    stays. A full disk is re-raised naming ``path`` (:func:`disk_full_error`)."""
+    p = Path(path).absolute()
+    existed = p.exists() or p.is_symlink()
+    partial = p.with_name(p.name + ".partial")
+    partial_existed = partial.exists()
+    created = [d for d in p.parents if not d.exists()]  # deepest first
+    depth = 2 if outputs else 0
+    before = _entries(p, depth) if existed and remove else {}
+    try:
+        yield
+    except BaseException as exc:
+        if remove:
+            if not existed:
+                _remove(p)
+            for entry, stamp in sorted(_entries(p, depth).items(), key=lambda e: len(e[0].parts)):
+                if entry.parent.exists() and (entry not in before or entry.name in outputs and before[entry] != stamp):
+                    _remove(entry)
+            if not partial_existed:
+                _remove(partial)
+            for d in created:
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+        if is_disk_full(exc):
+            raise disk_full_error(exc, p) from exc
+        raise
 
 
 class OutputPathError(ValueError):
@@ -91,10 +190,13 @@ class ReportedByRank(RuntimeError):
         self.reporter = reporter
 
 
-def format_validation_errors(err: ValidationError, source: str) -> str:
+def format_validation_errors(err: ValidationError, source: str,
+                             source_of: Callable[[str, str], str | None] | None = None) -> str:
     """One line per problem of ``err``, prefixed with ``source`` (a file name, "config"); a
-    section-level check (a model validator, whose message names the fields) is shown as it is."""
-    problems = []
+    section-level check (a model validator, whose message names the fields) is shown as it is.
+    ``source_of(field, message)`` may name another source for one problem (a command-line override
+    that set the field), which then replaces ``source`` on that line."""
+    problems: list[tuple[str | None, str]] = []
     for e in err.errors():
         where = ".".join(str(x) for x in e["loc"]) or "(top level)"
         value = e.get("input")
@@ -107,9 +209,12 @@ def format_validation_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "value_error":
             msg = str(e.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
             if isinstance(value, dict):  # a model validator: its message names the fields
-                problems.append(msg)
+                problems.append((source_of(where, msg) if source_of else None, msg))
                 continue
-        problems.append(f"{where} = {shown}: {msg}")
+        text = f"{where} = {shown}: {msg}"
+        problems.append((source_of(where, text) if source_of else None, text))
     if len(problems) == 1:
-        return f"{source}: {problems[0]}"
-    return "\n".join([f"{source}: {len(problems)} invalid setting(s):"] + [f"  - {p}" for p in problems])
+        own, text = problems[0]
+        return f"{own or source}: {text}"
+    return "\n".join([f"{source}: {len(problems)} invalid setting(s):"]
+                     + [f"  - {own + ': ' if own else ''}{text}" for own, text in problems])

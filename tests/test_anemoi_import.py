@@ -100,30 +100,36 @@ def _predict_error(model, variant: str) -> np.ndarray:
     return np.abs(got - expected).reshape(-1, expected.shape[-1]).max(axis=0) / spread
 
 
-def test_lightning_checkpoint_imports_as_its_inference_checkpoint(tmp_path, capsys):
+@pytest.mark.parametrize("variant", ["gt", "transformer"])
+def test_lightning_checkpoint_imports_as_its_inference_checkpoint(variant, tmp_path, capsys):
     """``last.ckpt`` (anemoi-training 0.17's Lightning checkpoint, written by the same callback at the
-    same step as ``inference.ckpt``): same weights, graph, statistics and config as the inference
-    checkpoint's import, and ``predict`` equals anemoi's ``predict_step``; it does not export back."""
+    same step as ``inference.ckpt``): same weights, graph (the sliding-window transformer's has no
+    processor edges), loss weights, statistics and config as the inference checkpoint's import, and
+    ``predict`` equals anemoi's ``predict_step``; it does not export back."""
     from safetensors.torch import load_file
 
     from stormshard.graphs.builder import load_graph
 
     ours, ref = tmp_path / "from_last", tmp_path / "from_inference"
-    assert convert_main(["import-anemoi", str(FIXTURES / "gt" / "last.ckpt"), "--out", str(ours)]) == 0
-    import_anemoi(FIXTURES / "gt" / "inference.ckpt", ref)
+    assert convert_main(["import-anemoi", str(FIXTURES / variant / "last.ckpt"), "--out", str(ours)]) == 0
+    import_anemoi(FIXTURES / variant / "inference.ckpt", ref)
     a, b = load_file(str(ours / "model.safetensors")), load_file(str(ref / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
     ga, gb = load_graph(ours / "graph.pt"), load_graph(ref / "graph.pt")
+    assert sorted(ga.edge_types) == sorted(gb.edge_types)
+    assert (("hidden", "to", "hidden") in gb.edge_types) == (variant == "gt")
     for et in gb.edge_types:  # edges from the file's graph_data, sorted by destination as anemoi's provider
         assert torch.equal(ga[et].edge_index, gb[et].edge_index) and torch.equal(ga[et].edge_attr, gb[et].edge_attr)
+    assert torch.equal(ga["data"].area_weight, gb["data"].area_weight)  # the graph's area_weight, unit-sum
     assert json.loads((ours / "statistics.json").read_text()) == json.loads((ref / "statistics.json").read_text())
     meta, ref_meta = (json.loads((d / "metadata.json").read_text()) for d in (ours, ref))
     assert meta["model"] == ref_meta["model"] and meta["timestep"] == "6h" and meta["step"] == 2
+    assert meta["model"]["name"] == {"gt": "graphtransformer", "transformer": "transformer"}[variant]
     assert meta["anemoi"]["checkpoint"] == "lightning" and meta["anemoi"]["migrations"] == []
     model = stormshard.load_model(ours)
-    err = _predict_error(model, "gt")
+    err = _predict_error(model, variant)
     assert (err <= 1e-4).all(), err
-    x = torch.from_numpy(np.load(FIXTURES / "gt" / "input.npy"))
+    x = torch.from_numpy(np.load(FIXTURES / variant / "input.npy"))
     assert torch.equal(model.predict(x), stormshard.load_model(ref).predict(x))
     assert not (ours / "anemoi_source.ckpt").exists()
     capsys.readouterr()
@@ -210,21 +216,101 @@ def test_export_needs_an_imported_bundle(tmp_path, capsys):
     assert not (tmp_path / "x.ckpt").exists()
 
 
-def test_older_layout_is_a_clear_error(tmp_path, capsys):
-    """A metadata 1.0 file (no data_indices per dataset): exit 2, one error line naming it, nothing written."""
+def _with_metadata(dst: Path, change) -> Path:  # noqa: ANN001 - change: bytes of anemoi.json -> new bytes
+    """A copy of the gt inference fixture whose ``anemoi-metadata/anemoi.json`` entry is ``change(old bytes)``."""
     import zipfile
 
-    src, old = FIXTURES / "gt" / "inference.ckpt", tmp_path / "aifs1.ckpt"
-    with zipfile.ZipFile(src) as z, zipfile.ZipFile(old, "w", zipfile.ZIP_STORED) as out:
+    with zipfile.ZipFile(FIXTURES / "gt" / "inference.ckpt") as z, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as out:
         for info in z.infolist():
             data = z.read(info)
-            if info.filename.endswith("anemoi-metadata/anemoi.json"):
-                meta = json.loads(data)
-                meta["version"] = "1.0"
-                meta.pop("data_indices")
-                data = json.dumps(meta).encode()
-            out.writestr(info, data)
+            out.writestr(info, change(data) if info.filename.endswith("anemoi-metadata/anemoi.json") else data)
+    return dst
+
+
+def _metadata_change(**changes):  # noqa: ANN202
+    def change(data: bytes) -> bytes:
+        meta = json.loads(data)
+        for key, value in changes.items():
+            if value is None:
+                meta.pop(key)
+            else:
+                meta[key] = value
+        return json.dumps(meta).encode()
+    return change
+
+
+def test_older_layout_is_a_clear_error(tmp_path, capsys):
+    """A metadata 1.0 file (no data_indices per dataset): exit 2, one error line naming it, nothing written."""
+    old = _with_metadata(tmp_path / "aifs1.ckpt", _metadata_change(version="1.0", data_indices=None))
     assert convert_main(["import-anemoi", str(old), "--out", str(tmp_path / "b")]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "metadata 1.0 / older layout" in errors[0]
     assert not (tmp_path / "b").exists()
+
+
+def _object_dtype(data: bytes) -> bytes:
+    meta = json.loads(data)
+    meta["supporting_arrays_paths"]["data"]["latitudes"]["dtype"] = "object"  # what save_metadata writes for one
+    return json.dumps(meta).encode()
+
+
+ENTRY = "inference-last/anemoi-metadata/anemoi.json"
+LATITUDES = "supporting_arrays_paths.data.latitudes (entry inference-last/anemoi-metadata/data/latitudes.numpy)"
+
+
+@pytest.mark.parametrize("case, change, names", [
+    ("malformed-json", lambda d: d[:200], [ENTRY, "is not valid JSON"]),
+    ("json-list", lambda d: b"[1, 2]", [ENTRY, "holds a JSON list"]),
+    ("object-dtype-array", _object_dtype, [LATITUDES, "dtype 'object'", "is not numeric"]),
+    ("directory", None, ["is a directory", "gt/inference.ckpt", "give the .ckpt file itself"]),
+])
+def test_anemoi_file_errors_name_the_file_and_entry(case, change, names, tmp_path, capsys):
+    """A malformed anemoi.json, an object-dtype supporting array, a directory given as the checkpoint:
+    exit 2, one ``error:`` line naming the file and the entry, no traceback, nothing written or changed;
+    ``training.init_weights`` of the same file says the same."""
+    from stormshard.training.finetune import read_init_weights
+    from tests.bad_input_helpers import content_hashes
+
+    if change is None:
+        bad = tmp_path / "run"
+        (bad / "gt").mkdir(parents=True)
+        (bad / "gt" / "inference.ckpt").write_bytes((FIXTURES / "gt" / "inference.ckpt").read_bytes())
+    else:
+        bad = _with_metadata(tmp_path / f"{case}.ckpt", change)
+    before = content_hashes(tmp_path)
+    assert convert_main(["import-anemoi", str(bad), "--out", str(tmp_path / "bundle")]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: {bad}") and all(n in err for n in names), err
+    assert content_hashes(tmp_path) == before
+    if change is not None:
+        with pytest.raises(ConversionError) as info:
+            read_init_weights(bad)
+        assert str(info.value).startswith(str(bad)) and all(n in str(info.value) for n in names)
+
+
+def test_export_of_a_bundle_that_lost_its_anemoi_source(tmp_path, capsys):
+    """export-anemoi of an imported bundle whose anemoi_source.ckpt is gone: exit 2, one error naming that
+    file and the metadata entry that names it (not "needs anemoi-models"), nothing written; and one whose
+    anemoi_source.ckpt has a malformed anemoi.json names that entry."""
+    from tests.bad_input_helpers import content_hashes
+
+    bundle = import_anemoi(FIXTURES / "gt" / "inference.ckpt", tmp_path / "bundle")
+    (bundle / "anemoi_source.ckpt").unlink()
+    before = content_hashes(tmp_path)
+    assert convert_main(["export-anemoi", str(bundle), "--out", str(tmp_path / "x.ckpt")]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {bundle / 'anemoi_source.ckpt'} is missing: {bundle / 'metadata.json'} (anemoi.template) "
+                      f"names it as the anemoi checkpoint this bundle was imported from "
+                      f"({json.loads((bundle / 'metadata.json').read_text())['anemoi']['uuid']}), and export-anemoi "
+                      "writes the weights into it"], err
+    assert "Traceback" not in err and "anemoi-models" not in err
+    assert content_hashes(tmp_path) == before
+    _with_metadata(bundle / "anemoi_source.ckpt", lambda d: d[:100])
+    before = content_hashes(tmp_path)
+    assert convert_main(["export-anemoi", str(bundle), "--out", str(tmp_path / "x.ckpt")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{bundle / 'anemoi_source.ckpt'}: its metadata entry {ENTRY}" in errors[0], errors
+    assert content_hashes(tmp_path) == before

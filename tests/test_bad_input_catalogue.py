@@ -22,6 +22,8 @@ import pytest
 import zarr
 
 from stormshard.data.synthetic import generate_synthetic_dataset
+from tests.bad_input_helpers import run_main as _main  # the launchers in-process
+from tests.bad_input_helpers import snapshot as _snapshot
 from tests.test_cli_errors import _cli, _one_process  # noqa: F401 - the launchers in-process; one-process env
 from tests.tiny_run import tiny_config
 
@@ -128,24 +130,6 @@ def world(tmp_path_factory) -> World:
     return w
 
 
-def _snapshot(root: Path) -> dict[str, tuple]:
-    """Every directory and file under ``root`` with its size and modification time."""
-    out = {}
-    for dirpath, _dirnames, filenames in os.walk(root):
-        out[dirpath] = ("dir",)
-        for name in filenames:
-            st = os.stat(os.path.join(dirpath, name))
-            out[os.path.join(dirpath, name)] = (st.st_size, st.st_mtime_ns)
-    return out
-
-
-def _main(entry: str, argv: list[str]) -> int:
-    try:
-        return _cli(entry).main(argv)
-    except SystemExit as exc:  # argparse: usage and "error: ..." on stderr, status 2
-        return int(exc.code)
-
-
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -160,8 +144,9 @@ def train(id: str, args: Callable[[World], list[str]] | list[str], *fragments: s
     """A train.py case: ``--config`` (the base config unless ``config`` names an input file) then ``args``."""
     def argv(w: World) -> list[str]:  # each case its own (absent) output_dir, unless it sets one
         extra = args(w) if callable(args) else list(args)
-        return ["--config", str(w.file(config) if config else w.config), f"training.output_dir={w.root / 'runs' / id}",
-                *extra]
+        own = [] if any(a.startswith("training.output_dir=") for a in extra) else \
+            [f"training.output_dir={w.root / 'runs' / id}"]  # a key given twice is an error of its own
+        return ["--config", str(w.file(config) if config else w.config), *own, *extra]
     return Case(id, "train", argv, fragments, env)
 
 
@@ -239,7 +224,7 @@ CASES = [
     train("accumulation-0", ["training.gradient_accumulation_steps=0"], "training.gradient_accumulation_steps = 0"),
     train("clipping-negative", ["training.gradient_clipping=-1"], "training.gradient_clipping = -1"),
     train("precision-fp16", ["training.precision=fp16"], "training.precision = \"fp16\""),
-    train("compile-yes", ["training.compile=yes"], "training.compile = \"yes\"", "valid boolean"),
+    train("compile-yes", ["training.compile=yes"], "training.compile = \"yes\"", "must be true, false or"),
     train("crps_alpha-2", ["training.crps_alpha=2"], "training.crps_alpha = 2"),
     train("rollout-0", ["training.rollout=0"], "training.rollout=0 must be a positive integer"),
     train("validation_rollout-0", ["training.validation_rollout=0"], "training.validation_rollout = 0"),

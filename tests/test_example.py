@@ -51,7 +51,7 @@ def _train(rank: int, world: int, cfg: dict) -> list[float]:
 def test_custom_model_from_json_trains_sharded_like_one_process(tmp_path):
     dataset = tmp_path / "synthetic.zarr"
     generate_synthetic_dataset(dataset, grid="o8", steps=64, seed=1)
-    config = load_experiment_config(_tiny(str(dataset), tmp_path / "check", 2))  # the builder is imported here
+    config = load_experiment_config(_tiny(str(dataset), tmp_path / "check", 2))  # its form checked, nothing imported
     assert config.model.name == "examples.custom_architecture:build" and config.model.options["num_layers"] == 2
 
     single = _train(0, 1, _tiny(str(dataset), tmp_path / "single", 1))

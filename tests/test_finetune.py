@@ -41,8 +41,9 @@ def _cli(bundle: Path, dataset: str, out: Path, *extra: str):
     items = [f"data.path={dataset}", f"training.output_dir={out}", "training.max_steps=2", "training.warmup_steps=1",
              "training.lr=1e-3", "training.micro_batch_size=1", "training.validation_interval=100",
              "training.checkpoint_interval=100", "data.train.end=2020-01-04T00", "data.validation.start=2020-01-04T06",
-             "data.validation_samples=1", "data.num_workers=0", "logging.progress=false", "engine=local",
-             *extra]
+             "data.validation_samples=1", "data.num_workers=0", "logging.progress=false", "engine=local"]
+    given = {e.partition("=")[0] for e in extra}  # a key given twice is an error: extra replaces the default
+    items = [i for i in items if i.partition("=")[0] not in given] + list(extra)
     return load_experiment_config(bundle / "finetune_config.json", cli_overrides=items)
 
 
@@ -145,7 +146,7 @@ def test_transfer_learning_and_freeze(setup, tmp_path, capsys, engine):
     bundle, dataset = setup
     layers = json.loads((bundle / "finetune_config.json").read_text())["model"]["processor"]["num_layers"]
     cfg = _cli(bundle, dataset, tmp_path / "tl", f"model.processor.num_layers={layers + 1}",
-               'training.freeze=["encoder", "embed_data"]', *engine)
+               'training.freeze=["encoder", "embed_data"]', "training.init_weights_partial=true", *engine)
     losses, trained = _train(0, 1, cfg)
     out = capsys.readouterr()
     text = out.out + out.err

@@ -13,7 +13,7 @@ MAX_LINES = 600
 #: parallel knows nothing of weather; kernels import nothing of the layers that call them;
 #: checkpoint/ and inference/ stand below training/.
 FLOORS: dict[str, int] = {
-    "errors": 0, "lazy": 0, "progress": 0,
+    "errors": 0, "env": 0, "lazy": 0, "progress": 0,
     "parallel": 1, "kernels": 1,
     "graphs": 2, "layers": 2,
     "data": 3, "models": 3,

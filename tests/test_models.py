@@ -4,6 +4,7 @@ gpus_per_model 1, 2, 3 and 4 (uneven grid and hidden slices, batch 2), float64."
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -38,12 +39,29 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
                                     decoder=dict(self_projection=True, trainable_edge_size=2)),
     "transformer-anemoi": dict(name="transformer", latent_skip=True, decoder_embedding=True, relu_bounded=("u",),
                                encoder=dict(trainable_edge_size=2), decoder=dict(trainable_edge_size=1)),
+    # the Triton graph kernel (Triton's interpreter on a CPU) in encoder, processor and decoder, against the
+    # csr kernel's single-process model; trainable edge features give the attribute gradients a path
+    # (small: the interpreter runs every Triton program in numpy; o2 data, ico0 hidden, one processor block)
+    "graphtransformer-triton": dict(name="graphtransformer", graph_kernel="triton",
+                                    processor=dict(num_layers=1, num_chunks=2, self_projection=True,
+                                                   trainable_edge_size=2),
+                                    encoder=dict(num_chunks=2, trainable_edge_size=3),
+                                    decoder=dict(trainable_edge_size=2)),
 }
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _cases(names: list[str]) -> list:
+    """``names`` as pytest params; the Triton case skips where Triton is not installed."""
+    skip = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+    return [pytest.param(n, marks=skip) if "triton" in n else n for n in names]
 
 
 @functools.lru_cache(maxsize=4)
-def _graph(graph_processor: bool):
-    if graph_processor:
+def _graph(graph_processor: bool, small: bool = False):
+    if small:
+        cfg = GraphConfig(data_grid="o2", hidden="ico0")
+    elif graph_processor:
         cfg = GraphConfig(data_grid="o4", hidden="ico1")
     else:
         cfg = GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4))
@@ -72,6 +90,10 @@ def _run(model, x, noise):
 # (all strategies share parameter names, shapes and initialisation). Cases that are already that
 # reference have no world-1 test: their reference is what the 2-4 rank tests compare against.
 def _reference_case(config: ModelConfig, strategy: str, world: int) -> tuple[ModelConfig, str]:
+    if config.graph_kernel != "auto":  # another graph kernel: the reference is the csr kernel's model
+        config = config.model_copy(update={"graph_kernel": "csr"})
+        if world > 1:
+            return config, strategy
     if world > 1:
         return config, strategy
     processor = config.processor.model_copy(update={"num_chunks": 1})
@@ -87,7 +109,7 @@ def _world_one_differs(case: str) -> bool:
 
 def _check_model(rank, world, case):
     config, strategy = _config(case)
-    graph = _graph(config.uses_graph_processor)
+    graph = _graph(config.uses_graph_processor, small=config.graph_kernel == "triton")
     group = dist.group.WORLD if world > 1 else None
     ref_config, ref_strategy = _reference_case(config, strategy, world)
     torch.manual_seed(7)
@@ -139,13 +161,13 @@ def _check_model(rank, world, case):
     return True
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", _cases(list(CASES)))
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_model_layouts_equal_single_process(case, world):
     run_distributed(_check_model, world, case)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if _world_one_differs(c)])
+@pytest.mark.parametrize("case", _cases([c for c in CASES if _world_one_differs(c)]))
 def test_model_equals_reference_variant_at_world_1(case):
     """Checkpointing, edge chunks and the processor strategy do not change the single-process model."""
     _check_model(0, 1, case)
@@ -175,6 +197,9 @@ def test_bad_input_shape():
 
 
 def test_model_name_errors_name_the_field_value_and_fix():
+    """The config checks the name's form and imports nothing; the registry resolves it (at build)."""
+    from stormshard.models.registry import resolve_builder
+
     cases = [
         ("transfomer", r"model.name='transfomer' is unknown: name a registered model \(\['ensemble', 'gnn', "
                        r"'graphtransformer', 'transformer'.*'package.module:function'"),
@@ -188,7 +213,11 @@ def test_model_name_errors_name_the_field_value_and_fix():
     ]
     for name, message in cases:
         with pytest.raises(ValueError, match=message):
+            resolve_builder(ModelConfig(name=name).name)
+    for name in (":build", "pkg.mod:", "a b:c", "pkg:mod:build", ""):
+        with pytest.raises(ValueError, match=f"model.name={name!r} is (not 'package.module:attribute'|empty)"):
             ModelConfig(name=name)
+    assert ModelConfig(name="no_such_pkg.models:build").name == "no_such_pkg.models:build"  # nothing imported
 
 
 def test_custom_builder_from_config_and_options():

@@ -40,6 +40,7 @@ from stormshard.checkpoint.anemoi_build import (
     save_anemoi_checkpoint,
     verify_anemoi_model,
 )
+from stormshard.checkpoint.anemoi_files import check_anemoi_file
 from stormshard.checkpoint.anemoi_layouts import canonical_tensors
 from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_checkpoint
 from stormshard.checkpoint.anemoi_plan import (
@@ -50,7 +51,8 @@ from stormshard.checkpoint.anemoi_plan import (
 )
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.export import BUNDLE_FORMAT, InferenceModel, export_bundle, load_model
-from stormshard.checkpoint.stored_config import stored_model_config
+from stormshard.checkpoint.stored_config import checkpoint_model_section, stored_model_config
+from stormshard.errors import disk_full_error, is_disk_full
 from stormshard.graphs.builder import load_graph
 from stormshard.models.variables import VariableIndex
 from stormshard.progress import note, phase
@@ -70,6 +72,13 @@ def _template(bundle: Path, meta: dict) -> Path | None:
         name = (meta.get("anemoi") or {}).get("template")
         if name and (bundle / str(name)).is_file():
             return bundle / str(name)
+        if name:  # import-anemoi kept it: without it the bundle cannot be written back into its anemoi file
+            raise ConversionError(
+                f"{bundle / str(name)} is missing: {bundle / 'metadata.json'} (anemoi.template) names it as the "
+                f"anemoi checkpoint this bundle was imported from ({(meta.get('anemoi') or {}).get('uuid') or '?'}), "
+                "and export-anemoi writes the weights into it",
+                fix=f"copy the original anemoi inference checkpoint to {bundle / str(name)} (or import it again with "
+                    "convert_checkpoint.py import-anemoi)")
         source = ((meta.get("experiment") or {}).get("training") or {}).get("init_weights")
         if not source:
             return None
@@ -91,6 +100,7 @@ def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> P
     roles = meta["variables"]
     variables = VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"])
     weights = load_file(str(b / "model.safetensors"))
+    check_anemoi_file(template)
     ckpt = open_anemoi_checkpoint(template)
     canonical = canonical_tensors(ckpt)
     if ckpt.kind != "inference" or canonical.migrations:
@@ -114,13 +124,19 @@ def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> P
             changed.add(ckpt.storage_key(tensors[name]))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".partial")
-    with zipfile.ZipFile(template) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            key = info.filename.rsplit("/", 1)[-1]
-            is_storage = info.filename == f"{ckpt.prefix}/data/{key}"
-            data = bytes(ckpt.buffers[key]) if is_storage and key in changed else src.read(info)
-            dst.writestr(info, data)
-    os.replace(tmp, target)
+    try:
+        with zipfile.ZipFile(template) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as dst:
+            for info in src.infolist():
+                key = info.filename.rsplit("/", 1)[-1]
+                is_storage = info.filename == f"{ckpt.prefix}/data/{key}"
+                data = bytes(ckpt.buffers[key]) if is_storage and key in changed else src.read(info)
+                dst.writestr(info, data)
+        os.replace(tmp, target)
+    except BaseException as exc:  # a full disk, an interrupt: no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full_error(exc, target) from exc
+        raise
     return target
 
 
@@ -153,6 +169,7 @@ def export_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
     with contextlib.ExitStack() as stack:
         bundle = src
         if meta is None:  # a training checkpoint: its bundle first (config, graph, statistics)
+            check_exportable(stored_model_config(checkpoint_model_section(src)[0] or {}), src)  # before its builder
             bundle = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="export-anemoi-"))) / "bundle"
             with phase(f"export-anemoi: read {src}"):
                 export_bundle(src, bundle, dataset=dataset, graph=graph)

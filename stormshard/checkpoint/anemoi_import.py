@@ -13,7 +13,9 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
   (``decoder_embedding``), ReLU bounding (``relu_bounded``), ``self_projection`` (anemoi's ``lin_self``);
 - the graph: node coordinates from the model's ``latlons_*`` buffers, edges and edge attributes
   from its graph providers' buffers (a Lightning file: from its ``graph_data``), sorted by
-  destination, the order the trainable edge tensors follow;
+  destination, the order the trainable edge tensors follow; the data nodes' ``area_weight`` is the
+  loss weight anemoi-training gave each cell (:mod:`stormshard.checkpoint.anemoi_node_weights`: the
+  stored graph's ``area_weight``, normalised as its loss scaler does);
 - the variables (dataset order, forcing, diagnostic) from ``data_indices``, and the normaliser
   statistics from ``_norm_mul`` / ``_norm_add`` (anemoi normalises ``x * mul + add``: exactly
   mean-std with ``mean = -add / mul``, ``stdev = 1 / mul``, whatever anemoi's method was);
@@ -43,12 +45,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_files import check_anemoi_file
 from stormshard.checkpoint.anemoi_layouts import (
     AnemoiArchitecture,
     CanonicalTensors,
     architecture_from_config,
     canonical_tensors,
+    dataset_and_hidden_names,
 )
+from stormshard.checkpoint.anemoi_node_weights import loss_node_weights
 from stormshard.checkpoint.anemoi_pickle import (
     AnemoiCheckpoint,
     open_anemoi_checkpoint,
@@ -240,12 +245,15 @@ def _variables(ckpt: AnemoiCheckpoint) -> tuple[VariableIndex, dict[str, Any]]:
     return variables, idx
 
 
-def _graph(t: dict[str, Tensor], kind: str) -> HeteroGraph:
+def _graph(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str) -> tuple[HeteroGraph, str]:
+    """The graph, and where its data nodes' ``area_weight`` (the loss weights) came from."""
     g = HeteroGraph()
-    g["data"].x = _latlon(t["model.node_attributes.latlons_data"]).float()
+    latlon = _latlon(t["model.node_attributes.latlons_data"])
+    g["data"].x = latlon.float()
     g["hidden"].x = _latlon(t["model.node_attributes.latlons_hidden"]).float()
-    for node in ("data", "hidden"):
-        g[node].area_weight = torch.ones(g[node].x.shape[0])
+    node_weights = loss_node_weights(ckpt, latlon)  # anemoi-training's node_weights scaler
+    g["data"].area_weight = node_weights.weights
+    g["hidden"].area_weight = torch.ones(g["hidden"].x.shape[0])  # unused: no loss on hidden nodes
     providers = {ENCODER: "model.encoder_graph_provider.data", DECODER: "model.decoder_graph_provider.data"}
     if kind == "graphtransformer":
         providers[PROCESSOR] = "model.processor_graph_provider"
@@ -255,7 +263,7 @@ def _graph(t: dict[str, Tensor], kind: str) -> HeteroGraph:
     g.config_hash = "anemoi-import"
     g.coverage_edges = {}
     g.validate()
-    return g
+    return g, node_weights.source
 
 
 def _permute(weight: Tensor, first: int, inverse: bool = False) -> Tensor:
@@ -433,6 +441,7 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
     """Read an anemoi checkpoint (inference or Lightning ``last.ckpt``, anemoi-models 0.19 or an older
     layout anemoi's migration rules map; restricted unpickler, nothing runs) and map it onto a
     stormshard model; raises :class:`ConversionError` naming what does not map."""
+    check_anemoi_file(source)
     ckpt = open_anemoi_checkpoint(source)
     canonical = canonical_tensors(ckpt)
     arch = anemoi_architecture(ckpt)
@@ -441,7 +450,7 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
     t = canonical.tensors
     try:
         config = _model_config(ckpt, t, kind, arch)
-        graph = _graph(t, kind)
+        graph, weights_source = _graph(ckpt, t, kind)
         weights = _weights(t, config, len(variables.input_names))
     except KeyError as err:  # a tensor of the 0.19 layout is absent: a layout no migration rule maps
         raise ConversionError(
@@ -473,6 +482,7 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
         "anemoi": {"run_id": ckpt.metadata.get("run_id"), "uuid": ckpt.metadata.get("uuid"),
                    "metadata_version": ckpt.metadata.get("version"), "checkpoint": ckpt.kind,
                    "migrations": list(canonical.migrations), "architecture_from": arch.source,
+                   "loss_node_weights": weights_source, "date_ranges": _date_ranges(ckpt.metadata),
                    "template": None if _not_exportable(ckpt, canonical) else TEMPLATE,
                    "not_exportable": _not_exportable(ckpt, canonical)},
     }
@@ -491,10 +501,27 @@ def _not_exportable(ckpt: AnemoiCheckpoint, canonical: CanonicalTensors) -> str 
     return None
 
 
+def _date_ranges(metadata: dict[str, Any]) -> dict[str, dict[str, str | None]]:
+    """The training and validation dates of anemoi's run (``dataloader.<split>[.datasets.<dataset>].start /
+    end``), as stormshard's ``data.train`` / ``data.validation``; ``{}`` unless the config has both."""
+    loader = (metadata.get("config") or {}).get("dataloader") if isinstance(metadata.get("config"), dict) else None
+    dataset, _ = dataset_and_hidden_names(metadata)
+    ranges = {}
+    for ours, theirs in (("train", "training"), ("validation", "validation")):
+        split = (loader or {}).get(theirs) if isinstance(loader, dict) else None
+        if isinstance(split, dict) and isinstance(split.get("datasets"), dict):
+            split = split["datasets"].get(dataset)
+        if not isinstance(split, dict) or not ({"start", "end"} & set(split)):
+            return {}
+        ranges[ours] = {k: None if split.get(k) is None else str(split[k]) for k in ("start", "end")}
+    return ranges
+
+
 def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict[str, Any]:
     """A complete training config (``launch/train.py --config``) that fine-tunes the bundle at
     ``bundle``: its model, its graph file (never rebuilt), its statistics and variables, starting from
-    its weights; ``data.path`` is a placeholder the user overrides. A transformer's ``lin_qkv`` biases
+    its weights, on the training and validation dates of anemoi's run (when the checkpoint's config
+    has them); ``data.path`` is a placeholder the user overrides. A transformer's ``lin_qkv`` biases
     (anemoi's q/k/v have none) are frozen at zero, so the result exports back to anemoi."""
     b = Path(bundle).resolve()
     v, config = imported.variables, imported.config
@@ -504,7 +531,8 @@ def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict
         "model": config.model_dump(mode="json"),
         "data": {"path": FINETUNE_DATA_PLACEHOLDER, "forcing": list(v.forcing), "diagnostic": list(v.diagnostic),
                  "timestep": imported.metadata.get("timestep"), "graph_file": str(b / "graph.pt"),
-                 "statistics": str(b / "statistics.json")},
+                 "statistics": str(b / "statistics.json"),
+                 **(imported.metadata.get("anemoi") or {}).get("date_ranges", {})},
         "parallel": {"gpus_per_model": 1, "shard_strategy": "shard_sequence"},
         "training": {"max_steps": 1000, "lr": 1e-4, "lr_min": 1e-6, "warmup_steps": 100,
                      "output_dir": f"runs/finetune-{b.name}", "init_weights": str(b),

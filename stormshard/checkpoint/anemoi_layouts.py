@@ -11,7 +11,8 @@ inference checkpoint (the names :mod:`stormshard.checkpoint.anemoi_import` maps 
   are taken from the graph the file holds (``hyper_parameters["graph_data"]``, a torch-geometric
   ``HeteroData`` read as inert stubs), sorted by destination (stable) as anemoi's
   ``StaticGraphProvider`` sorts them, attributes concatenated in the config's
-  ``sub_graph_edge_attributes`` order;
+  ``sub_graph_edge_attributes`` order (a sliding-window ``TransformerProcessor`` has no processor
+  edges: its graph's hidden -> hidden store is empty or absent, as in the inference file);
 
 then renames older layouts the way anemoi-models' migration scripts do (each rule is listed in
 ``CanonicalTensors.migrations`` when it applied):
@@ -48,7 +49,7 @@ from stormshard.checkpoint.anemoi_pickle import AnemoiCheckpoint, module_tensors
 from stormshard.checkpoint.errors import ConversionError
 
 __all__ = ["CanonicalTensors", "canonical_tensors", "PROVIDERS", "dataset_and_hidden_names", "model_config_json",
-           "AnemoiArchitecture", "architecture_from_config"]
+           "AnemoiArchitecture", "architecture_from_config", "EDGELESS_PROCESSORS", "stored_graph"]
 
 #: graph provider (canonical name prefix) -> (source node set, destination node set), canonical names
 PROVIDERS = {"model.encoder_graph_provider.data": ("data", "hidden"),
@@ -57,6 +58,8 @@ PROVIDERS = {"model.encoder_graph_provider.data": ("data", "hidden"),
 _MAPPER_FOR = {"model.encoder_graph_provider.data": "encoder", "model.processor_graph_provider": "processor",
                "model.decoder_graph_provider.data": "decoder"}
 _LAYOUT_KEY = "trainable_layout_version"
+#: processors that use no hidden -> hidden edges (anemoi's graph may hold an empty edge store for them)
+EDGELESS_PROCESSORS = ("TransformerProcessor",)
 _FIX = "re-save the checkpoint with anemoi-models 0.19 (anemoi-models' migration tool), then import that"
 
 
@@ -212,13 +215,23 @@ def _store_mapping(store: Any) -> dict[str, Any]:
     return mapping if isinstance(mapping, dict) else {}
 
 
+def stored_graph(ckpt: AnemoiCheckpoint) -> Any:
+    """The graph the checkpoint holds (a stubbed torch-geometric ``HeteroData``: a Lightning file's
+    ``hyper_parameters["graph_data"]``, a pickled model interface's ``graph_data``), or None."""
+    if ckpt.kind == "lightning":
+        hparams = ckpt.root.get("hyper_parameters") or {}
+        graph = hparams.get("graph_data") if isinstance(hparams, dict) else None
+    else:
+        graph = getattr(ckpt.root, "__dict__", {}).get("graph_data")
+    if isinstance(graph, dict) and len(graph) == 1:  # {dataset: HeteroData} (several-graph layouts)
+        graph = next(iter(graph.values()))
+    return graph if isinstance(getattr(graph, "__dict__", {}).get("_edge_store_dict"), dict) else None
+
+
 def _graph_edges(ckpt: AnemoiCheckpoint, dataset: str, hidden: str) -> dict[str, dict[str, Tensor]]:
     """The edge sets of ``hyper_parameters["graph_data"]`` (a stubbed HeteroData), canonical node names."""
-    hparams = ckpt.root.get("hyper_parameters") or {}
-    graph = hparams.get("graph_data") if isinstance(hparams, dict) else None
-    stores = getattr(graph, "__dict__", {}).get("_edge_store_dict")
-    if isinstance(graph, dict) and len(graph) == 1:  # {dataset: HeteroData} (several-graph layouts)
-        stores = getattr(next(iter(graph.values())), "__dict__", {}).get("_edge_store_dict")
+    graph = stored_graph(ckpt)
+    stores = graph.__dict__["_edge_store_dict"] if graph is not None else None
     if not isinstance(stores, dict):
         raise ConversionError(f"{ckpt.path}: the Lightning checkpoint has no graph (hyper_parameters.graph_data "
                               "with edge stores): the edges cannot be taken from the file", fix=_FIX)
@@ -253,6 +266,8 @@ def _lightning_edges(ckpt: AnemoiCheckpoint, tensors: dict[str, Tensor], dataset
     model = model_config_json(ckpt.metadata)
     permuted = []
     for provider, (src, dst) in PROVIDERS.items():
+        if provider == "model.processor_graph_provider" and _target(model.get("processor")) in EDGELESS_PROCESSORS:
+            continue  # a sliding-window transformer attends over the node order: its graph has no processor edges
         store = edges.get(f"{src}->{dst}")
         if store is None or "edge_index" not in store:
             raise ConversionError(f"{ckpt.path}: the graph has no {src} -> {dst} edges", fix=_FIX)

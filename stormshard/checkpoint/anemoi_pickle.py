@@ -11,13 +11,18 @@ an allow-list of globals (torch tensor / storage rebuilders, dtypes, ``torch.Siz
 ``collections.OrderedDict``, a few builtins, numpy array rebuilders) and turns every other class or
 function into an inert :class:`Stub`: calling a stub (the pickle ``REDUCE`` / ``NEWOBJ`` opcodes)
 only records the arguments, and its state (``BUILD``) is stored as a plain dict. Nothing named in
-the file is imported or executed, so a malicious ``__reduce__`` (``os.system``, ``eval``, ...) is
-inert. The model's tensors are then reachable as in ``nn.Module.state_dict``
+the file is imported or executed. A file whose pickle names a global that runs code or reaches the
+system (:func:`runs_code`: ``os.system``, ``eval``, ``exec``, ``subprocess``, ``getattr`` of a private
+attribute, ...) is refused outright (:class:`UnsafeAnemoiCheckpoint`, naming the global and the
+file), although a stub would keep it inert here: anemoi-inference unpickles with
+``torch.load(weights_only=False)``, and ``export-anemoi`` copies an imported file's pickle unchanged
+into the file it writes. The model's tensors are then reachable as in ``nn.Module.state_dict``
 (:func:`module_tensors`: ``_parameters``, ``_buffers``, ``_modules`` of every stub).
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import json
 import os
@@ -34,11 +39,54 @@ import torch
 from stormshard.checkpoint.errors import ConversionError
 
 __all__ = ["Stub", "RestrictedUnpickler", "AnemoiCheckpoint", "open_anemoi_checkpoint", "module_tensors",
-           "stub_class_name", "NotAnemoiCheckpoint"]
+           "stub_class_name", "NotAnemoiCheckpoint", "UnsafeAnemoiCheckpoint", "runs_code"]
 
 
 class NotAnemoiCheckpoint(ConversionError):
     """The file is not an anemoi checkpoint (not a torch zip file, or no anemoi metadata / model)."""
+
+
+class UnsafeAnemoiCheckpoint(ConversionError):
+    """The file's pickle names a global that runs code (:func:`runs_code`): refused, nothing written."""
+
+
+class _CodeGlobal(pickle.UnpicklingError):
+    """Raised by the unpickler at the first global that runs code; ``name`` says which."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+#: modules (and their submodules) whose globals run code, spawn processes or touch files and sockets
+_CODE_MODULES = frozenset({
+    "os", "posix", "nt", "subprocess", "_posixsubprocess", "sys", "shutil", "importlib", "runpy", "pty", "socket",
+    "ctypes", "_ctypes", "code", "codeop", "commands", "popen2", "webbrowser", "multiprocessing", "pickle", "_pickle",
+    "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib", "timeit", "pdb", "bdb", "trace", "profile",
+    "cProfile", "pydoc", "platform", "signal", "asyncio", "io", "_io", "tempfile", "urllib", "http", "ftplib",
+    "smtplib", "telnetlib", "requests", "setuptools", "distutils", "pip", "venv", "ensurepip", "zipimport", "pkgutil",
+    "site", "sysconfig", "imp", "threading", "_thread", "gc",
+})
+#: single globals that run code (module.name; "builtins" stands for "__builtin__" too)
+_CODE_NAMES = frozenset({
+    *(f"builtins.{n}" for n in ("eval", "exec", "execfile", "compile", "__import__", "open", "input", "breakpoint",
+                                 "globals", "locals", "vars", "setattr", "delattr", "exit", "quit", "help", "apply",
+                                 "reload", "file", "memoryview")),
+    "operator.methodcaller", "operator.attrgetter", "_operator.methodcaller", "_operator.attrgetter",
+    "types.CodeType", "types.FunctionType", "types.LambdaType", "types.MethodType",
+    "torch.load", "torch.jit.load", "torch.hub.load", "numpy.load", "numpy.fromfile",
+    "hydra.utils.instantiate", "hydra.utils.call", "hydra.utils.get_method", "hydra.utils.get_class",
+})
+#: modules whose every global is refused, under a package whose others are fine
+_CODE_SUBMODULES = ("torch.serialization", "torch.hub", "torch.package", "torch.utils.cpp_extension",
+                    "numpy.lib.npyio", "hydra._internal.instantiate", "hydra._internal.utils")
+
+
+def runs_code(module: str, name: str) -> bool:
+    """Whether the global ``module.name`` of a pickle runs code (or reaches processes, files, sockets)
+    when a real unpickler resolves it and the pickle calls it: the globals a file is refused for."""
+    return (module.split(".")[0] in _CODE_MODULES or f"{module}.{name}" in _CODE_NAMES
+            or any(module == m or module.startswith(f"{m}.") for m in _CODE_SUBMODULES))
 
 
 class Stub:
@@ -88,9 +136,21 @@ def stub_class_name(obj: Any) -> str | None:
 _stub_classes: dict[str, type] = {}
 
 
+class _PublicGetattr(Stub):
+    """The stub of ``getattr``, which anemoi's files name (a method reference): the attribute must be
+    public; a private one (``f.__globals__``, ``type.__subclasses__``) is the way from a harmless
+    object to code, and is refused."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 1 and (not isinstance(args[1], str) or args[1].startswith("_")):
+            raise _CodeGlobal(f"builtins.getattr of the private attribute {args[1]!r:.60}")
+        super().__init__(*args, **kwargs)
+
+
 def _stub_class(name: str) -> type:
     if name not in _stub_classes:
-        _stub_classes[name] = type(name.rsplit(".", 1)[-1], (Stub,), {"_stub_name": name, "__module__": "stub"})
+        base = _PublicGetattr if name in ("builtins.getattr", "__builtin__.getattr") else Stub
+        _stub_classes[name] = type(name.rsplit(".", 1)[-1], (base,), {"_stub_name": name, "__module__": "stub"})
     return _stub_classes[name]
 
 
@@ -206,6 +266,9 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return _ALLOWED[(module, name)]
+        py3 = _compat_pickle.IMPORT_MAPPING.get(module, module)  # the name Python 3 gives a protocol-2 module
+        if runs_code(module, name) or runs_code(py3, name):
+            raise _CodeGlobal(f"{py3}.{name}" + (f" (os.{name})" if py3 in ("posix", "nt") else ""))
         if module == "numpy" and name.endswith("DType") or module == "numpy.dtypes":
             return _numpy_dtype
         self.stubbed.add(f"{module}.{name}")
@@ -304,6 +367,12 @@ def open_anemoi_checkpoint(path: str | os.PathLike) -> AnemoiCheckpoint:
         unpickler = RestrictedUnpickler(z.read(pkl[0]), _TypedStorageReader(storage))
         try:
             root = unpickler.load()
+        except _CodeGlobal as err:
+            raise UnsafeAnemoiCheckpoint(
+                f"{p} names {err.name} in its pickle: loading the file with torch.load(weights_only=False), as "
+                "anemoi does, would run it (and export-anemoi would copy the pickle into the file it writes); "
+                "stormshard refuses such files: nothing was written",
+                fix="use a checkpoint from a source you trust, as anemoi-training's checkpoint callback wrote it") from None
         except Exception as err:  # noqa: BLE001 - any malformed pickle is "not an anemoi checkpoint"
             raise NotAnemoiCheckpoint(f"{p} could not be read as an anemoi checkpoint: {type(err).__name__}: {err}",
                                       fix="give an anemoi-training inference-*.ckpt or last.ckpt") from None

@@ -78,6 +78,7 @@ from stormshard.checkpoint.zero import (
     unflatten_zero,
     zero_extras,
 )
+from stormshard.errors import disk_full_error, is_disk_full
 from stormshard.parallel.partition import Partition
 from stormshard.parallel.topology import ParallelLayout
 from stormshard.progress import note as progress_note
@@ -503,6 +504,8 @@ class atomic_directory:  # noqa: N801 - used as a context manager
                     parent.rmdir()
                 except OSError:
                     break
+            if is_disk_full(exc):  # name the output, not the temporary file write() hit
+                raise disk_full_error(exc, self.out) from exc
             return
         if self.out.exists():
             old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")

@@ -39,7 +39,12 @@ from stormshard.checkpoint.consolidate import (
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.groups import model_on_meta
 from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
-from stormshard.checkpoint.stored_config import stored_model_config, stored_shard_strategy
+from stormshard.checkpoint.stored_config import (
+    check_checkpoint_builder,
+    check_model_builder,
+    stored_model_config,
+    stored_shard_strategy,
+)
 from stormshard.data.anemoi_layout import Statistics
 from stormshard.data.normalisation import Normaliser
 from stormshard.graphs.builder import load_graph
@@ -83,10 +88,13 @@ class InferenceModel:
 
 
 def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
-                  graph: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+                  graph: str | os.PathLike | None = None, overwrite: bool = False,
+                  trust_model_code: bool = False) -> Path:
     """Write an inference bundle from a training or consolidated checkpoint (any layout); never into
-    the source (:func:`~stormshard.checkpoint.consolidate.check_output_path`)."""
+    the source (:func:`~stormshard.checkpoint.consolidate.check_output_path`). A builder the stored
+    config names as ``"package.module:attribute"`` is imported only with ``trust_model_code``."""
     check_output_path(source, out, overwrite)
+    check_checkpoint_builder(source, trust_model_code)
     ckpt = load_any(source)
     src = model_sources(ckpt.config, resolve_checkpoint(source), dataset, graph)
     cfg = src.config
@@ -113,9 +121,12 @@ def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset:
     return Path(out)
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> InferenceModel:
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
+               trust_model_code: bool = False) -> InferenceModel:
     """Load an inference bundle written by :func:`export_bundle`: the model (CPU, eval mode,
-    single process, no DeepSpeed) plus normalisers, variables and graph."""
+    single process, no DeepSpeed) plus normalisers, variables and graph. A builder the bundle names
+    as ``"package.module:attribute"`` is imported only with ``trust_model_code=True`` (an
+    :class:`~stormshard.models.trust.UntrustedModelCode` error otherwise, before anything is read)."""
     from safetensors.torch import load_file
 
     p = Path(path)
@@ -126,6 +137,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> I
                               fix="create one with `python launch/convert_checkpoint.py export CHECKPOINT --out DIR`") from None
     if meta.get("format") != BUNDLE_FORMAT:
         raise ConversionError(f"{p}/metadata.json has format {meta.get('format')!r}, not {BUNDLE_FORMAT!r}")
+    check_model_builder(meta.get("model"), str(p / "metadata.json"), trust_model_code)
     try:
         weights = load_file(str(p / "model.safetensors"))
         stats_json = json.loads((p / "statistics.json").read_text())

@@ -18,9 +18,9 @@ inference. Layout of a checkpoints directory (all ranks must see the same file s
       step_00000130.tmp/          # a save in progress (or one that crashed): never read
 
 A step directory is complete once it holds ``metadata.json`` (written last, before the rename).
-Format 1 (releases before checksums) stored pickled python objects in ``rank_NNNNN.pt``; opening
-them runs code, so they are read only by ``python launch/convert_checkpoint.py upgrade``
-(:mod:`stormshard.checkpoint.upgrade`). This module needs no process group, model config or
+Format 1 (releases before checksums) stored pickled python objects in ``rank_NNNNN.pt``; they are
+read only by ``python launch/convert_checkpoint.py upgrade`` (:mod:`stormshard.checkpoint.upgrade`,
+with an allow-list of the classes those files hold). This module needs no process group, model config or
 training code.
 """
 
@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointError",
     "pickled_format_error",
     "step_name",
+    "step_of",
     "rank_name",
     "parameter_table",
     "list_checkpoints",
@@ -64,9 +65,9 @@ class CheckpointError(ValueError):
 def pickled_format_error(path: str | os.PathLike) -> CheckpointError:
     """The error for a checkpoint of format 1 (pickled rank files, written before checksums)."""
     return CheckpointError(
-        f"{path} was written by an earlier stormshard (checkpoint format {PICKLED_FORMAT}: pickled rank files, "
-        f"which run code when opened); this release reads format {FORMAT_VERSION}. Upgrade it once (only a "
-        f"checkpoint you wrote yourself): python launch/convert_checkpoint.py upgrade {path}")
+        f"{path} was written by an earlier stormshard (checkpoint format {PICKLED_FORMAT}: pickled rank files); "
+        f"this release reads format {FORMAT_VERSION}. Upgrade it once, in place (the pickles are read with an "
+        f"allow-list, nothing in them runs): python launch/convert_checkpoint.py upgrade {path}")
 
 
 def step_name(step: int) -> str:
@@ -79,7 +80,9 @@ def rank_name(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-def _step_of(name: str) -> int | None:
+def step_of(name: str) -> int | None:
+    """The step of a step directory's name (``step_00000120`` -> 120); None for any other name
+    (``step_00000120.tmp``, ``latest``)."""
     digits = name.removeprefix(_STEP_PREFIX)
     return int(digits) if name.startswith(_STEP_PREFIX) and digits.isdigit() else None
 
@@ -105,7 +108,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
         return []
     found = []
     for p in root.iterdir():
-        step = _step_of(p.name)
+        step = step_of(p.name)
         if step is not None and p.is_dir() and (p / METADATA).is_file():
             found.append((step, p))
     return [p for _, p in sorted(found)]
@@ -120,7 +123,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
         try:
             name = pointer.read_text().strip()
             target = root / name
-            if _step_of(name) is not None and (target / METADATA).is_file():
+            if step_of(name) is not None and (target / METADATA).is_file():
                 return target
         except (OSError, UnicodeDecodeError, ValueError):  # a damaged pointer (e.g. zeroed: a NUL in the name)
             pass

@@ -8,10 +8,12 @@ overwritten), a rank file missing, a size that differs from the one recorded (tr
 checksums (no ``files`` table) gets what can be checked without them: the rank files of its world
 are there and non-empty.
 
-At ``--resume`` a damaged newest checkpoint stops the run (:func:`damaged_checkpoint_error`) with
+At ``--resume`` the checkpoint is the one ``latest`` names (:func:`resume_target`); a damaged one, a
+damaged ``latest`` or one naming a missing step stops the run (:func:`damaged_checkpoint_error`) with
 every damaged file and the previous complete checkpoint to continue from: stormshard does not fall
 back on its own, since the next save would then replace the damaged step and the steps after the
-previous checkpoint would be trained again without anyone deciding so.
+previous checkpoint would be trained again without anyone deciding so. Moving the damaged step aside
+(``mv step_N step_N.damaged``) is that decision.
 """
 
 from __future__ import annotations
@@ -20,21 +22,23 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stormshard.checkpoint.format import (
+    LATEST,
     METADATA,
     PICKLED_FORMAT,
     CheckpointError,
-    latest_checkpoint,
     list_checkpoints,
     pickled_format_error,
     rank_name,
+    step_of,
 )
 
 __all__ = ["FILES", "file_record", "record_files", "file_problems", "checkpoint_problems", "previous_complete",
-           "damaged_checkpoint_error", "check_resume_checkpoint"]
+           "damaged_checkpoint_error", "ResumeTarget", "resume_target"]
 
 FILES = "files"  # the metadata.json key: {file name: {"bytes": n, "sha256": hex}}
 _CHUNK = 1 << 22
@@ -154,14 +158,111 @@ def damaged_checkpoint_error(step_dir: str | os.PathLike, problems: Iterable[str
     return CheckpointError("\n".join(lines))
 
 
-def check_resume_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``--resume`` takes from ``directory`` (None when there is none), after the checks
-    that need no hashing: readable ``metadata.json``, current format, every file there with its
-    recorded size; else :func:`damaged_checkpoint_error` (or the format-1 upgrade error)."""
-    target = latest_checkpoint(directory)
-    if target is None:
+@dataclass(frozen=True)
+class ResumeTarget:
+    """The checkpoint ``--resume`` continues (:func:`resume_target`) and, when the step ``latest`` names
+    was moved aside by the user, a line saying so."""
+
+    path: Path
+    note: str = ""
+
+
+def _step_entries(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step_NNNNNNNN`` entry of ``root`` (a directory or not, complete or not), by step."""
+    found = []
+    for p in root.iterdir():
+        step = step_of(p.name)
+        if step is not None:
+            found.append((step, p))
+    return sorted(found)
+
+
+def _newest_complete(root: Path, below: int | None = None) -> Path | None:
+    for step, p in reversed(_step_entries(root)):
+        if (below is None or step < below) and p.is_dir():
+            try:
+                if not checkpoint_problems(p):
+                    return p
+            except CheckpointError:  # the pickled format: not resumable as it is
+                continue
+    return None
+
+
+def _pointer_error(pointer: Path, what: str) -> CheckpointError:
+    newest = _newest_complete(pointer.parent)
+    fix = (f"the newest complete checkpoint is {newest}: to continue from it, write its name into the pointer "
+           f"(echo {newest.name} > {pointer}) and run with --resume again" if newest is not None else
+           "no complete checkpoint is left: start a new run with a new training.output_dir")
+    return CheckpointError(f"{pointer}, the pointer to the checkpoint --resume continues, {what}; stormshard does not "
+                           f"pick another checkpoint on its own: {fix}")
+
+
+def _moved_aside(pointer: Path, name: str, step: int) -> ResumeTarget:
+    """``latest`` names a step that is gone: the user's decision when they moved it aside (``mv step_N
+    step_N.damaged``), then the newest older step, which must be complete; else an error."""
+    root = pointer.parent
+    others = sorted(p.name for p in root.iterdir() if p.name.startswith(name + "."))
+    moved = [n for n in others if n.rsplit(".", 1)[-1] not in ("tmp", "old")]
+    if not moved:
+        hint = ""
+        if f"{name}.old" in others:
+            hint = (f" ({name}.old is its previous copy, left by a save interrupted while it replaced the step: "
+                    f"mv {root / (name + '.old')} {root / name} restores it)")
+        raise _pointer_error(pointer, f"names {name}, but {root / name} does not exist{hint}")
+    older = [(s, p) for s, p in _step_entries(root) if s < step]
+    if not older:
+        raise CheckpointError(f"{pointer} names {name}, which was moved aside ({', '.join(moved)}), and no earlier "
+                              "checkpoint is left: restore it, or start a new run with a new training.output_dir")
+    previous = older[-1][1]
+    problems = [f"{previous}: not a directory"] if not previous.is_dir() else checkpoint_problems(previous)
+    if problems:
+        raise damaged_checkpoint_error(previous, problems)
+    return ResumeTarget(previous, f"resume: {name} (named by {pointer}) was moved aside ({', '.join(moved)}): "
+                                  f"continuing from {previous.name}")
+
+
+def resume_target(directory: str | os.PathLike) -> ResumeTarget | None:
+    """The checkpoint ``--resume`` continues from ``directory``: the step ``latest`` names (without a
+    ``latest``, the newest step), complete (readable ``metadata.json``, current format, every file there
+    with its recorded size; contents are hashed when the ranks load it); None when the directory holds
+    no checkpoint at all. Every kind of damage stops with a :class:`CheckpointError` naming it and the
+    checkpoint to continue from instead (:func:`damaged_checkpoint_error`): a damaged or empty
+    ``latest``, a step it names that is missing, not a directory or incomplete, a step newer than the
+    one it names. The one fallback is the user's own decision: a step moved aside (``step_N.damaged``)
+    gives way to the newest older step (which must be complete), with a note saying so."""
+    root = Path(directory)
+    pointer = root / LATEST
+    if not root.is_dir():
         return None
+    if not pointer.exists() and not pointer.is_symlink():
+        entries = _step_entries(root)
+        if not entries:
+            return None
+        target = entries[-1][1]
+    else:
+        try:
+            name = pointer.read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _pointer_error(pointer, f"cannot be read ({exc.strerror if isinstance(exc, OSError) else exc})") \
+                from None
+        step = step_of(name)
+        if step is None:
+            shown = "is empty" if not name else f"holds {name[:60]!r}, not a step_NNNNNNNN name"
+            raise _pointer_error(pointer, f"is damaged: it {shown}")
+        target = root / name
+        if not target.exists() and not target.is_symlink():
+            return _moved_aside(pointer, name, step)
+        newer = [p.name for s, p in _step_entries(root) if s > step]
+        if newer:
+            raise CheckpointError(
+                f"{pointer} names {name} but {', '.join(newer)} is newer (a save interrupted after it renamed the step, "
+                f"or {pointer.name} was edited): stormshard does not choose between them; to continue from {newer[-1]} "
+                f"write its name into the pointer (echo {newer[-1]} > {pointer}), to continue from {name} move the "
+                f"newer one(s) aside (mv {root / newer[-1]} {root / newer[-1]}.aside), then run with --resume again")
+    if not target.is_dir():
+        kind = "a file" if target.is_file() else "not a directory"
+        raise damaged_checkpoint_error(target, [f"{target}: {kind}, not a checkpoint directory"])
     problems = checkpoint_problems(target)
     if problems:
         raise damaged_checkpoint_error(target, problems)
-    return target
+    return ResumeTarget(target)

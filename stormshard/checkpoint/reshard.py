@@ -56,7 +56,12 @@ from stormshard.checkpoint.groups import model_on_meta
 from stormshard.checkpoint.integrity import FILES, record_files
 from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
 from stormshard.checkpoint.state_codec import write_state_file
-from stormshard.checkpoint.stored_config import StoredConfig, stored_layout, stored_shard_strategy
+from stormshard.checkpoint.stored_config import (
+    StoredConfig,
+    check_checkpoint_builder,
+    stored_layout,
+    stored_shard_strategy,
+)
 from stormshard.checkpoint.zero import flatten_flat_master, flatten_zero
 from stormshard.models.parallelize import check_parallel_strategy
 from stormshard.parallel.partition import Partition, get_partition
@@ -144,12 +149,14 @@ def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: StoredConfig) -> None:
 def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_per_model: int,
                        shard_strategy: str | None = None, *, world_size: int | None = None,
                        dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None,
-                       overwrite: bool = False) -> Path:
+                       overwrite: bool = False, trust_model_code: bool = False) -> Path:
     """Write a training checkpoint for ``gpus_per_model`` (and ``shard_strategy``) into the
     checkpoints directory ``out`` (``out/step_NNNNNNNN``, ``out/latest`` and
     ``out/resume_config.json``, the config to resume with). ``world_size`` defaults to
-    ``gpus_per_model x`` the source's replicas, which it must keep. Returns the step directory."""
+    ``gpus_per_model x`` the source's replicas, which it must keep; ``trust_model_code``: the stored
+    config may name a builder module to import. Returns the step directory."""
     check_output_path(source, out, overwrite)
+    check_checkpoint_builder(source, trust_model_code)
     ckpt = load_any(source)
     cfg = retarget_config(ckpt.config, gpus_per_model, shard_strategy)
     _check_engine(ckpt, cfg)

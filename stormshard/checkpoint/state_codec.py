@@ -31,10 +31,12 @@ the decoded state equals the encoded one (types, key order, tensors bit for bit)
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import json
 import math
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +49,7 @@ from torch import Tensor
 from stormshard.checkpoint.format import CheckpointError
 
 __all__ = ["STATE_FORMAT", "STATE_CLASSES", "encode_state", "decode_state", "write_state_file", "read_state_file",
-           "read_pickled_file"]
+           "UntrustedPickle", "pickled_state_globals", "check_pickled_file", "read_pickled_file"]
 
 STATE_FORMAT = 2
 STATE_CLASSES = (  # plain-data classes DeepSpeed puts into its optimizer state (0.15-0.19)
@@ -242,16 +244,84 @@ def read_state_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
                               "the file is damaged or was not written by stormshard") from None
 
 
-def read_pickled_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
-    """A state file of checkpoint format 1 (pickled python objects): ``torch.load(weights_only=False)``,
-    which runs code from the file. Only ``convert_checkpoint.py upgrade`` calls it, for checkpoints
-    the user wrote."""
+class UntrustedPickle(CheckpointError):
+    """A pickled state file (format 1) names a class or function outside :func:`pickled_state_globals`."""
+
+
+@functools.cache
+def pickled_state_globals() -> tuple[Any, ...]:
+    """What a state file of format 1 holds beyond what ``torch.load(weights_only=True)`` allows by
+    itself (tensors, ``OrderedDict``, ``torch.Size``, dtypes, devices): the types :func:`encode_state`
+    stores, i.e. numpy arrays, scalars and dtypes (under numpy 2's names and numpy 1's) and the
+    plain-data classes of :data:`STATE_CLASSES` (when DeepSpeed is installed). The allow-list of
+    ``convert_checkpoint.py upgrade``; none of these runs code from the file."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    import numpy.dtypes
+
+    dtypes = [c for c in vars(numpy.dtypes).values()
+              if isinstance(c, type) and issubclass(c, np.dtype) and c.__name__ not in ("ObjectDType", "VoidDType")]
+    found: list[Any] = [np.ndarray, np.dtype, *dtypes]
+    for name in ("_reconstruct", "scalar"):
+        found += [getattr(multiarray, name)] + [(getattr(multiarray, name), f"{m}.multiarray.{name}")
+                                                for m in ("numpy.core", "numpy._core")]
+    for name in STATE_CLASSES:
+        try:
+            found.append(_class(name))
+        except Exception:  # noqa: BLE001 - no (working) DeepSpeed here: a file naming its classes is refused
+            continue
+    return tuple(found)
+
+
+def _refused(path: Path, detail: str) -> UntrustedPickle:
+    return UntrustedPickle(
+        f"{path} names {detail}, which stormshard does not unpickle (unpickling it could run code from the file; "
+        "stormshard's format 1 holds tensors, numpy values and DeepSpeed's plain-data classes only)")
+
+
+def check_pickled_file(path: str | os.PathLike) -> None:
+    """:class:`UntrustedPickle` naming every global of the pickled state file ``path`` outside
+    :func:`pickled_state_globals`; reads the pickle's opcodes only (nothing is unpickled). A file that
+    is not a torch zip file passes here (:func:`read_pickled_file` checks it while loading)."""
     p = Path(path)
+    with torch.serialization.safe_globals(list(pickled_state_globals())):
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(p)
+        except Exception:  # noqa: BLE001 - not a zip file, or damaged: told by the reader
+            return
+    if names:
+        raise _refused(p, "the global(s) " + ", ".join(sorted(names)))
+
+
+def read_pickled_file(path: str | os.PathLike, map_location: Any = "cpu", *, trust: bool = False) -> Any:
+    """A state file of checkpoint format 1 (pickled python objects), read with
+    ``torch.load(weights_only=True)`` and the allow-list :func:`pickled_state_globals`: a file naming
+    anything else is an :class:`UntrustedPickle` error. With ``trust``, a file the allow-list refuses
+    is read unrestricted (``weights_only=False``: it runs code from the file). Only
+    ``convert_checkpoint.py upgrade`` calls it."""
+    p = Path(path)
+    if not trust:
+        check_pickled_file(p)
+    try:
+        with torch.serialization.safe_globals(list(pickled_state_globals())):
+            return torch.load(p, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - refused by the allow-list, or damaged
+        named = re.search(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>", str(exc))
+        if named is None:
+            raise _damaged(p, exc) from None
+        if not trust:
+            raise _refused(p, f"the global {named.group(1) or named.group(2)}") from None
     try:
         return torch.load(p, map_location=map_location, weights_only=False)
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{p} cannot be read as a torch file ({type(exc).__name__}): it is damaged (truncated "
-                              "or overwritten)") from None
+        raise _damaged(p, exc) from None
+
+
+def _damaged(path: Path, exc: BaseException) -> CheckpointError:
+    return CheckpointError(f"{path} cannot be read as a torch file ({type(exc).__name__}): it is damaged (truncated "
+                           "or overwritten)")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,26 +15,39 @@ inference need, each validated by its own small config.
 
 and keeps the whole dict as ``raw`` (written back as it is, e.g. by reshard). :func:`stored_layout`
 reads a :class:`~stormshard.parallel.topology.ParallelLayout` from its ``parallel`` section.
+
+Validating a stored config imports nothing. Before a loader reads the weights of a bundle or
+checkpoint, :func:`check_model_builder` (:func:`check_checkpoint_builder` for a checkpoint path)
+refuses a ``model.name`` that names a module unless the user trusts the file
+(:func:`~stormshard.models.trust.check_model_code`), then resolves the builder, so that an unknown
+name fails before any work.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from stormshard.checkpoint.consolidate import checked_metadata, resolve_checkpoint
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.format import METADATA
 from stormshard.data.normalisation import METHODS
 from stormshard.errors import format_validation_errors
 from stormshard.graphs.builder import GraphConfig
 from stormshard.models.config import ModelConfig
+from stormshard.models.registry import resolve_builder
+from stormshard.models.trust import check_model_code
 from stormshard.parallel.shard import SHARD_STRATEGIES
 from stormshard.parallel.topology import LayoutError, ParallelLayout
 
-__all__ = ["DataFiles", "StoredConfig", "stored_shard_strategy", "stored_model_config", "stored_layout"]
+__all__ = ["DataFiles", "StoredConfig", "stored_shard_strategy", "stored_model_config", "stored_layout",
+           "check_model_builder", "check_checkpoint_builder", "checkpoint_model_section"]
 
 _OLD_STRATEGY_KEY = "shard_strategy"  # under model.processor, before parallel.shard_strategy held it
 
@@ -89,6 +102,35 @@ def stored_model_config(model: Mapping[str, Any]) -> ModelConfig:
     if isinstance(section.get("processor"), dict):
         section["processor"].pop(_OLD_STRATEGY_KEY, None)
     return _section(ModelConfig, {"model": section}, "model")
+
+
+def check_model_builder(model: Any, where: str, trust_model_code: bool) -> None:
+    """Before anything of a bundle or checkpoint is read: the builder its stored ``model`` section names
+    may be a module only with ``trust_model_code`` (else
+    :class:`~stormshard.models.trust.UntrustedModelCode` naming ``where``, the file); it is resolved
+    here (a trusted module is imported), so an unknown name is a :class:`ConversionError` now."""
+    name = model.get("name") if isinstance(model, Mapping) else None
+    check_model_code(name, where, trust_model_code)
+    if not isinstance(name, str):
+        return  # the section's validation names it
+    try:
+        resolve_builder(name)
+    except ValueError as exc:
+        raise ConversionError(f"{where}: {exc}") from None
+
+
+def checkpoint_model_section(checkpoint: str | os.PathLike) -> tuple[Any, Path]:
+    """The stored ``model`` section of a training or consolidated checkpoint (a step directory, a run's
+    checkpoints directory or a consolidated one) and the metadata.json holding it; nothing else is read."""
+    path = resolve_checkpoint(checkpoint)
+    config = checked_metadata(path).get("config")
+    return (config.get("model") if isinstance(config, dict) else None), path / METADATA
+
+
+def check_checkpoint_builder(checkpoint: str | os.PathLike, trust_model_code: bool) -> None:
+    """:func:`check_model_builder` on the stored config of a checkpoint (:func:`checkpoint_model_section`)."""
+    model, where = checkpoint_model_section(checkpoint)
+    check_model_builder(model, str(where), trust_model_code)
 
 
 def stored_layout(raw: Mapping[str, Any], world_size: int) -> ParallelLayout:

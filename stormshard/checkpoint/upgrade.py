@@ -1,8 +1,12 @@
 """Upgrade checkpoints of the pickled format to the current one, in place.
 
 Checkpoint format 1 (training) and consolidated version 1 stored the optimizer, scheduler, RNG and
-data state as pickled python objects: ``torch.load(weights_only=False)`` runs code from the file.
-This release reads them only here, behind an explicit command, for one release::
+data state as pickled python objects. This release reads them only here, behind an explicit command,
+for one release, with ``torch.load(weights_only=True)`` and an allow-list of what those files hold
+(:func:`~stormshard.checkpoint.state_codec.pickled_state_globals`: numpy arrays, scalars and dtypes,
+DeepSpeed's plain-data classes): nothing in the file runs. A file that names anything else is an
+error naming it, before any checkpoint is rewritten; only with ``--trust-model-code``
+(``trust_pickles=True``) is it unpickled unrestricted, which runs code from the file::
 
     python launch/convert_checkpoint.py upgrade runs/old/checkpoints   # every step_NNNNNNNN in it
     python launch/convert_checkpoint.py upgrade runs/old/checkpoints/step_00000120
@@ -34,7 +38,12 @@ from stormshard.checkpoint.format import (
     read_metadata,
 )
 from stormshard.checkpoint.integrity import FILES, record_files
-from stormshard.checkpoint.state_codec import read_pickled_file, write_state_file
+from stormshard.checkpoint.state_codec import (
+    UntrustedPickle,
+    check_pickled_file,
+    read_pickled_file,
+    write_state_file,
+)
 
 __all__ = ["upgrade_checkpoints"]
 
@@ -73,7 +82,19 @@ def _rewrite(step_dir: Path, meta: dict[str, Any], state_files: dict[str, Any], 
             os.close(fd)
 
 
-def _upgrade_training(step_dir: Path, meta: dict[str, Any]) -> None:
+def _pickled_files(target: Path, meta: Any) -> list[Path]:
+    """The pickled state files of a checkpoint of format 1 or consolidated version 1 (those present)."""
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt == PICKLED_FORMAT and isinstance(meta.get("world_size"), int):
+        names = [f"{rank_name(r)}.pt" for r in range(meta["world_size"])]
+    elif fmt == CONSOLIDATED_FORMAT and meta.get("version") == 1:
+        names = ["trainer.pt"] + (["optimizer.pt"] if meta.get("optimizer") else [])
+    else:
+        return []
+    return [target / n for n in names if (target / n).is_file()]
+
+
+def _upgrade_training(step_dir: Path, meta: dict[str, Any], trust: bool) -> None:
     world = meta.get("world_size")
     if not isinstance(world, int) or world < 1:
         raise ConversionError(f"{step_dir / METADATA} has world_size {world!r}: not a stormshard training checkpoint")
@@ -84,7 +105,7 @@ def _upgrade_training(step_dir: Path, meta: dict[str, Any]) -> None:
             problems.append(f"{f}: missing")
             continue
         try:
-            payload = read_pickled_file(f)
+            payload = read_pickled_file(f, trust=trust)
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
@@ -98,33 +119,47 @@ def _upgrade_training(step_dir: Path, meta: dict[str, Any]) -> None:
     _rewrite(step_dir, meta, states, {"format": FORMAT_VERSION, "upgraded_from": PICKLED_FORMAT})
 
 
-def _upgrade_consolidated(path: Path, meta: dict[str, Any]) -> None:
+def _upgrade_consolidated(path: Path, meta: dict[str, Any], trust: bool) -> None:
     names = ["trainer.pt"] + (["optimizer.pt"] if meta.get("optimizer") else [])
     states = {}
     for name in names:
         try:
-            states[name] = read_pickled_file(path / name)
+            states[name] = read_pickled_file(path / name, trust=trust)
         except CheckpointError as exc:
             raise ConversionError(f"cannot upgrade {path}: {exc}") from None
     _rewrite(path, meta, states, {"version": CONSOLIDATED_VERSION, "upgraded_from": 1})
 
 
-def upgrade_checkpoints(path: str | os.PathLike) -> list[tuple[Path, str]]:
+def upgrade_checkpoints(path: str | os.PathLike, *, trust_pickles: bool = False) -> list[tuple[Path, str]]:
     """Upgrade the checkpoint(s) at ``path`` (a checkpoints directory: every complete step in it; a step
     directory; a consolidated checkpoint) to the current format, in place. Returns ``(path, what was
-    done)`` per checkpoint. Opens pickled files: only for checkpoints you wrote yourself."""
-    done = []
+    done)`` per checkpoint. The pickled files are read with an allow-list; every file of every
+    checkpoint is checked against it before the first is rewritten (a :class:`ConversionError` naming
+    the file, the global and the opt-in); ``trust_pickles`` reads what it refuses unrestricted."""
+    targets = []
     for target in _targets(Path(path)):
         try:
-            meta = read_metadata(target)
+            targets.append((target, read_metadata(target)))
         except CheckpointError as exc:
             raise ConversionError(str(exc)) from None
+    for target, meta in targets if not trust_pickles else ():
+        for f in _pickled_files(target, meta):
+            try:
+                check_pickled_file(f)
+            except UntrustedPickle as exc:
+                raise ConversionError(
+                    f"cannot upgrade {path}: {exc}; nothing was changed",
+                    fix=f"only if you wrote this checkpoint yourself, unpickle it unrestricted (that runs code from "
+                        f"the file): python launch/convert_checkpoint.py upgrade {path} --trust-model-code "
+                        "(Python: upgrade_checkpoints(..., trust_pickles=True))") from None
+    done = []
+    for target, meta in targets:
         fmt = meta.get("format") if isinstance(meta, dict) else None
         if fmt == PICKLED_FORMAT:
-            _upgrade_training(target, meta)
+            _upgrade_training(target, meta, trust_pickles)
             done.append((target, f"upgraded from format {PICKLED_FORMAT} to {FORMAT_VERSION}"))
         elif fmt == CONSOLIDATED_FORMAT and meta.get("version") == 1:
-            _upgrade_consolidated(target, meta)
+            _upgrade_consolidated(target, meta, trust_pickles)
             done.append((target, f"upgraded from consolidated version 1 to {CONSOLIDATED_VERSION}"))
         elif fmt in (FORMAT_VERSION, CONSOLIDATED_FORMAT):
             done.append((target, "already in the current format"))

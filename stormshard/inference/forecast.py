@@ -39,6 +39,8 @@ from einops import rearrange
 
 from stormshard.checkpoint.export import InferenceModel
 from stormshard.data.anemoi_layout import AnemoiDataset, parse_frequency
+from stormshard.env import check_environment
+from stormshard.errors import no_partial_output
 from stormshard.inference.loader import PRECISIONS, ModelSource, build_forecaster, open_model_source
 from stormshard.inference.outputs import (
     ChunkExchange,
@@ -57,12 +59,16 @@ from stormshard.inference.request import (
 )
 from stormshard.inference.runner import member_generator, member_noise, replica_tasks, rollout_steps
 from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
+from stormshard.kernels.flex import flex_options_from_env
 from stormshard.layers.attention import set_attention_kernel
 from stormshard.models.parallelize import check_parallel_strategy
 from stormshard.parallel.topology import ParallelLayout, build_process_groups
 from stormshard.progress import format_duration, note, phase, reporting
 
-__all__ = ["ForecastResult", "run_forecast", "format_scores"]
+__all__ = ["ForecastResult", "run_forecast", "format_scores", "OUTPUT_NAMES"]
+
+#: what a forecast writes in ``out`` or its date directories (a failed forecast removes what it rewrote)
+OUTPUT_NAMES = ("forecast.zarr", "forecast.nc", "scores.json", "maps", "plots", "climatology.npz")
 
 
 @dataclass
@@ -100,14 +106,14 @@ class _Model:
     train_range: tuple[Any, Any]
 
 
-def _describe(source: str | os.PathLike | InferenceModel, dataset: Any, graph: Any) -> _Model:
+def _describe(source: str | os.PathLike | InferenceModel, dataset: Any, graph: Any, trust_model_code: bool) -> _Model:
     if isinstance(source, InferenceModel):
         dtype = next(source.model.parameters()).dtype
         precision = next(k for k, v in PRECISIONS.items() if v == dtype)
         train = ((source.metadata.get("experiment") or {}).get("data") or {}).get("train") or {}
         return _Model(None, source, source.variables, source.graph, source.timestep, source.metadata,
                       source.config.name, source.multistep_input, precision, (train.get("start"), train.get("end")))
-    src = open_model_source(source, dataset=dataset, graph=graph)
+    src = open_model_source(source, dataset=dataset, graph=graph, trust_model_code=trust_model_code)
     return _Model(src, None, src.variables, src.graph, src.timestep, src.metadata, src.config.name,
                   src.config.multistep_input, src.precision, src.train_range)
 
@@ -123,7 +129,7 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                  formats: Sequence[str] = ("zarr",), plot_variables: Sequence[str] | None = None,
                  plot_steps: Sequence[int] | None = None, verify: bool = True, cells_per_chunk: int | None = None,
                  graph: str | os.PathLike | None = None, overwrite: bool = False, verbose: bool = True,
-                 attention_kernel: str | None = None) -> ForecastResult:
+                 attention_kernel: str | None = None, trust_model_code: bool = False) -> ForecastResult:
     """Forecast ``steps`` lead times from each of ``dates`` (the last input state) and write the
     outputs under ``out`` (see the module docstring). Call it on every rank of the process group.
 
@@ -132,16 +138,20 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
     deterministic models); ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp64`` (None: the
     training precision); ``formats``: ``zarr`` (always written) and ``netcdf``; ``cells_per_chunk``:
     cells per zarr chunk (None: the largest grid slice); ``attention_kernel``: the sliding-window
-    kernel for this forecast (``auto``, ``banded``, ``flex``, ``flash``; None: the model's own); ``verify``: scores and plots; ``verbose``:
+    kernel for this forecast (``auto``, ``banded``, ``flex``, ``flash``; None: the model's own); ``trust_model_code``:
+    a bundle or checkpoint whose stored config names its builder as ``"package.module:attribute"`` may
+    import that module (refused otherwise, before any work); ``verify``: scores and plots; ``verbose``:
     rank 0 prints its progress (a line per phase, per forecast step at most every few seconds, on
     standard error) and the scores table.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with reporting(verbose and rank == 0):
+    # a failure (a full disk included, named with out) leaves no partial forecast: rank 0 removes what it wrote
+    with reporting(verbose and rank == 0), no_partial_output(out, OUTPUT_NAMES, remove=rank == 0):
         return _run_forecast(source, dataset, dates, steps, out, gpus_per_model=gpus_per_model, members=members,
                              seed=seed, precision=precision, formats=formats, plot_variables=plot_variables,
                              plot_steps=plot_steps, verify=verify, cells_per_chunk=cells_per_chunk, graph=graph,
-                             overwrite=overwrite, verbose=verbose, attention_kernel=attention_kernel)
+                             overwrite=overwrite, verbose=verbose, attention_kernel=attention_kernel,
+                             trust_model_code=trust_model_code)
 
 
 def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.PathLike,
@@ -149,14 +159,16 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
                   members: int | None, seed: int, precision: str | None, formats: Sequence[str],
                   plot_variables: Sequence[str] | None, plot_steps: Sequence[int] | None, verify: bool,
                   cells_per_chunk: int | None, graph: str | os.PathLike | None, overwrite: bool, verbose: bool,
-                  attention_kernel: str | None = None) -> ForecastResult:
+                  attention_kernel: str | None = None, trust_model_code: bool = False) -> ForecastResult:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_environment()  # every STORMSHARD_* variable, before any work (an EnvError names it)
+    flex_options_from_env()
     if attention_kernel is not None:
         check_forecast_attention_kernel(attention_kernel, device_type, precision)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     with phase(f"forecast: opened the model {source if not isinstance(source, InferenceModel) else '(loaded)'}"):
-        info = _describe(source, dataset, graph)
+        info = _describe(source, dataset, graph, trust_model_code)
     ds = AnemoiDataset.open(dataset)
     date_list = [dates] if isinstance(dates, (str, np.datetime64)) or not isinstance(dates, Sequence) else list(dates)
     if info.prebuilt is not None and (world > 1 or gpus_per_model != 1 or precision not in (None, info.precision)):
@@ -173,7 +185,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
     if attention_kernel is not None:
         model_config = info.source.config if info.source is not None else info.prebuilt.config
         check_forecast_attention_kernel(attention_kernel, device_type, req.precision,
-                                        model_config.num_channels // max(1, model_config.processor.num_heads))
+                                        model_config.num_channels // max(1, model_config.processor.num_heads),
+                                        model=model_config)
     if info.source is not None:  # the model's split over --gpus-per-model ranks, before any group is made
         try:
             check_parallel_strategy(info.source.config, info.source.shard_strategy, req.gpus_per_model)
@@ -190,8 +203,10 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
     with phase(f"forecast: built the model ({req.gpus_per_model} rank(s) per model, {world // req.gpus_per_model} "
                f"replica(s), {req.precision})"):
         forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision])
-        if attention_kernel is not None:
-            set_attention_kernel(forecaster.model, attention_kernel)
+        if attention_kernel is not None and not set_attention_kernel(forecaster.model, attention_kernel) and \
+                attention_kernel != "auto":  # a custom model without sliding-window attention: nothing to switch
+            raise ValueError(f"--attention-kernel {attention_kernel!r}: the model ({info.name}) has no sliding-window "
+                             "attention layer to run it: leave --attention-kernel out")
     plan = forecaster.model.plan
     exchange = ChunkExchange(plan.data_sizes, req.cells_per_chunk or max(plan.data_sizes), groups.model_group)
     v = forecaster.variables

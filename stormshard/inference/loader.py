@@ -8,7 +8,10 @@ Two steps, so that every request can be checked before any process group or mode
    bundle's ``model.safetensors`` (read lazily), or a checkpoint consolidated from its partition
    metadata (:func:`stormshard.checkpoint.consolidate.load_any`; any ``gpus_per_model``, shard
    strategy and ZeRO stage). The stored config's sections are read and validated by
-   :class:`~stormshard.checkpoint.stored_config.StoredConfig`; nothing here needs training.
+   :class:`~stormshard.checkpoint.stored_config.StoredConfig`; nothing here needs training. A
+   builder the stored config names as ``"package.module:attribute"`` is imported only with
+   ``trust_model_code=True`` (:func:`~stormshard.checkpoint.stored_config.check_model_builder`,
+   before any weight is read).
 2. :func:`build_forecaster` builds the model with a
    :class:`~stormshard.models.sharding.ModelShardPlan` over ``model_group`` (K ranks, unrelated
    to the layout it trained at) and loads this rank's slice of every parameter: the full tensor
@@ -39,7 +42,11 @@ from stormshard.checkpoint.export import (
     bundle_shard_strategy,
 )
 from stormshard.checkpoint.sources import full_shapes, state_differences
-from stormshard.checkpoint.stored_config import stored_model_config
+from stormshard.checkpoint.stored_config import (
+    check_checkpoint_builder,
+    check_model_builder,
+    stored_model_config,
+)
 from stormshard.data.anemoi_layout import Statistics
 from stormshard.graphs.builder import load_graph
 from stormshard.graphs.hetero import HeteroGraph
@@ -151,10 +158,11 @@ def _open_checkpoint(path: Path, dataset: str | os.PathLike | None, graph: str |
 
 
 def open_model_source(source: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
-                      graph: str | os.PathLike | None = None) -> ModelSource:
+                      graph: str | os.PathLike | None = None, trust_model_code: bool = False) -> ModelSource:
     """An exported bundle directory, or a training checkpoint (a ``step_NNNNNNNN`` directory or a
     run's ``checkpoints`` directory, any layout) or a consolidated checkpoint. ``dataset`` /
-    ``graph`` replace the checkpoint config's dataset path / graph cache (checkpoints only)."""
+    ``graph`` replace the checkpoint config's dataset path / graph cache (checkpoints only);
+    ``trust_model_code``: the stored config may name a builder module to import."""
     p = Path(source)
     if not p.exists():
         raise ConversionError(f"the model source {p} does not exist",
@@ -166,7 +174,9 @@ def open_model_source(source: str | os.PathLike, *, dataset: str | os.PathLike |
         except (OSError, json.JSONDecodeError) as exc:
             raise ConversionError(f"{bundle_meta} cannot be read: {exc}", fix="the source is damaged") from None
         if meta.get("format") == BUNDLE_FORMAT:
+            check_model_builder(meta.get("model"), str(bundle_meta), trust_model_code)
             return _open_bundle(p, meta)
+    check_checkpoint_builder(p, trust_model_code)
     return _open_checkpoint(p, dataset, graph)
 
 
@@ -194,10 +204,10 @@ def build_forecaster(source: ModelSource, model_group: dist.ProcessGroup | None 
 
 def load_forecaster(source: str | os.PathLike, model_group: dist.ProcessGroup | None = None,
                     precision: str | None = None, *, dataset: str | os.PathLike | None = None,
-                    graph: str | os.PathLike | None = None) -> InferenceModel:
+                    graph: str | os.PathLike | None = None, trust_model_code: bool = False) -> InferenceModel:
     """:func:`open_model_source` then :func:`build_forecaster` in ``precision`` (a key of
     :data:`PRECISIONS`; None: the precision the model trained in)."""
-    src = open_model_source(source, dataset=dataset, graph=graph)
+    src = open_model_source(source, dataset=dataset, graph=graph, trust_model_code=trust_model_code)
     name = precision or src.precision
     if name not in PRECISIONS:
         raise ValueError(f"precision {name!r} is unknown: use one of {sorted(PRECISIONS)}")

@@ -25,6 +25,7 @@ from stormshard.errors import check_writable_directory
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.inference.loader import PRECISIONS
 from stormshard.inference.outputs import netcdf_engine
+from stormshard.models.config import ModelConfig
 from stormshard.models.variables import VariableIndex
 
 __all__ = ["FORMATS", "ForecastRequest", "check_request", "date_directory", "default_members", "in_sample_warning"]
@@ -137,11 +138,18 @@ def _stride(timestep: str | None, ds: AnemoiDataset) -> tuple[int, str]:
 
 
 def check_forecast_attention_kernel(kernel: str, device_type: str, precision: str | None = None,
-                                    head_dim: int | None = None) -> None:
+                                    head_dim: int | None = None, model: ModelConfig | None = None) -> None:
     """ValueError unless ``--attention-kernel`` ``kernel`` can run a forecast (forward only) on ``device_type``
     at ``precision`` with heads of ``head_dim`` (None: not known yet); the rule is
-    :func:`~stormshard.kernels.dispatch.attention_kernel_problem`."""
+    :func:`~stormshard.kernels.dispatch.attention_kernel_problem`. With the ``model``'s config, a kernel
+    other than ``auto`` for a model without sliding-window attention (a GNN or graph-transformer
+    processor) is refused, as training refuses ``model.processor.attention_kernel`` there, not ignored."""
     from stormshard.kernels.dispatch import attention_kernel_problem
+
+    if model is not None and kernel != "auto" and model.is_builtin and model.uses_graph_processor:
+        raise ValueError(f"--attention-kernel {kernel!r} picks the sliding-window attention kernel, but the model "
+                         f"(model.name={model.name!r}) has a graph processor and no sliding-window attention: leave "
+                         "--attention-kernel out (or 'auto')")
 
     problem = attention_kernel_problem(kernel, device_type, precision=precision, head_dim=head_dim, backward=False)
     if problem is not None:

@@ -8,8 +8,11 @@ JSON example (the ``model`` section of an experiment config)::
 
 ``name`` is a built-in model (:data:`BUILTIN_MODELS`), a name added with
 :func:`~stormshard.models.registry.register_model`, or ``"package.module:attribute"``: a builder
-of the user's own (:data:`~stormshard.models.registry.ModelBuilder` signature), imported when the
-config is validated; ``options`` (a free JSON object) reaches that builder as ``config.options``.
+of the user's own (:data:`~stormshard.models.registry.ModelBuilder` signature). Validating checks
+only the name's form (:func:`builder_module`) and imports nothing: the registry resolves the name
+when the model is built (:func:`~stormshard.models.registry.resolve_builder`), and a name that a
+stored file gives is imported only when the user trusts it (:mod:`stormshard.models.trust`);
+``options`` (a free JSON object) reaches that builder as ``config.options``.
 How the processor is split over the model group (``shard_strategy``) is a parallel setting, not a
 model one: it reaches the model through :class:`~stormshard.models.sharding.ModelShardPlan`.
 """
@@ -17,16 +20,34 @@ model one: it reaches the model through :class:`~stormshard.models.sharding.Mode
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stormshard.kernels.names import AttentionKernel, GraphKernel
 
-__all__ = ["ProcessorConfig", "MapperConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS"]
+__all__ = ["ProcessorConfig", "MapperConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS", "builder_module"]
 
 #: The models stormshard builds itself (the encoder-processor-decoder family).
 BUILTIN_MODELS: tuple[str, ...] = ("transformer", "graphtransformer", "gnn", "ensemble")
+
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_BUILDER_NAME = re.compile(rf"{_DOTTED}:{_DOTTED}", re.ASCII)
+
+
+def builder_module(name: str) -> str | None:
+    """The module a ``"package.module:attribute"`` model name names (None for a built-in or registered
+    name: those hold no ':'); ValueError naming ``model.name`` when the form is wrong. Imports nothing."""
+    if ":" not in name:
+        return None
+    if not _BUILDER_NAME.fullmatch(name):
+        raise ValueError(
+            f"model.name={name!r} is not 'package.module:attribute' (dotted Python names on both sides of one ':'): "
+            f"name a built-in model {list(BUILTIN_MODELS)}, one added with register_model, or your own builder as "
+            "'package.module:function'"
+        )
+    return name.partition(":")[0]
 
 
 class _Strict(BaseModel):
@@ -114,10 +135,10 @@ class ModelConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _check_name(cls, name: str) -> str:
-        if name not in BUILTIN_MODELS:
-            from stormshard.models.registry import resolve_builder  # the registry imports this module
-
-            resolve_builder(name)  # imports a "package.module:attribute" builder; ValueError naming model.name
+        if not name.strip():
+            raise ValueError(f"model.name={name!r} is empty: name a built-in model {list(BUILTIN_MODELS)}, one added "
+                             "with register_model, or your own builder as 'package.module:function'")
+        builder_module(name)  # the form only: the registry resolves the name when the model is built
         return name
 
     @field_validator("options")

@@ -11,7 +11,11 @@ ensemble           sliding-window transformer with noise through conditional lay
 
 ``model.name`` is one of these, a name added with :func:`register_model`, or
 ``"package.module:attribute"``: a :data:`ModelBuilder` of the user's own, imported by
-:func:`resolve_builder` when the config is validated (``examples/custom_architecture.py: build``).
+:func:`resolve_builder` (``examples/custom_architecture.py: build``). The config checks only the
+name's form and never calls the registry; a training run resolves its own config's name in its
+preflight, and a loader resolves a stored config's name only after
+:func:`~stormshard.models.trust.check_model_code` (a module named by a stored file needs the
+user's ``trust_model_code``).
 
 A builder constructs the single-device-looking model on this rank's node slices (``plan``:
 :class:`~stormshard.models.sharding.ModelShardPlan`, which holds the model group and the shard
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stormshard.graphs.hetero import HeteroGraph
+from stormshard.models.config import builder_module
 from stormshard.models.parallelize import check_parallel_strategy, parallelize
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.models.variables import VariableIndex
@@ -65,9 +70,8 @@ def register_model(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
 
 def _import_builder(name: str) -> object:
     """The object ``"package.module:attribute"`` names; ValueError naming ``model.name`` otherwise."""
+    builder_module(name)  # ValueError naming model.name when the form is wrong
     module_name, _, attribute = name.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"model.name={name!r} is not 'package.module:attribute': {_FIX.format(names=sorted(MODEL_REGISTRY))}")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as err:

@@ -65,6 +65,7 @@ __all__ = [
     "restore_rng_state",
     "save_checkpoint",
     "load_checkpoint",
+    "verify_resume_files",
     "config_differences",
 ]
 
@@ -345,6 +346,19 @@ def load_checkpoint(
     if restore_rng:
         restore_rng_state(payload["rng"])
     return LoadedCheckpoint(target, int(metadata["step"]), payload["state"], metadata)
+
+
+def verify_resume_files(target: str | os.PathLike, rank: int, world: int) -> None:
+    """Before a resumed run writes anything (its ``config.json`` included): this rank's files of the
+    checkpoint ``target`` against the sha256 recorded at save (rank ``r`` hashes rank ``r``'s files,
+    so no file is read twice); the problems of every rank are gathered (all ``world`` ranks call it
+    together), so a damaged file, or a corrupted checksum record, on any rank stops every rank with one
+    :func:`~stormshard.checkpoint.integrity.damaged_checkpoint_error` naming it and the previous complete
+    checkpoint."""
+    target = Path(target)
+    problems = _gather(checkpoint_problems(target, contents=True, ranks=[rank]), world)
+    if problems:
+        raise damaged_checkpoint_error(target, problems)
 
 
 def _read_rank(target: Path, rank: int, step: int, map_location: Any) -> tuple[dict[str, Any] | None, list[str]]:

@@ -36,13 +36,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from stormshard.errors import format_validation_errors
 from stormshard.graphs.config import GraphConfig, KNNEdges
 from stormshard.models.config import ModelConfig
 from stormshard.parallel.shard_strategy import ShardStrategy
-from stormshard.training.config_file import ConfigError, apply_overrides, read_json_object
+from stormshard.training.config_file import ConfigError, apply_overrides, read_json_object, validate_config
+from stormshard.training.deepspeed_file import deepspeed_optimizer_moves, same_value
 from stormshard.training.engine.deepspeed_keys import check_deepspeed_section
 from stormshard.training.engine.settings import (
     MOVED_DEEPSPEED_KEYS,
@@ -177,6 +177,8 @@ class TrainingSection(_Strict):
         None, description="start from these weights (a stormshard bundle, an anemoi inference checkpoint or a "
                           "stormshard training checkpoint) with a fresh optimizer and schedule; parameters that "
                           "match by name and shape load, the others keep their fresh initialisation")
+    init_weights_partial: bool = Field(False, strict=True, description="allow init_weights that match only some "
+                                       "parameters (another architecture): the others start fresh, with a warning")
     freeze: list[str] = Field(default_factory=list, description="parameter name prefixes not trained "
                               "(e.g. [\"encoder\", \"processor.blocks.0\"]); each must match a parameter")
     crps_alpha: float = Field(0.95, ge=0, le=1)
@@ -184,8 +186,18 @@ class TrainingSection(_Strict):
         "fp32", description="model compute precision for every engine; bf16 keeps fp32 master weights, "
                             "optimizer moments, data, targets and loss (deepspeed.bf16.enabled is generated "
                             "from it)")
-    compile: bool = Field(False, strict=True, description="torch.compile each processor block, the encoder and the "
-                          "decoder (stormshard.models.compile.compile_blocks); names and numbers unchanged")
+    compile: Literal[True, False, "auto"] = Field(
+        "auto", description="torch.compile each processor block, the encoder and the decoder "
+        "(stormshard.models.compile.compile_blocks; names and numbers unchanged): true, false, or 'auto' (the "
+        "default: on CUDA, where it measured 1.3-1.6x faster per step; not on a CPU, where a step is mostly "
+        "compile-free python)")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _check_compile(cls, value: object) -> object:
+        if value is True or value is False or value == "auto":
+            return value
+        raise ValueError("must be true, false or \"auto\" (the default: compile on CUDA, not on a CPU)")
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSection:
@@ -309,40 +321,6 @@ class ExperimentConfig(_Strict):
     def micro_batch(self) -> int:
         """Samples per model replica per micro-step (``training.micro_batch_size``)."""
         return self.training.micro_batch_size
-
-
-# DeepSpeed's AdamW params -> the config field that holds them
-_OPTIMIZER_PARAM_FIELDS = {"lr": "training.lr", "betas": "optimizer.betas", "eps": "optimizer.eps",
-                           "weight_decay": "optimizer.weight_decay"}
-
-
-def _deepspeed_optimizer_moves(opt: Any, source: str) -> list[tuple[str, str, Any]]:
-    """``(deepspeed key, config field, value)`` for a DeepSpeed ``optimizer`` entry (AdamW only)."""
-    if not isinstance(opt, dict):
-        raise ConfigError(f"{source}: optimizer must be an object like {{'type': 'AdamW', 'params': {{...}}}}, "
-                          f"got {opt!r}")
-    params = dict(opt.get("params") or {})
-    kind = str(opt.get("type", "AdamW")).lower()
-    adam_w_mode = params.pop("adam_w_mode", kind == "adamw")
-    if kind not in ("adamw", "adam") or adam_w_mode is not True:
-        raise ConfigError(
-            f"{source}: optimizer {opt!r} is not AdamW: every engine uses AdamW so that they take the same step; "
-            "use type 'AdamW' (its betas, eps and weight_decay go to the config's optimizer section)"
-        )
-    unknown = sorted(set(params) - set(_OPTIMIZER_PARAM_FIELDS))
-    if unknown:
-        raise ConfigError(
-            f"{source}: optimizer.params {unknown} are not AdamW settings stormshard takes (it builds the "
-            f"optimizer: torch's AdamW on the CPU accelerator, DeepSpeed's fused AdamW on GPUs): remove them; "
-            f"the known ones are {sorted(_OPTIMIZER_PARAM_FIELDS)}"
-        )
-    return [(f"optimizer.params.{k}", _OPTIMIZER_PARAM_FIELDS[k], v) for k, v in params.items()]
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return list(a) == list(b)
-    return a == b
 
 
 # old spellings read_old_spellings moves (accepted as command-line override keys too)
@@ -526,7 +504,7 @@ def merge_deepspeed_file(raw: dict[str, Any], deepspeed: dict[str, Any],
              for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
              if key in section]
     if "optimizer" in section:
-        moves += _deepspeed_optimizer_moves(section.pop("optimizer"), source)
+        moves += deepspeed_optimizer_moves(section.pop("optimizer"), source)
     out, section, _ = move_deepspeed_precision(dict(raw), section, source)  # a DeepSpeed file: no notes
     for key, dotted, value in moves:
         name, field = dotted.split(".")
@@ -534,7 +512,7 @@ def merge_deepspeed_file(raw: dict[str, Any], deepspeed: dict[str, Any],
         if current is not None and not isinstance(current, dict):
             raise ConfigError(f"{name} must be an object, got {current!r}")
         current = dict(current or {})
-        if field in current and not _same(current[field], value):
+        if field in current and not same_value(current[field], value):
             raise ConfigError(
                 f"{source} sets {key}={value!r} but the config sets {dotted}={current[field]!r}: one knob, one "
                 f"place; remove one of them or make them equal"
@@ -581,10 +559,7 @@ def load_experiment_config(
             deepspeed_config = read_json_object(deepspeed_config, "DeepSpeed config", "pass an existing JSON file",
                                                 "DeepSpeed's settings (zero_optimization, bf16, ...)")
         raw = merge_deepspeed_file(raw, deepspeed_config, ds_name)
-    try:
-        return ExperimentConfig(**raw)
-    except ValidationError as err:
-        raise ConfigError(format_validation_errors(err, name)) from None
+    return validate_config(ExperimentConfig, raw, name, cli_overrides)  # an empty value or a bad override named
 
 
 def stored_config_dump(raw: Any) -> dict[str, Any]:

@@ -9,8 +9,12 @@
   of ``launch/train.py``) set into the raw config. A value is JSON when it parses (``50``, ``1e-4``,
   ``true``, ``null``, ``[1, 2]``, ``{"kind": "knn"}``) and a string otherwise (``runs/x``, ``bf16``);
   a key is checked against the config's schema first: an unknown key (in any section) is an error
-  with a did-you-mean and the keys of that section, and a key that addresses inside a value that is
-  not an object (``training.max_steps.x``) is an error too.
+  with a did-you-mean and the keys of that section, a key that addresses inside a value that is
+  not an object (``training.max_steps.x``) is an error too, and so is a key given twice.
+- :func:`validate_config`: the schema's validation of the raw config, with two rules before it: an
+  empty string (``training.output_dir=`` from an unset shell variable, ``"init_weights": ""``) is an
+  error naming the field, never the current directory or "no value"; and an error about a value an
+  override set names that override (``override 'training.max_steps=abc': ...``), not the file.
 
 Torch-free (the standard library only, and the schema passed in), like :mod:`stormshard.training.config`:
 ``launch/train.py`` validates a config before torch or DeepSpeed is imported.
@@ -29,9 +33,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-__all__ = ["ConfigError", "read_json_object", "loads_json", "parse_override", "apply_overrides", "schema_keys"]
+from stormshard.errors import format_validation_errors
+
+__all__ = ["ConfigError", "read_json_object", "loads_json", "parse_override", "apply_overrides", "schema_keys",
+           "empty_fields", "validate_config"]
 
 
 class ConfigError(ValueError):
@@ -238,9 +245,15 @@ def apply_overrides(raw: dict[str, Any], items: Sequence[str], schema: type[Base
     value that is not an object is an error (set the whole value instead).
     """
     out = json.loads(json.dumps(raw))  # a deep copy, JSON types only
+    seen: dict[str, str] = {}
     for item in items:
         parts, value = parse_override(item)
         _check_key(parts, schema, item, also)
+        dotted = ".".join(parts)
+        if dotted in seen:
+            raise ConfigError(f"overrides {seen[dotted]!r} and {item!r} both set {dotted}: give each key once (the "
+                              "second would silently replace the first)")
+        seen[dotted] = item
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -255,3 +268,68 @@ def apply_overrides(raw: dict[str, Any], items: Sequence[str], schema: type[Base
             node = child
         node[parts[-1]] = value
     return out
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def empty_fields(raw: Any, schema: Any, prefix: str = "") -> list[str]:
+    """The dotted fields of ``raw`` (checked against ``schema``'s fields) that hold an empty or blank
+    string, list items included (``data.forcing[0]``); free sections (``deepspeed``, ``model.options``)
+    and unknown keys (validation names those) are not looked into."""
+    keys = schema_keys(schema)
+    if not isinstance(raw, dict) or not isinstance(keys, dict):
+        return []
+    out = []
+    for key, value in raw.items():
+        if key not in keys:
+            continue
+        dotted = f"{prefix}.{key}" if prefix else key
+        items = [(dotted, value)] if not isinstance(value, list) else \
+            [(f"{dotted}[{i}]", v) for i, v in enumerate(value)]
+        for where, item in items:
+            if isinstance(item, str) and not item.strip():
+                out.append(where)
+            elif isinstance(item, dict):
+                out += empty_fields(item, keys[key], where)
+    return out
+
+
+def _override_of(items: Sequence[str]) -> dict[str, str]:
+    """``{dotted key: item}`` of the overrides ``items``."""
+    return {item.partition("=")[0].strip(): item for item in items}
+
+
+def _source_for(field: str, message: str, overrides: dict[str, str]) -> str | None:
+    """``override '<item>'`` for the override that set ``field`` (or the object holding it); for a
+    section's own check (``field`` the section, or the top level) the override under it whose key its
+    ``message`` names; None when no override is involved (the value came from the file)."""
+    for key, item in overrides.items():
+        if key == field or field.startswith(key + "."):
+            return f"override {item!r}"
+    top = field in ("", "(top level)")
+    named = [item for key, item in overrides.items() if (top or key.startswith(field + ".")) and key in message]
+    return f"override {named[0]!r}" if named else None
+
+
+def validate_config(schema: type[BaseModel], raw: dict[str, Any], source: str,
+                    overrides: Sequence[str] = ()) -> BaseModel:
+    """``schema(**raw)``, or a :class:`ConfigError`: an empty string in any field of the schema first
+    (naming the field and, when an override set it, the override), then pydantic's problems one per
+    line, each prefixed with the override that set the value (``override 'training.max_steps=abc'``)
+    or else ``source`` (the config file)."""
+    by_key = _override_of(overrides)
+    empty = empty_fields(raw, schema)
+    if empty:
+        field = empty[0]
+        base = field.split("[", 1)[0]
+        where = _source_for(base, "", by_key) or source
+        more = f" (and {', '.join(empty[1:])})" if len(empty) > 1 else ""
+        raise ConfigError(f"{where}: {field} is empty{more}: an empty value is never read as the current directory "
+                          "or as 'not set' (an unset shell variable?); give a value, or leave the key out for its "
+                          "default")
+    try:
+        return schema(**raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_errors(err, source, lambda field, message: _source_for(
+            field, message, by_key))) from None

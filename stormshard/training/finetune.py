@@ -2,8 +2,13 @@
 ``data.graph_file`` and ``data.statistics``.
 
 - :func:`check_finetune_inputs` (called by the preflight, before any process group or file): the
-  init-weights path exists and is one of the three kinds (:func:`init_weights_kind`), the statistics
-  file covers the dataset's variables, the graph file's data nodes are the dataset's cells.
+  init-weights path exists, is one of the three kinds (:func:`init_weights_kind`) and reads (a damaged
+  file is an error naming ``training.init_weights``), its tensors match the model's parameters by name
+  and shape (:func:`match_init_weights`: a partial match, another architecture, is an error unless
+  ``training.init_weights_partial``; then a warning with the counts), ``training.freeze`` names
+  parameters and leaves some to train, the statistics file covers the dataset's variables, the graph
+  file's data nodes are the dataset's cells. The weights read here reach the trainer
+  (:class:`InitWeights`), so the file is read once.
 - :func:`read_init_weights`: the full (unsharded) tensors of a stormshard bundle, an anemoi inference
   checkpoint (restricted unpickler + the import mapping, nothing in the file runs) or a stormshard
   training checkpoint (consolidated on the fly, any layout it was saved at).
@@ -20,8 +25,9 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,8 +43,9 @@ from stormshard.parallel.partition import get_partition
 from stormshard.parallel.tensor import slice_partition
 from stormshard.training.config import ConfigError, ExperimentConfig
 
-__all__ = ["TransferReport", "check_finetune_inputs", "init_weights_kind", "read_init_weights",
-           "load_init_weights", "freeze_parameters", "statistics_from_file"]
+__all__ = ["TransferReport", "FinetuneInputs", "InitWeights", "check_finetune_inputs", "init_weights_kind",
+           "read_init_weights", "match_init_weights", "load_init_weights", "check_transfer", "freeze_parameters",
+           "statistics_from_file"]
 
 _KINDS_FIX = ("give an exported or imported stormshard bundle (a directory with metadata.json), an anemoi "
               "inference checkpoint (inference-*.ckpt) or a stormshard training checkpoint (a step_NNNNNNNN "
@@ -110,7 +117,7 @@ def statistics_from_file(path: str | os.PathLike, dataset: AnemoiDataset) -> Sta
     return Statistics(*columns, has_nans=dataset.statistics.has_nans)
 
 
-def _check_graph_file(config: ExperimentConfig, dataset: AnemoiDataset, gpus_per_model: int) -> None:
+def _check_graph_file(config: ExperimentConfig, dataset: AnemoiDataset, gpus_per_model: int) -> Any:
     path = config.data.graph_file
     try:
         graph = load_graph(path)
@@ -133,38 +140,117 @@ def _check_graph_file(config: ExperimentConfig, dataset: AnemoiDataset, gpus_per
         if graph[node].x.shape[0] < gpus_per_model:
             raise ConfigError(f"data.graph_file={path!r} has {graph[node].x.shape[0]} {node} nodes, fewer than "
                               f"parallel.gpus_per_model={gpus_per_model}: lower parallel.gpus_per_model")
+    return graph
 
 
-def _parameter_names(config: ExperimentConfig, variables: VariableIndex) -> list[str] | None:
-    """The model's parameter names, from a build on the meta device over a tiny stand-in graph (the
-    names do not depend on the grid); None when that build is not possible for this model (the
-    trainer then checks the prefixes on the real model)."""
+def _meta_shapes(config: ExperimentConfig, variables: VariableIndex, graph: Any) -> dict[str, tuple[int, ...]]:
     from stormshard.checkpoint.groups import model_on_meta
+
+    model = model_on_meta(config.model, config.parallel.shard_strategy, graph, variables, 0, 1)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _parameter_shapes(config: ExperimentConfig, variables: VariableIndex,
+                      graph: Any = None) -> tuple[dict[str, tuple[int, ...]], frozenset[str]] | None:
+    """The model's parameters with their full shapes, from a build on the meta device, and the names
+    whose shape depends on the graph (trainable node and edge embeddings; unknown until the graph is
+    built). On ``graph`` (a fixed ``data.graph_file``) every shape is exact; otherwise two tiny
+    stand-in graphs tell the graph-dependent shapes apart (names do not depend on the grid). None when
+    such a build is not possible for this model (the trainer then checks on the real one)."""
     from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
 
     try:
-        graph = build_graph(GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4)))
-        model = model_on_meta(config.model, config.parallel.shard_strategy, graph, variables, 0, 1)
+        if graph is not None:
+            return _meta_shapes(config, variables, graph), frozenset()
+        a = _meta_shapes(config, variables, build_graph(GraphConfig(data_grid="o4", hidden="o2",
+                                                                    processor=KNNEdges(num_neighbours=4))))
+        b = _meta_shapes(config, variables, build_graph(GraphConfig(data_grid="o6", hidden="o3",
+                                                                    processor=KNNEdges(num_neighbours=5))))
     except Exception:  # noqa: BLE001 - a model the stand-in cannot hold: checked later on the real one
         return None
-    return [n for n, _ in model.named_parameters()]
+    return a, frozenset(n for n in a if b.get(n) != a[n])
+
+
+class InitWeights:
+    """``training.init_weights`` as the preflight read and matched it: handed to the trainer once
+    (:meth:`take`), so the file is read once and its tensors are not kept for the whole run."""
+
+    def __init__(self, source: str, tensors: dict[str, Tensor]) -> None:
+        self.source = source
+        self._tensors: dict[str, Tensor] | None = tensors
+
+    def take(self) -> dict[str, Tensor]:
+        """The full tensors (read again from ``source`` if already taken)."""
+        tensors, self._tensors = self._tensors, None
+        return tensors if tensors is not None else read_init_weights(self.source)
+
+
+@dataclass(frozen=True)
+class FinetuneInputs:
+    """What :func:`check_finetune_inputs` found: the dataset (with ``data.statistics`` in place), the
+    init weights read (None without ``training.init_weights`` or on ``--resume``) and run-log lines."""
+
+    dataset: AnemoiDataset
+    init_weights: InitWeights | None = None
+    notes: tuple[str, ...] = field(default=())
+
+
+def _few(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+
+
+def match_init_weights(path: str, full: dict[str, Tensor], shapes: dict[str, tuple[int, ...]],
+                       graph_dependent: frozenset[str] = frozenset(), partial: bool = False) -> str | None:
+    """Which of the model's parameters (``shapes``: full shapes) the tensors ``full`` of
+    ``training.init_weights`` set (by name and shape; a ``graph_dependent`` shape is compared when the
+    graph is built). A :class:`ConfigError` when some do not match (another architecture), listing
+    how many matched and a few that did not, unless ``partial`` (``training.init_weights_partial``):
+    then the warning to print, with the counts; also an error when none match. None when all match."""
+    missing = [f"{n} (not in the file)" for n in shapes if n not in full]
+    other = [f"{n} (file {list(full[n].shape)}, model {list(s)})" for n, s in shapes.items()
+             if n in full and n not in graph_dependent and tuple(full[n].shape) != tuple(s)]
+    fresh = missing + other
+    matched = len(shapes) - len(fresh)
+    if not fresh:
+        return None
+    counts = f"matches {matched} of the model's {len(shapes)} parameters by name and shape"
+    if matched == 0:
+        raise ConfigError(f"training.init_weights={path!r} {counts}: it holds another model ({_few(fresh)}); "
+                          "give the weights of this model's architecture, or leave training.init_weights out")
+    if not partial:
+        raise ConfigError(f"training.init_weights={path!r} {counts}; {len(fresh)} do not: {_few(fresh)}: it holds "
+                          "another architecture or size. Give the weights of this model, or set "
+                          "training.init_weights_partial=true to load the ones that match and start the others "
+                          "fresh (transfer learning)")
+    return (f"warning: training.init_weights={path!r} {counts} (training.init_weights_partial=true): {len(fresh)} "
+            f"start fresh: {_few(fresh)}")
 
 
 def check_finetune_inputs(config: ExperimentConfig, dataset: AnemoiDataset, variables: VariableIndex,
-                          gpus_per_model: int, resume: bool = False) -> AnemoiDataset:
-    """The preflight's checks of the fine-tune fields; returns the dataset with ``data.statistics``
-    in place of its own when that is set. A resumed run does not read ``training.init_weights``."""
-    if config.training.init_weights and not resume:
-        init_weights_kind(config.training.init_weights)
-    if config.training.freeze:
-        names = _parameter_names(config, variables)
-        if names is not None:
-            _unknown_prefixes(config.training.freeze, names)
-    if config.data.graph_file:
-        _check_graph_file(config, dataset, gpus_per_model)
+                          gpus_per_model: int, resume: bool = False) -> FinetuneInputs:
+    """The preflight's checks of the fine-tune fields (see the module docstring), before any file; a
+    resumed run does not read ``training.init_weights`` (it continues its own weights)."""
+    t = config.training
+    graph = _check_graph_file(config, dataset, gpus_per_model) if config.data.graph_file else None
+    init, notes = None, ()
+    found = _parameter_shapes(config, variables, graph) if (t.init_weights and not resume) or t.freeze else None
+    if t.init_weights and not resume:
+        init_weights_kind(t.init_weights)
+        try:
+            tensors = read_init_weights(t.init_weights)
+        except Exception as exc:  # noqa: BLE001 - damaged or foreign: named with the field, before any file
+            message = str(exc).strip().replace("\n", " ")[:400] or type(exc).__name__
+            raise ConfigError(f"training.init_weights={t.init_weights!r} cannot be read ({message}): it is damaged; "
+                              "give an intact bundle or checkpoint (an earlier step_NNNNNNNN, a re-export)") from None
+        if found is not None:
+            warning = match_init_weights(t.init_weights, tensors, *found, partial=t.init_weights_partial)
+            notes = (warning,) if warning else ()
+        init = InitWeights(t.init_weights, tensors)
+    if t.freeze and found is not None:
+        _check_freeze(list(t.freeze), list(found[0]))
     if config.data.statistics:
         dataset = replace(dataset, statistics=statistics_from_file(config.data.statistics, dataset))
-    return dataset
+    return FinetuneInputs(dataset, init, notes)
 
 
 @dataclass(frozen=True)
@@ -218,19 +304,34 @@ def _matches(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix.rstrip(".") + ".")
 
 
-def _unknown_prefixes(prefixes: list[str], names: list[str]) -> None:
+def _check_freeze(prefixes: list[str], names: list[str]) -> None:
+    """Every prefix of ``training.freeze`` names a parameter, and some parameter is left to train."""
     unknown = [p for p in prefixes if not any(_matches(n, p) for n in names)]
+    tops = sorted({n.split(".")[0] for n in names})
     if unknown:
-        tops = sorted({n.split(".")[0] for n in names})
         raise ConfigError(f"training.freeze: {unknown} match(es) no parameter of this model: give parameter name "
                           f"prefixes such as {tops}")
+    if names and all(any(_matches(n, p) for p in prefixes) for n in names):
+        raise ConfigError(f"training.freeze={prefixes} freezes all {len(names)} parameters of the model: nothing "
+                          f"would train; freeze fewer (the model's top-level parts are {tops})")
+
+
+def check_transfer(report: TransferReport, partial: bool) -> None:
+    """On the built model (the shapes that depend on the graph known): the :func:`match_init_weights` rule
+    for what the preflight could not compare; a :class:`ConfigError` when a parameter starts fresh and
+    ``training.init_weights_partial`` is not set."""
+    if report.fresh and not partial:
+        raise ConfigError(f"training.init_weights={report.source!r} matches {len(report.loaded)} of the model's "
+                          f"{len(report.loaded) + len(report.fresh)} parameters by name and shape; {len(report.fresh)} "
+                          f"do not: {_few(list(report.fresh))}: set training.init_weights_partial=true to start them "
+                          "fresh, or give the weights of this model")
 
 
 def freeze_parameters(model: torch.nn.Module, prefixes: list[str]) -> list[str]:
     """``requires_grad`` False for every parameter whose name is or starts with a prefix (``encoder``
     matches ``encoder.*``, not ``encoder_edges``); returns the frozen names. A prefix that matches no
-    parameter is a :class:`ConfigError` naming it."""
-    _unknown_prefixes(prefixes, [n for n, _ in model.named_parameters()])
+    parameter, or prefixes that leave nothing to train, are a :class:`ConfigError` naming them."""
+    _check_freeze(prefixes, [n for n, _ in model.named_parameters()])
     frozen = []
     for name, p in model.named_parameters():
         if any(_matches(name, prefix) for prefix in prefixes):

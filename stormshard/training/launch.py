@@ -47,12 +47,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stormshard.checkpoint.integrity import resume_target
+from stormshard.env import VARIABLES, EnvError
 from stormshard.errors import ReportedByRank
+from stormshard.training.checkpoint import verify_resume_files
 from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
 from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import TrainResult, train
 from stormshard.training.malloc_tuning import tune_malloc
-from stormshard.training.preflight import preflight
+from stormshard.training.preflight import checkpoint_dir, preflight
 from stormshard.training.rank_zero import RankZeroFailed
 from stormshard.training.watchdog import RankFailure, RankMonitor, monitor_settings
 
@@ -227,36 +230,26 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnvironment:
                              _master_port(env))
 
 
+def _seconds(name: str, env: Mapping[str, str] | None) -> timedelta:
+    try:
+        return timedelta(seconds=float(VARIABLES[name].read(env)))
+    except EnvError as exc:
+        raise LaunchError(str(exc)) from None
+
+
 def process_group_timeout(env: Mapping[str, str] | None = None) -> timedelta:
     """How long a collective may wait before it fails: ``STORMSHARD_DIST_TIMEOUT`` seconds (default 600).
 
     With NCCL the timeout is enforced by the watchdog when ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``
-    (torch's default): a rank waiting on a dead peer aborts after it instead of hanging.
+    (torch's default): a rank waiting on a dead peer aborts after it instead of hanging. A value that is
+    not a finite positive number is a :class:`LaunchError` naming the variable (:mod:`stormshard.env`).
     """
-    env = os.environ if env is None else env
-    raw = env.get("STORMSHARD_DIST_TIMEOUT", "")
-    try:
-        seconds = float(raw) if raw else 600.0
-    except ValueError:
-        raise LaunchError(f"STORMSHARD_DIST_TIMEOUT={raw!r} is not a number of seconds: unset it or give e.g. 600") \
-            from None
-    if seconds <= 0:
-        raise LaunchError(f"STORMSHARD_DIST_TIMEOUT={raw!r} must be positive")
-    return timedelta(seconds=seconds)
+    return _seconds("STORMSHARD_DIST_TIMEOUT", env)
 
 
 def rendezvous_timeout(env: Mapping[str, str] | None = None) -> timedelta:
     """How long a rank waits at the start for the others: ``STORMSHARD_RENDEZVOUS_TIMEOUT`` seconds (default 60)."""
-    env = os.environ if env is None else env
-    raw = env.get("STORMSHARD_RENDEZVOUS_TIMEOUT", "")
-    try:
-        seconds = float(raw) if raw else 60.0
-    except ValueError:
-        raise LaunchError(f"STORMSHARD_RENDEZVOUS_TIMEOUT={raw!r} is not a number of seconds: unset it or give e.g. "
-                          "60") from None
-    if seconds <= 0:
-        raise LaunchError(f"STORMSHARD_RENDEZVOUS_TIMEOUT={raw!r} must be positive")
-    return timedelta(seconds=seconds)
+    return _seconds("STORMSHARD_RENDEZVOUS_TIMEOUT", env)
 
 
 _JOINED = "stormshard/joined/"
@@ -374,12 +367,17 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
     saved_env = {k: os.environ.get(k) for k in launch.torch_variables()} if owns_group else {}
     if owns_group:
         init_distributed(launch)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        save_resolved_config(cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
     monitor = None
     if owns_group and world > 1 and interval > 0:
         monitor = RankMonitor(launch.rank, world, launch.master_addr, launch.master_port, interval, dead_after)
     try:
+        if resume:  # every rank hashes its files of the checkpoint before anything is written (config.json too)
+            found = resume_target(checkpoint_dir(cfg))
+            if found is not None:
+                verify_resume_files(found.path, rank, world)
+        if rank == 0:
+            save_resolved_config(cfg)
         result = train(cfg, resume=resume, inputs=inputs)
         if monitor is not None:
             dist.barrier()  # every rank is done before any heartbeat stops

@@ -25,14 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from stormshard.checkpoint.format import latest_checkpoint
+from stormshard.checkpoint.format import CheckpointError, latest_checkpoint
+from stormshard.checkpoint.integrity import resume_target
 from stormshard.data.anemoi_layout import frequency_to_string
 from stormshard.data.dataset import ResumableSampler, WindowedSampleDataset
 from stormshard.data.loader import BatchKey, PrefetchLoader, SliceBatchReader, finite_keys, micro_batch_keys
 from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.data.sharded_read import ModelSliceReader, SliceReadPlan
 from stormshard.graphs.builder import load_graph, load_or_build_graph
-from stormshard.models.compile import compile_blocks
+from stormshard.models.compile import compile_blocks, wants_compile
 from stormshard.models.registry import build_model
 from stormshard.parallel.comm import all_reduce_sum
 from stormshard.parallel.topology import ProcessGroups, build_process_groups
@@ -42,6 +43,7 @@ from stormshard.training.diskspace import check_checkpoint_space
 from stormshard.training.engine import build_engine
 from stormshard.training.finetune import (
     TransferReport,
+    check_transfer,
     freeze_parameters,
     load_init_weights,
     read_init_weights,
@@ -112,11 +114,15 @@ class Trainer:
         model = build_model(config.model, self.graph, self.variables, self.groups.model_group,
                             shard_strategy=config.parallel.shard_strategy).to(self.device)
         self.transfer: TransferReport | None = None  # what training.init_weights set (not on resume)
-        if t.init_weights and not resume:
-            self.transfer = load_init_weights(model, read_init_weights(t.init_weights), t.init_weights)
+        if t.init_weights and not resume:  # read by the preflight (once), matched against these shapes too
+            full = inputs.init_weights.take() if inputs.init_weights is not None else read_init_weights(t.init_weights)
+            self.transfer = load_init_weights(model, full, t.init_weights)
+            del full
+            check_transfer(self.transfer, t.init_weights_partial)  # shapes that depend on the graph, now known
         self.frozen = freeze_parameters(model, list(t.freeze))  # before the engine: it optimises the others
         self.plan = model.plan
-        if t.compile:  # per block, after parallelize and checkpointing, before the engine wraps it (torchtitan's order)
+        if wants_compile(t.compile, self.device.type):  # per block, after parallelize and checkpointing, before
+            # the engine wraps it (torchtitan's order)
             compile_blocks(model)
         self.engine = build_engine(model, self.groups, self.settings)
         self.dtype = torch.float32  # data, targets, loss and ensemble noise at every training.precision
@@ -363,8 +369,12 @@ class Trainer:
     def _maybe_resume(self) -> int:
         if not self.resume:
             return 0
-        world, _ = _world()  # preflight checked that a checkpoint exists (load_checkpoint names one that vanished)
-        loaded = load_checkpoint(checkpoint_dir(self.config), self.rank, config=self._config_dict(), layout=self._layout_dict(),
+        world, _ = _world()  # preflight checked the checkpoint `latest` names (resume_target: the same one here)
+        found = resume_target(checkpoint_dir(self.config))
+        if found is None:
+            raise CheckpointError(f"{checkpoint_dir(self.config)} holds no checkpoint any more: nothing to resume")
+        loaded = load_checkpoint(checkpoint_dir(self.config), self.rank, path=found.path, config=self._config_dict(),
+                                 layout=self._layout_dict(),
                                  world=world, ignore=RESUME_MAY_CHANGE, read_stored_config=stored_config_dump)
         self.resumed_from = loaded.path  # printed by fit
         self.engine.load_state_dict(loaded.state["engine"])

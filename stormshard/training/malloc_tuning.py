@@ -12,7 +12,7 @@ gt O48 with the single arena), and use one malloc arena, so that a reader thread
 second heap of its own.
 
 :func:`tune_malloc` applies them with ``mallopt`` (Linux with glibc only; a no-op elsewhere), unless
-``STORMSHARD_MALLOC_TUNING=0`` or the user set glibc's own ``MALLOC_MMAP_THRESHOLD_``,
+``STORMSHARD_MALLOC_TUNING=0`` (``0`` or ``1``; another value is an error naming it) or the user set glibc's own ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_ARENA_MAX`` (theirs win). ``run_training`` calls it first.
 """
 
@@ -22,6 +22,8 @@ import ctypes
 import ctypes.util
 import os
 import sys
+
+from stormshard.env import VARIABLES
 
 __all__ = ["tune_malloc", "MALLOC_SETTINGS"]
 
@@ -39,7 +41,7 @@ def tune_malloc() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get("STORMSHARD_MALLOC_TUNING", "1") == "0" or any(v in os.environ for v in _USER_VARIABLES):
+    if VARIABLES["STORMSHARD_MALLOC_TUNING"].read() == "0" or any(v in os.environ for v in _USER_VARIABLES):
         return False
     if not sys.platform.startswith("linux"):
         return False

@@ -6,22 +6,27 @@ verdict and a bad run stops before it creates anything. Each check below is call
 there, and raises :class:`~stormshard.training.config.ConfigError` (or ``LayoutError``,
 ``EngineError``, ``AnemoiLayoutError``) naming the field, the value and the fix:
 
+0. every ``STORMSHARD_*`` environment variable (:func:`check_environment_variables`: numbers finite and
+   in range, switches, the compile backend, the flex kernel options);
 1. the layout: :meth:`~stormshard.training.config.ParallelSection.layout`
    (:class:`~stormshard.parallel.topology.ParallelLayout`: the model group divides the world, ...);
-2. the parallel strategy against the model:
-   :func:`~stormshard.models.parallelize.check_parallel_strategy` (heads and MLP channels split
+2. the model's builder (:func:`~stormshard.models.registry.resolve_builder`: a registered name, or
+   the ``"package.module:attribute"`` of the run's own config, imported here), the parallel strategy
+   against the model: :func:`~stormshard.models.parallelize.check_parallel_strategy` (heads and MLP channels split
    whole over the model group for ``shard_heads`` / ``tensor``, graph processors, ensemble), and
    the attention kernel against the device and precision
    (:func:`~stormshard.models.parallelize.check_attention_kernel_for_training`);
-3. ``--resume`` has a checkpoint to continue (:func:`check_resume`), and it is complete; a new run
+3. ``--resume`` has a checkpoint to continue (:func:`check_resume`: the one ``latest`` names, complete;
+   :func:`~stormshard.checkpoint.integrity.resume_target` stops at every kind of damage); a new run
    does not start in an ``output_dir`` that holds an earlier run
    (:func:`~stormshard.training.run_dir.check_run_directory`);
 4. ``training.output_dir`` and ``data.graph_cache`` can be written (:func:`check_output_dir`);
 5. the dataset opens, the forcing / diagnostic variables exist, the fine-tune fields hold
    (:func:`~stormshard.training.finetune.check_finetune_inputs`: ``training.init_weights`` is a
-   bundle, an anemoi checkpoint or a training checkpoint, ``training.freeze`` prefixes name
-   parameters, ``data.graph_file`` fits the dataset's grid, ``data.statistics`` covers its
-   variables), the date ranges are disjoint (:func:`check_splits`) and hold windows;
+   bundle, an anemoi checkpoint or a training checkpoint that reads and matches the model's
+   parameters (or ``training.init_weights_partial``), ``training.freeze`` prefixes name parameters
+   and leave some to train, ``data.graph_file`` fits the dataset's grid, ``data.statistics`` covers
+   its variables), the date ranges are disjoint (:func:`check_splits`) and hold windows;
 6. every normalisation scale is finite and positive (:func:`check_normalisation_scales`), the loss
    weights and the imputation name known variables (:func:`check_loss_weights_and_imputation`);
 7. the graph's kNN sizes fit its grids and every rank of a model group gets hidden nodes and grid
@@ -32,6 +37,10 @@ there, and raises :class:`~stormshard.training.config.ConfigError` (or ``LayoutE
    data parallelism, ``deepspeed.train_batch_size``, what bucketed gradient sums cannot run with);
 9. notes for the run log: variables with missing values, an activation-memory warning
    (:func:`check_activation_memory`).
+
+After it, the one check that needs the process group: at ``--resume`` every rank hashes its files of
+the checkpoint (:func:`~stormshard.training.checkpoint.verify_resume_files`, in ``run_training``)
+before anything is written, ``config.json`` included.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stormshard.checkpoint.format import CheckpointError, latest_checkpoint, read_metadata
+from stormshard.checkpoint.format import read_metadata
+from stormshard.checkpoint.integrity import resume_target
 from stormshard.data.anemoi_layout import AnemoiDataset
 from stormshard.data.dataset import (
     WindowedSampleDataset,
@@ -51,9 +61,11 @@ from stormshard.data.dataset import (
     split_by_dates,
 )
 from stormshard.data.normalisation import Normaliser, nan_fill_values
+from stormshard.env import check_environment
 from stormshard.errors import check_writable_directory, nearest_existing_parent
 from stormshard.graphs.builder import KNNEdges
 from stormshard.models.parallelize import check_attention_kernel_for_training, check_parallel_strategy
+from stormshard.models.registry import resolve_builder
 from stormshard.models.variables import VariableIndex
 from stormshard.parallel.topology import BatchPlan, ParallelLayout, batch_arithmetic
 from stormshard.training.activation_memory import (
@@ -66,13 +78,14 @@ from stormshard.training.checkpoint import config_differences
 from stormshard.training.config import ConfigError, ExperimentConfig, stored_config_dump
 from stormshard.training.engine.build import check_engine_layout
 from stormshard.training.engine.settings import EngineSettings
-from stormshard.training.finetune import check_finetune_inputs
+from stormshard.training.finetune import InitWeights, check_finetune_inputs
 from stormshard.training.rollout_schedule import max_rollout
 from stormshard.training.run_dir import check_run_directory
 from stormshard.training.scaling import variable_loss_weights
 from stormshard.training.tasks import task_type
 
-__all__ = ["RunInputs", "preflight", "checkpoint_dir", "RESUME_MAY_CHANGE", "check_resume", "check_output_dir",
+__all__ = ["RunInputs", "preflight", "checkpoint_dir", "RESUME_MAY_CHANGE", "check_environment_variables",
+           "check_resume", "check_output_dir",
            "check_splits", "check_normalisation_scales", "check_loss_weights_and_imputation", "check_graph_sizes",
            "check_activation_memory", "activation_estimate", "data_notes", "window_notes", "nearest_existing_parent"]
 
@@ -81,7 +94,7 @@ RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.
                      "training.checkpoint_interval", "training.keep_checkpoints", "training.output_dir",
                      "data.graph_cache", "data.validation_samples", "logging", "data.num_workers", "data.prefetch",
                      "data.worker_type", "data.test", "training.validation_rollout",
-                     "training.init_weights",  # a resumed run continues its own weights
+                     "training.init_weights", "training.init_weights_partial",  # a resumed run continues its weights
                      "training.compile")  # how the same model runs, not what it computes
 
 
@@ -108,14 +121,17 @@ class RunInputs:
     steps_per_epoch: int = 1  # optimizer steps per epoch (rollout schedules counted in epochs)
     loss_weights: tuple[float, ...] = ()  # per output variable: training.loss_scaling
     notes: tuple[str, ...] = ()  # lines for the run log (warnings included)
+    init_weights: InitWeights | None = None  # training.init_weights, read and matched (not on --resume)
 
 
 def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> RunInputs:
     """Check the config against the world size, the dataset and (``resume``) the checkpoints, before
     any process group or file is made: the ordered walk of the module docstring, each check once."""
     t = config.training
+    check_environment_variables(config)  # 0.
     layout = config.parallel.layout(world)  # 1.
     try:  # 2.
+        resolve_builder(config.model.name)  # the user's own config: a builder module it names is imported
         check_parallel_strategy(config.model, config.parallel.shard_strategy, layout.gpus_per_model)
         check_attention_kernel_for_training(config.model, "cuda" if torch.cuda.is_available() else "cpu",
                                             config.training.precision)
@@ -125,7 +141,8 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
     check_run_directory(config, resume)  # 3. (no earlier run overwritten; a complete checkpoint to resume)
     check_output_dir(config)  # 4.
     dataset, variables = open_dataset(config)  # 5.
-    dataset = check_finetune_inputs(config, dataset, variables, layout.gpus_per_model, resume)  # init_weights, graph_file, statistics
+    finetune = check_finetune_inputs(config, dataset, variables, layout.gpus_per_model, resume)  # init_weights, freeze,
+    dataset = finetune.dataset  # graph_file, statistics
     ranges = check_splits(config, dataset)
     window = dict(multistep_input=config.model.multistep_input, timestep=config.data.timestep, ensemble="each")
 
@@ -157,16 +174,33 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
     settings = config.engine_settings(total_steps)
     check_engine_layout(settings, layout)
     plan_batch = batch_arithmetic(config.micro_batch, world, settings.accumulation, layout.gpus_per_model)
-    notes = resume_notes + data_notes(dataset) + window_notes(config)  # 9.
+    notes = resume_notes + finetune.notes + data_notes(dataset) + window_notes(config)  # 9.
     memory = check_activation_memory(config, dataset.num_cells, layout.gpus_per_model, members)
     if memory is not None:
         notes += (memory,)
     return RunInputs(layout, dataset, variables, train_samples, val_samples, replicas, members, total_steps,
                      settings, plan_batch, test_samples=test_samples, steps_per_epoch=max(1, per_epoch),
-                     loss_weights=tuple(float(w) for w in loss_weights), notes=notes)
+                     loss_weights=tuple(float(w) for w in loss_weights), notes=notes,
+                     init_weights=finetune.init_weights)
 
 
 # ------------------------------------------------------------------------------ the checks, in walk order
+
+
+def check_environment_variables(config: ExperimentConfig) -> None:
+    """Every ``STORMSHARD_*`` variable read once (:func:`stormshard.env.check_environment`: numbers finite
+    and in range, switches 0 / 1), ``STORMSHARD_COMPILE_BACKEND`` when the run may compile
+    (:func:`~stormshard.models.compile.compile_backend`) and ``STORMSHARD_FLEX_KERNEL_OPTIONS``
+    (:func:`~stormshard.kernels.flex.flex_options_from_env`); an
+    :class:`~stormshard.env.EnvError` names the variable."""
+    check_environment()
+    from stormshard.models.compile import compile_backend, wants_compile
+
+    if wants_compile(config.training.compile, "cuda" if torch.cuda.is_available() else "cpu"):
+        compile_backend()
+    from stormshard.kernels.flex import flex_options_from_env
+
+    flex_options_from_env()
 
 
 def check_resume(config: ExperimentConfig, world: int | None = None) -> tuple[str, ...]:
@@ -175,20 +209,19 @@ def check_resume(config: ExperimentConfig, world: int | None = None) -> tuple[st
     difference is listed in one :class:`ConfigError`; so is another world size). Returns one note
     per changed field that may change (printed at the start of the run), so no change goes unsaid."""
     directory = checkpoint_dir(config)
-    target = latest_checkpoint(directory)
-    if target is None:
+    found = resume_target(directory)  # the step `latest` names, complete; any damage stops here
+    if found is None:
         raise ConfigError(
             f"--resume was given but {directory} holds no checkpoint (training.output_dir="
             f"{config.training.output_dir!r}): remove --resume to start a new run, or point training.output_dir "
             "at the run to continue"
         )
-    try:
-        metadata = read_metadata(target)
-    except CheckpointError:
-        return ()  # a damaged checkpoint: the checkpoint checks name it
+    target = found.path
+    moved = (found.note,) if found.note else ()
+    metadata = read_metadata(target)
     stored = metadata.get("config")
     if not isinstance(stored, dict):
-        return ()
+        return moved
     diffs = config_differences(stored_config_dump(stored), config.model_dump(mode="json"))
     allowed = [d for d in diffs if d.startswith(RESUME_MAY_CHANGE)]
     kept = [d for d in diffs if not d.startswith(RESUME_MAY_CHANGE)]
@@ -203,7 +236,7 @@ def check_resume(config: ExperimentConfig, world: int | None = None) -> tuple[st
             f"{Path(config.training.output_dir) / 'config.json'}, or the 'config' of {target / 'metadata.json'}), or "
             f"start a new run in another training.output_dir; only {', '.join(RESUME_MAY_CHANGE)} may change"
         )
-    return tuple(f"resume: {d} (allowed on --resume)" for d in allowed)
+    return moved + tuple(f"resume: {d} (allowed on --resume)" for d in allowed)
 
 
 def check_output_dir(config: ExperimentConfig) -> None:

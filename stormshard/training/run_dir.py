@@ -4,10 +4,12 @@
   checkpoints would be overwritten and a second run appended to its ``metrics.jsonl``. Checkpoints
   (``checkpoints/step_NNNNNNNN``, a ``latest`` pointer) or a non-empty ``metrics.jsonl`` count as a
   run; a graph cache does not.
-- ``--resume`` needs a newest checkpoint that is complete: readable ``metadata.json``, the current
-  format, every file there with the size recorded at save
-  (:func:`~stormshard.checkpoint.integrity.check_resume_checkpoint`; the sha256 of each rank's files
-  is verified when the ranks load them).
+- ``--resume`` continues the checkpoint ``latest`` names, which must be complete: readable
+  ``metadata.json``, the current format, every file there with the size recorded at save
+  (:func:`~stormshard.checkpoint.integrity.resume_target`: a damaged or empty ``latest``, a step it
+  names that is missing, not a directory or incomplete, a newer step than it names each stop the run,
+  naming the checkpoint to continue from instead; the sha256 of each rank's files is verified by
+  :func:`~stormshard.training.checkpoint.verify_resume_files` before any file is written).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stormshard.checkpoint.format import LATEST, list_checkpoints
-from stormshard.checkpoint.integrity import check_resume_checkpoint
+from stormshard.checkpoint.integrity import resume_target
 from stormshard.training.config import ConfigError, ExperimentConfig
 
 __all__ = ["check_run_directory", "METRICS_FILE"]
@@ -41,11 +43,12 @@ def _earlier_run(output_dir: Path) -> tuple[str, bool]:
 
 
 def check_run_directory(config: ExperimentConfig, resume: bool) -> None:
-    """A new run's ``training.output_dir`` holds no earlier run; a resumed run's newest checkpoint is
-    complete. :class:`ConfigError` (or ``CheckpointError``) naming the directory and the fix."""
+    """A new run's ``training.output_dir`` holds no earlier run; a resumed run's checkpoint (the one
+    ``latest`` names) is complete. :class:`ConfigError` (or ``CheckpointError``) naming the directory and
+    the fix."""
     output_dir = Path(config.training.output_dir)
     if resume:
-        check_resume_checkpoint(output_dir / "checkpoints")
+        resume_target(output_dir / "checkpoints")
         return
     found, resumable = _earlier_run(output_dir)
     if not found:

@@ -20,9 +20,11 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+from stormshard.env import VARIABLES, EnvError
 from stormshard.errors import ReportedByRank
 
 __all__ = ["RankFailure", "RankMonitor", "monitor_settings"]
@@ -49,22 +51,14 @@ class _Beat:
     pid: int
 
 
-def monitor_settings(env: dict[str, str] | None = None) -> tuple[float, float]:
-    """``(interval, dead_after)`` seconds from ``STORMSHARD_HEARTBEAT_S`` / ``STORMSHARD_DEAD_AFTER_S``."""
-    env = dict(os.environ if env is None else env)
-    out = []
-    for name, default in (("STORMSHARD_HEARTBEAT_S", 1.0), ("STORMSHARD_DEAD_AFTER_S", 10.0)):
-        raw = env.get(name, "")
-        try:
-            value = float(raw) if raw else default
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a number of seconds: unset it or give e.g. {default}") from None
-        if value < 0:
-            raise ValueError(f"{name}={raw!r} is negative: give a number of seconds >= 0")
-        out.append(value)
-    interval, dead_after = out
+def monitor_settings(env: Mapping[str, str] | None = None) -> tuple[float, float]:
+    """``(interval, dead_after)`` seconds from ``STORMSHARD_HEARTBEAT_S`` / ``STORMSHARD_DEAD_AFTER_S``
+    (:mod:`stormshard.env`: finite, not negative; an :class:`~stormshard.env.EnvError` names the variable)."""
+    interval = float(VARIABLES["STORMSHARD_HEARTBEAT_S"].read(env))
+    dead_after = float(VARIABLES["STORMSHARD_DEAD_AFTER_S"].read(env))
     if interval > 0 and dead_after <= 2 * interval:
-        raise ValueError(f"STORMSHARD_DEAD_AFTER_S={dead_after} must exceed twice STORMSHARD_HEARTBEAT_S={interval}")
+        raise EnvError(f"STORMSHARD_DEAD_AFTER_S={dead_after:g} must exceed twice STORMSHARD_HEARTBEAT_S={interval:g}: "
+                       f"raise STORMSHARD_DEAD_AFTER_S above {2 * interval:g} or lower the heartbeat")
     return interval, dead_after
 
 

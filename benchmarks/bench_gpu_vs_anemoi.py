@@ -1,0 +1,541 @@
+"""stormshard against anemoi-models 0.19 on one GPU, same model and same weights: whole step and graph attention.
+
+    python benchmarks/bench_gpu_vs_anemoi.py [--quick] [--budget-s S] [--json PATH]   # CUDA (make bench-gpu)
+        [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--sizes o96,aifs] [--tables model,attention]
+    python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
+
+Without CUDA (and without ``--cpu-smoke``) it says so and exits 0.
+
+**Whole-model table** at two sizes, batch 1, ``multistep_input`` 2, ``trainable_size`` 8, a
+``transformer`` model (graph-transformer encoder and decoder, sliding-window transformer processor):
+
+- ``o96``: O96 data (40,320 points) -> O48 hidden (10,944), 512 channels, 16 layers, 16 heads, window 512,
+  64 variables, no activation checkpointing;
+- ``aifs``: O364 data (543,088 points, the O-grid nearest N320) -> O96 hidden (40,320), 1024 channels,
+  16 layers, 16 heads, window 1120, 96 variables, activation checkpointing of every processor block.
+
+Encoder edges: cutoff 0.6 (AIFS's), decoder: 3 nearest hidden nodes. One training step: forward under
+bf16 autocast, fp32 MSE loss, backward, ``torch.optim.AdamW``. Rows: stormshard with its default settings
+(``graph_kernel`` and ``attention_kernel`` "auto": the Triton graph kernel and flex / flash window attention
+on CUDA) eager and compiled (``training.compile``: :func:`stormshard.models.compile.compile_blocks`), and
+anemoi-models' own model built from the same weights (:mod:`stormshard.checkpoint.anemoi_plan` +
+:func:`~stormshard.checkpoint.anemoi_build.build_anemoi_interface`, as ``export-anemoi`` does) in anemoi's
+interpreter (``benchmarks/anemoi_side/gpu_vs_stormshard.py``, a subprocess: ``--anemoi-python`` /
+``$ANEMOI_PY`` and ``--anemoi-pythonpath`` / ``$ANEMOI_PYTHONPATH``, as ``bench_graph_vs_anemoi.py``).
+anemoi runs its GPU defaults: ``graph_attention_backend: "triton"`` and ``attention_implementation:
+"flash_attention"`` when flash-attn imports, else ``"scaled_dot_product_attention"`` (a dense band mask); the
+table says which ran. Checkpointing is the same on both sides (``aifs``: every processor block, anemoi's
+processor ``num_chunks`` = layers; mappers in one chunk, not checkpointed). Before timing, the anemoi side
+checks both models' fp32 forward on one random state (TF32 off) and prints the largest difference relative
+to the largest predicted increment (output minus the carried state).
+
+Columns: **step ms**, the median of the timed steps after warm-up (``time.perf_counter`` between device
+syncs); **peak GiB**, ``torch.cuda.max_memory_allocated`` over the steps (weights, AdamW state and
+activations); **GPU busy**, the fraction of the step in which the GPU runs anything: one more step under
+``torch.profiler`` (CPU + CUDA activities), the union of the intervals of its device events (kernels,
+copies, memsets; sync waits excluded) divided by the median step time of the unprofiled steps (the
+profiler's host overhead does not enter; at most 1); **TFLOP/s** and **MFU**, the model FLOPs below over the
+median step, MFU over the device's bf16 dense peak (``bench_gpu.device_peak``, else the measured 8192^3 rate).
+
+**Model FLOPs** (:func:`model_flops`; batch 1; ``N_d`` data, ``N_h`` hidden nodes, ``C`` channels,
+``E_enc`` / ``E_dec`` edges with ``F_enc`` / ``F_dec`` features, ``n_in`` / ``n_out`` variables, ``m``
+input steps, ``t`` trainable node features, ``r`` MLP ratios, ``L`` layers, ``w`` the window)::
+
+    linear(N, a, b)  = 2 N a b                                       every dense product of a Linear
+    embeddings       = linear(N_d, m n_in + 4 + t, C) + linear(N_h, 4 + t, C)   (+ the decoder's own, if any)
+    mapper(src, dst) = linear(src, C, 2C) [k, v] + linear(dst, C, C) x (2 + self_projection) [q, out]
+                       + 2 linear(dst, C, r C) [MLP]
+                       + 2 E F C [edge embedding, per edge] + 4 E C [graph attention: q.k 2d, sum a v 2d, per head]
+    processor        = L (linear(N_h, C, 3C) + linear(N_h, C, C) + 2 linear(N_h, C, r C))
+                       + L 4 C P,  P = sum_i #{j : |i - j| <= w} = N_h (2w + 1) - w (w + 1) (w < N_h)
+    head             = linear(N_d, C, n_out)
+    step             = 3 x forward (forward + backward), activation recomputation NOT counted (model FLOPs)
+
+The edge embedding counts as a per-edge product (the model's math, as anemoi computes it); stormshard
+keeps it factored and executes fewer FLOPs there. Both sides get the same count, so MFU ratios are
+speed ratios. ``tests/test_bench_gpu_vs_anemoi.py`` checks the linear part against the dense products a
+forward really runs and the window pairs against a brute-force count.
+
+**Graph-attention table** (``--tables attention``): the three graphs of the ``aifs`` size, encoder
+O364 -> O96 (cutoff 0.6), processor O96 KNN-16, decoder O96 -> O364 (3 nearest), 1024 channels, 16 heads,
+bf16 q, k, v ``(nodes, heads, 64)``, fp32 edge attributes ``(E, 3)`` and edge projection ``(C, 3)`` + bias:
+one block's attention forward + backward (gradients of q, k, v and the edge projection). stormshard:
+:func:`stormshard.kernels.dispatch.graph_attention_kernel` with ``"triton"`` and ``"csr"`` (the edge term
+factored, never per edge). anemoi: as its block with ``graph_attention_backend: "triton"`` does it: the
+edge projection ``lin_edge(edge_attr)`` to ``(E, heads, 64)``, ``edge_index_to_csc`` and its Triton
+custom op. Time: median fwd + bwd; memory: peak above what the inputs hold.
+
+``--cpu-smoke``: tiny grids (O16 -> O8, O12 -> O6), fp32, a few steps on the CPU, compiled rows with
+``STORMSHARD_COMPILE_BACKEND=aot_eager`` unless set; with ``TRITON_INTERPRET=1`` the Triton rows (both
+libraries') run in Triton's interpreter. anemoi rows run when its interpreter imports anemoi-models; if not,
+the script says how to get it and runs stormshard's rows only. ``--budget-s`` starts no row after that many
+seconds (the rest print "skipped"); ``--json`` writes every row and the FLOP counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "anemoi_side"))
+
+from bench_gpu import device_peak, measured_bf16_rate  # noqa: E402
+from step_measure import (  # noqa: E402
+    AttentionRow,
+    ModelRow,
+    attention_graphs,
+    attention_inputs,
+    finish_model_row,
+    model_inputs,
+    time_fwd_bwd,
+)
+
+from stormshard.graphs.builder import DECODER, ENCODER, GraphConfig, KNNEdges, load_or_build_graph  # noqa: E402
+from stormshard.models.config import ModelConfig  # noqa: E402
+from stormshard.models.variables import VariableIndex  # noqa: E402
+
+ANEMOI_SIDE = HERE / "anemoi_side" / "gpu_vs_stormshard.py"
+GRAPH_CACHE = REPO / ".cache" / "bench_gpu_vs_anemoi"
+GET_ANEMOI = ("anemoi-models is not importable by {python}: anemoi rows skipped. On a CPU machine: bash "
+              "../shared/anemoi-bench/setup_env.sh (then --anemoi-python /tmp/anemoi-env/venv/bin/python); for a GPU "
+              "machine without an index: ../shared/gpu/fetch_anemoi_wheels.sh .whl here, carry .whl, and there "
+              "`python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl` and pass "
+              "--anemoi-python python3 --anemoi-pythonpath /tmp/site (benchmarks/gpu_session.sh does this)")
+
+
+@dataclass(frozen=True)
+class Size:
+    """One whole-model size (module docstring); ``knn``: the processor graph of the attention table."""
+
+    key: str
+    data_grid: str
+    hidden: str
+    channels: int
+    layers: int
+    heads: int
+    window: int
+    checkpointing: bool
+    variables: int
+    forcing: int
+    knn: int = 16
+
+    @property
+    def label(self) -> str:
+        return (f"{self.data_grid.upper()} -> {self.hidden.upper()}, {self.channels} ch, {self.layers} layers, "
+                f"window {self.window}{', checkpointing' if self.checkpointing else ''}")
+
+
+SIZES = {
+    "o96": Size("o96", "o96", "o48", 512, 16, 16, 512, False, 64, 2),
+    "aifs": Size("aifs", "o364", "o96", 1024, 16, 16, 1120, True, 96, 4),
+    "tiny": Size("tiny", "o16", "o8", 32, 2, 4, 16, False, 6, 1, knn=4),
+    "tiny-ckpt": Size("tiny-ckpt", "o12", "o6", 32, 2, 4, 8, True, 5, 1, knn=4),
+}
+
+
+def size_variables(size: Size) -> VariableIndex:
+    names = [f"var_{i}" for i in range(size.variables)]
+    return VariableIndex.build(names, forcing=names[-size.forcing:], diagnostic=[])
+
+
+def size_config(size: Size) -> ModelConfig:
+    """stormshard's model at ``size``: default kernels ("auto"), mappers in one chunk."""
+    return ModelConfig(name="transformer", num_channels=size.channels, multistep_input=2, trainable_size=8,
+                       processor=dict(num_layers=size.layers, num_heads=size.heads, window_size=size.window,
+                                      mlp_ratio=4),
+                       encoder=dict(num_heads=size.heads), decoder=dict(num_heads=size.heads),
+                       activation_checkpointing=size.checkpointing)
+
+
+def size_graph(size: Size) -> tuple[object, Path]:
+    """The size's graph, built once and cached under ``.cache/bench_gpu_vs_anemoi``; and its file."""
+    config = GraphConfig(data_grid=size.data_grid, hidden=size.hidden, processor=KNNEdges(num_neighbours=size.knn))
+    path = GRAPH_CACHE / f"{size.data_grid}_{size.hidden}_knn{size.knn}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return load_or_build_graph(config, path), path
+
+
+# --------------------------------------------------------------------------------------------
+# model FLOPs (module docstring)
+# --------------------------------------------------------------------------------------------
+
+
+def window_pairs(tokens: int, window: int) -> int:
+    """Query-key pairs with ``|i - j| <= window`` among ``tokens`` positions."""
+    if window >= tokens - 1:
+        return tokens * tokens
+    return tokens * (2 * window + 1) - window * (window + 1)
+
+
+@dataclass
+class ModelFlops:
+    """Forward FLOPs of one batch entry by part; :attr:`step` = 3 x forward (no recomputation)."""
+
+    linear: float = 0.0  # every dense product of a Linear (embeddings, q/k/v/out, MLPs, head)
+    edge_projection: float = 0.0  # 2 E F C per mapper
+    graph_attention: float = 0.0  # 4 E C per mapper
+    window_attention: float = 0.0  # 4 C P per processor layer
+
+    @property
+    def forward(self) -> float:
+        return self.linear + self.edge_projection + self.graph_attention + self.window_attention
+
+    @property
+    def step(self) -> float:
+        return 3.0 * self.forward
+
+
+def model_flops(config: ModelConfig, graph, variables: VariableIndex) -> ModelFlops:  # noqa: ANN001
+    """:class:`ModelFlops` of a ``transformer`` model on ``graph`` (formula in the module docstring)."""
+    if config.name != "transformer":
+        raise ValueError(f"model_flops counts the 'transformer' model, got {config.name!r}")
+
+    def linear(rows: int, a: int, b: int) -> float:
+        return 2.0 * rows * a * b
+
+    c, t, m = config.num_channels, config.trainable_size, config.multistep_input
+    n_d, n_h = graph["data"].num_nodes, graph["hidden"].num_nodes
+    n_in, n_out = len(variables.input_names), len(variables.output_names)
+    f = ModelFlops()
+    f.linear += linear(n_d, m * n_in + 4 + t, c) * (2 if config.decoder_embedding else 1) + linear(n_h, 4 + t, c)
+    for section, edges, src, dst in (("encoder", ENCODER, n_d, n_h), ("decoder", DECODER, n_h, n_d)):
+        cfg = getattr(config, section)
+        e = int(graph[edges].edge_index.shape[1])
+        feats = int(graph[edges].edge_attr.shape[1]) + cfg.trainable_edge_size
+        hidden = max(1, int(round(c * cfg.mlp_ratio)))
+        f.linear += linear(src, c, 2 * c) + linear(dst, c, c) * (2 + int(cfg.self_projection)) \
+            + 2 * linear(dst, c, hidden)
+        f.edge_projection += 2.0 * e * feats * c
+        f.graph_attention += 4.0 * e * c
+    p = config.processor
+    f.linear += p.num_layers * (linear(n_h, c, 4 * c) + 2 * linear(n_h, c, p.mlp_ratio * c))
+    f.window_attention += p.num_layers * 4.0 * c * window_pairs(n_h, p.window_size)
+    f.linear += linear(n_d, c, n_out)
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# whole-model rows
+# --------------------------------------------------------------------------------------------
+
+
+def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device: torch.device, warmup: int,  # noqa: ANN001
+                         steps: int, flops: float, peak: float | None, dtype: torch.dtype) -> None:
+    from stormshard.models.compile import compile_blocks
+    from stormshard.models.registry import build_model
+
+    variables = size_variables(size)
+    model = build_model(size_config(size), graph, variables)
+    model.load_state_dict(weights)
+    model.to(device)
+    if row.impl.endswith("compiled"):
+        compile_blocks(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, target = model_inputs(graph, variables, device)
+
+    def step() -> float:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            pred = model(x)
+        loss = (pred.float() - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    finish_model_row(row, step, device, warmup, steps, flops, peak)
+
+
+# --------------------------------------------------------------------------------------------
+# graph-attention rows
+# --------------------------------------------------------------------------------------------
+
+
+def run_stormshard_attention(row: AttentionRow, edge_index: torch.Tensor, num_src: int, num_dst: int, size: Size,
+                             device: torch.device, dtype: torch.dtype, warmup: int, steps: int) -> None:
+    from stormshard.kernels.dispatch import graph_attention_kernel
+
+    kernel = row.impl.split()[-1]
+    index = edge_index.to(device)
+    inputs = attention_inputs(num_src, num_dst, row.edges, size.channels, size.heads, 3, device, dtype)
+
+    def forward() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            return graph_attention_kernel(kernel, inputs["q"], inputs["k"], inputs["v"], inputs["attr"],
+                                          inputs["weight"], inputs["bias"], index, num_dst)
+
+    f, b, peak = time_fwd_bwd(forward, inputs, device, warmup, steps)
+    row.fwd_ms, row.bwd_ms, row.peak_mib = f * 1e3, b * 1e3, peak
+
+
+# --------------------------------------------------------------------------------------------
+# the anemoi side (a subprocess in anemoi's interpreter)
+# --------------------------------------------------------------------------------------------
+
+
+def anemoi_env(args: argparse.Namespace) -> dict[str, str]:
+    paths = [p for p in (args.anemoi_pythonpath, str(REPO)) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+
+
+def anemoi_problem(args: argparse.Namespace) -> str | None:
+    """None when ``--anemoi-python`` imports anemoi-models, torch-geometric, omegaconf and hydra; else why not."""
+    if args.anemoi_python in ("", "none"):
+        return "anemoi rows not asked for (--anemoi-python none)"
+    probe = "import anemoi.models, anemoi.utils, torch_geometric, omegaconf, hydra; print(anemoi.models.__version__)"
+    try:
+        done = subprocess.run([args.anemoi_python, "-c", probe], env=anemoi_env(args), capture_output=True,
+                              text=True, timeout=180)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{GET_ANEMOI.format(python=args.anemoi_python)} ({type(exc).__name__})"
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return f"{GET_ANEMOI.format(python=args.anemoi_python)} ({last})"
+    return None
+
+
+def run_anemoi(args: argparse.Namespace, job: dict, workdir: Path) -> dict:
+    """Run the anemoi side on ``job`` (see gpu_vs_stormshard.py); its result dict, or {"error": ...}."""
+    job_path, out_path = workdir / "job.json", workdir / "anemoi_result.json"
+    job_path.write_text(json.dumps(job | {"out": str(out_path)}))
+    timeout = None if math.isinf(args.budget_s) else max(600.0, job["budget_end"] - time.time() + 600)
+    try:
+        done = subprocess.run([args.anemoi_python, str(ANEMOI_SIDE), str(job_path)], env=anemoi_env(args),
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the anemoi side ran past {timeout:.0f} s"}
+    if not out_path.exists():
+        return {"error": f"the anemoi side exited {done.returncode} without a result (its output is above)"}
+    return json.loads(out_path.read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+# --------------------------------------------------------------------------------------------
+
+
+def guarded(row: ModelRow | AttentionRow, run: Callable[[], None], budget_end: float) -> None:
+    """``run()`` unless the budget is spent; an exception becomes the row's note (the other rows go on)."""
+    if time.perf_counter() > budget_end:
+        row.note = row.note or "skipped: --budget-s reached"
+        return
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - a row that cannot run is reported, the others go on
+        row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _num(value: float, fmt: str) -> str:
+    return "-" if value is None or math.isnan(value) else format(value, fmt)
+
+
+def format_model_row(r: ModelRow) -> str:
+    impl = f"{r.impl} ({r.extra['attention']})" if r.extra.get("attention") else r.impl
+    if r.note:
+        return f"| {r.size} | {impl} | {r.note} | | | | | |"
+    compile_s = _num(r.compile_s, ".1f") if r.impl.endswith("compiled") else "-"
+    busy = "-" if math.isnan(r.busy) else f"{100 * r.busy:.0f}%"
+    mfu = "-" if math.isnan(r.mfu) else f"{100 * r.mfu:.1f}%"
+    return (f"| {r.size} | {impl} | {r.step_ms:.1f} | {_num(r.peak_gib, '.2f')} | {busy} | {r.tflops:.2f} | {mfu} | "
+            f"{compile_s} |")
+
+
+def format_attention_row(r: AttentionRow, anemoi: AttentionRow | None) -> str:
+    if r.note:
+        return f"| {r.graph} | {r.edges:,} | {r.impl} | {r.note} | | | | |"
+    ratio = (f"{anemoi.total_ms / r.total_ms:.2f}x" if anemoi is not None and not anemoi.note and r is not anemoi
+             else "-")
+    return (f"| {r.graph} | {r.edges:,} | {r.impl} | {r.fwd_ms:.2f} | {r.bwd_ms:.2f} | {r.total_ms:.2f} | "
+            f"{_num(r.peak_mib, '.0f')} | {ratio} |")
+
+
+def model_table(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, peak: float | None,
+                budget_end: float, workdir: Path, anemoi_ok: bool, report: dict) -> list[ModelRow]:
+    from stormshard.models.registry import build_model
+
+    warmup, steps = args.warmup, args.steps
+    print(f"\nwhole model, one training step (forward {'bf16 autocast' if dtype != torch.float32 else 'fp32'}, MSE, "
+          f"backward, AdamW), batch 1; median of {steps} steps after {warmup}; MFU = 3 x forward model FLOPs "
+          "(no recomputation) / step / peak\n| size | implementation | step ms | peak GiB | GPU busy | TFLOP/s | MFU | "
+          "compile s |\n|---|---|---|---|---|---|---|---|", flush=True)
+    rows: list[ModelRow] = []
+    for key in args.sizes.split(","):
+        size = SIZES[key]
+        ours = [ModelRow(key, "stormshard eager"), ModelRow(key, "stormshard compiled")]
+        theirs = ModelRow(key, "anemoi-models 0.19")
+        if time.perf_counter() > budget_end:
+            for r in [theirs, *ours]:
+                r.note = "skipped: --budget-s reached"
+                print(format_model_row(r), flush=True)
+            rows += [theirs, *ours]
+            continue
+        tic = time.perf_counter()
+        graph, graph_path = size_graph(size)
+        variables, config = size_variables(size), size_config(size)
+        flops = model_flops(config, graph, variables)
+        torch.manual_seed(0)
+        weights = {k: v.detach().clone() for k, v in build_model(config, graph, variables).state_dict().items()}
+        weights_path = workdir / f"{key}_weights.pt"
+        torch.save(weights, weights_path)
+        report["flops"][key] = asdict(flops) | {"forward": flops.forward, "step": flops.step}
+        print(f"{key}: {size.label}; {graph['data'].num_nodes:,} data / {graph['hidden'].num_nodes:,} hidden nodes, "
+              f"edges enc {graph[ENCODER].edge_index.shape[1]:,} / dec {graph[DECODER].edge_index.shape[1]:,}; "
+              f"{sum(w.numel() for w in weights.values()) / 1e6:.1f} M parameters; model FLOPs per step "
+              f"{flops.step / 1e12:.3f} T (linear {3 * flops.linear / 1e12:.3f}, edge projection "
+              f"{3 * flops.edge_projection / 1e12:.3f}, graph attention {3 * flops.graph_attention / 1e12:.3f}, "
+              f"window attention {3 * flops.window_attention / 1e12:.3f}); graph + weights "
+              f"{time.perf_counter() - tic:.0f} s", flush=True)
+        if anemoi_ok:
+            job = {"task": "model", "size": asdict(size), "graph": str(graph_path), "weights": str(weights_path),
+                   "device": device.type, "dtype": str(dtype).removeprefix("torch."), "warmup": warmup,
+                   "steps": steps, "peak": peak, "flops": flops.step,
+                   "budget_end": time.time() + (budget_end - time.perf_counter())}
+            result = run_anemoi(args, job, workdir)
+            report["anemoi"][key] = result
+            if "model" in result:
+                theirs = ModelRow(**result["model"])
+            else:
+                theirs.note = f"error: {result.get('error', 'no result')}"
+        else:
+            theirs.note = "anemoi not available (see above)"
+        print(format_model_row(theirs), flush=True)
+        for row in ours:
+            guarded(row, lambda row=row, size=size, graph=graph, weights=weights, flops=flops: run_stormshard_model(
+                row, size, graph, weights, device, warmup, steps, flops.step, peak, dtype), budget_end)
+            print(format_model_row(row), flush=True)
+        rows += [theirs, *ours]
+        weights_path.unlink(missing_ok=True)
+    print()
+    for key in args.sizes.split(","):
+        check = report["anemoi"].get(key, {}).get("check")
+        if check:
+            print(f"{key}: same weights, fp32 forward: max |anemoi - stormshard| = {check['max_abs']:.3g}, "
+                  f"{check['max_rel_increment']:.3g} of the largest increment, {check['max_rel_output']:.3g} of the "
+                  f"largest output", flush=True)
+        by = {r.impl: r for r in rows if r.size == key and not r.note}
+        a = by.get("anemoi-models 0.19")
+        for impl in ("stormshard eager", "stormshard compiled"):
+            s = by.get(impl)
+            if a and s:
+                print(f"{key}: {impl} vs anemoi: {a.step_ms / s.step_ms:.2f}x faster (anemoi ms / stormshard ms), peak "
+                      f"memory {s.peak_gib / a.peak_gib:.2f}x of anemoi's, MFU {_num(100 * s.mfu, '.1f')}% vs "
+                      f"{_num(100 * a.mfu, '.1f')}%", flush=True)
+    return rows
+
+
+def attention_table(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, budget_end: float,
+                    workdir: Path, anemoi_ok: bool, report: dict) -> list[AttentionRow]:
+    from stormshard.kernels.dispatch import graph_kernel_problem
+
+    size = SIZES[args.attention_size]
+    graph, graph_path = size_graph(size)
+    print(f"\ngraph attention of one block, forward + backward ({'bf16' if dtype != torch.float32 else 'fp32'} "
+          f"q/k/v, {size.channels} channels, {size.heads} heads, 3 edge features), graphs of {size.key}: encoder "
+          f"{size.data_grid.upper()} -> {size.hidden.upper()} (cutoff 0.6), processor {size.hidden.upper()} "
+          f"KNN-{size.knn}, decoder {size.hidden.upper()} -> {size.data_grid.upper()} (3 nearest); median of "
+          f"{args.steps} after {args.warmup}; memory: peak above the inputs\n| graph | edges | implementation | "
+          "fwd ms | bwd ms | fwd+bwd ms | peak MiB | anemoi / this |\n|---|---|---|---|---|---|---|---|", flush=True)
+    anemoi_rows: dict[str, AttentionRow] = {}
+    if anemoi_ok:
+        job = {"task": "attention", "size": asdict(size), "graph": str(graph_path), "device": device.type,
+               "dtype": str(dtype).removeprefix("torch."), "warmup": args.warmup, "steps": args.steps,
+               "budget_end": time.time() + (budget_end - time.perf_counter())}
+        result = run_anemoi(args, job, workdir)
+        report["anemoi"]["attention"] = result
+        for r in result.get("attention", []):
+            anemoi_rows[r["graph"]] = AttentionRow(**r)
+    rows: list[AttentionRow] = []
+    for name, edge_index, num_src, num_dst in attention_graphs(graph):
+        theirs = anemoi_rows.get(name) or AttentionRow(name, "anemoi triton", int(edge_index.shape[1]),
+                                                      note="anemoi not available" if not anemoi_ok else "no result")
+        print(format_attention_row(theirs, theirs), flush=True)
+        for kernel in ("triton", "csr"):
+            row = AttentionRow(name, f"stormshard {kernel}", int(edge_index.shape[1]))
+            problem = graph_kernel_problem(kernel, device.type)
+            if problem:
+                row.note = f"skipped: {problem}"
+            else:
+                guarded(row, lambda row=row, e=edge_index, s=num_src, d=num_dst: run_stormshard_attention(
+                    row, e, s, d, size, device, dtype, args.warmup, args.steps), budget_end)
+            print(format_attention_row(row, theirs), flush=True)
+            rows.append(row)
+        rows.append(theirs)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps (1 warm-up, 3 timed)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny grids on the CPU, fp32: every code path")
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="start no row after this many seconds")
+    parser.add_argument("--json", default=None, help="write the rows, FLOP counts and checks to this path")
+    parser.add_argument("--sizes", default=None, help="whole-model sizes, comma list of " + ", ".join(SIZES))
+    parser.add_argument("--attention-size", default=None, help="whose graphs the attention table uses")
+    parser.add_argument("--tables", default="model,attention", help="model, attention (comma list)")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),
+                        help="anemoi's interpreter ('none': stormshard's rows only)")
+    parser.add_argument("--anemoi-pythonpath", default=os.environ.get("ANEMOI_PYTHONPATH", ""),
+                        help="prepended to PYTHONPATH for anemoi's interpreter (the checkout is appended)")
+    args = parser.parse_args(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("bench_gpu_vs_anemoi: no CUDA device here; the GPU head-to-head needs one (--cpu-smoke runs the code "
+              "paths at tiny sizes on the CPU)")
+        return 0
+    smoke = args.cpu_smoke
+    args.sizes = args.sizes or ("tiny,tiny-ckpt" if smoke else "o96,aifs")
+    args.attention_size = args.attention_size or ("tiny" if smoke else "aifs")
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick or smoke else 2)
+    args.steps = args.steps if args.steps is not None else (2 if smoke else 3 if args.quick else 5)
+    unknown = [k for k in [*args.sizes.split(","), args.attention_size] if k not in SIZES]
+    if unknown:
+        parser.error(f"unknown size {unknown}: choose from {', '.join(SIZES)}")
+    budget_end = time.perf_counter() + args.budget_s
+    if smoke:
+        device, dtype, peak = torch.device("cpu"), torch.float32, None
+        os.environ.setdefault("STORMSHARD_COMPILE_BACKEND", "aot_eager")
+        print(f"CPU smoke: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, compile backend "
+              f"{os.environ['STORMSHARD_COMPILE_BACKEND']}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    else:
+        device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+        name = torch.cuda.get_device_name(device)
+        spec, rate = device_peak(name), measured_bf16_rate(device)
+        peak = spec or rate
+        print(f"device: {name}; torch {torch.__version__}; bf16 dense peak {_num((spec or math.nan) / 1e12, '.0f')} "
+              f"TFLOP/s (spec), measured 8192^3 bf16 product {rate / 1e12:.0f} TFLOP/s", flush=True)
+    problem = anemoi_problem(args)
+    print(problem or f"anemoi side: {args.anemoi_python} (PYTHONPATH {anemoi_env(args)['PYTHONPATH']})", flush=True)
+    report: dict = {"device": str(device), "torch": torch.__version__, "flops": {}, "anemoi": {}}
+    model_rows: list[ModelRow] = []
+    attention_rows: list[AttentionRow] = []
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-vs-anemoi-") as tmp:
+        if "model" in args.tables:
+            model_rows = model_table(args, device, dtype, peak, budget_end, Path(tmp), problem is None, report)
+        if "attention" in args.tables:
+            attention_rows = attention_table(args, device, dtype, budget_end, Path(tmp), problem is None, report)
+    if args.json:
+        report |= {"model_rows": [asdict(r) for r in model_rows], "attention_rows": [asdict(r) for r in attention_rows]}
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""The edges of bad input (issue 32): nothing lost, every check before the first file, clear messages.
+
+- ``--resume`` continues what ``latest`` names or stops: a newest step without ``metadata.json``, a
+  newest step that is a file, ``latest`` naming a missing step, an empty or zeroed ``latest``, a step
+  without rank files, a step newer than ``latest`` names, a corrupted checksum record; each stops with
+  one ``error:`` naming the damaged step and the checkpoint to continue from, and writes nothing (not
+  even ``config.json``). Moving the damaged step aside is the explicit decision to go back.
+- An empty value (an override or a file field) names the field; nothing lands in the current directory.
+- Every ``STORMSHARD_*`` variable: ``nan``, ``inf``, negative, non-numeric, unknown keys: one error.
+- Overrides: an error names the override that set the value; a key given twice is an error.
+- ``training.init_weights``: damaged, another architecture (an error unless
+  ``training.init_weights_partial``), ``training.freeze`` of every parameter: before any file.
+- ``forecast --attention-kernel flex`` on a graph-transformer model is an error.
+- A full disk during conversion, import and forecasts: ``error: the disk is full`` naming the output, and
+  no partial output (no ``.partial`` file of ``export-anemoi`` either).
+
+Each refused case: exit status 2 (1 for a full disk), one ``error:`` line with the field and the value, no
+traceback, and every file under the test's root the same before and after (sizes, times and sha256).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stormshard.data.synthetic import generate_synthetic_dataset
+from tests.bad_input_helpers import content_hashes, run_main, snapshot
+from tests.test_cli_errors import _one_process  # noqa: F401 - autouse: a one-process environment
+from tests.tiny_run import tiny_config
+
+FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
+pytestmark = pytest.mark.filterwarnings("ignore")
+RUN_ARGS = ["engine=local", "deepspeed={}", "training.max_steps=3", "training.checkpoint_interval=1",
+            "training.keep_checkpoints=3", "data.validation_samples=1"]
+
+
+@dataclass(frozen=True)
+class World:
+    root: Path
+    dataset: Path
+    config: Path  # the tiny config (output_dir: root/unused)
+    run: Path  # trained 3 steps, a checkpoint per step
+    bundle: Path  # exported from run
+    gt_bundle: Path  # imported from the anemoi graph-transformer fixture (keeps its anemoi file)
+    o16: Path  # a dataset on the fixture's grid
+
+    def fresh(self, name: str) -> Path:
+        return self.root / "fresh" / name
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    from stormshard.checkpoint.anemoi_import import import_anemoi
+
+    root = tmp_path_factory.mktemp("edges")
+    dataset = root / "o8.zarr"
+    generate_synthetic_dataset(dataset, grid="o8", steps=64, seed=1)
+    config = root / "config.json"
+    config.write_text(json.dumps(tiny_config(str(dataset), root / "unused"), indent=1))
+    run = root / "run"
+    assert run_main("train", ["--config", str(config), f"training.output_dir={run}", *RUN_ARGS]) == 0
+    bundle = root / "bundle"
+    assert run_main("convert_checkpoint", ["export", str(run / "checkpoints"), "--out", str(bundle)]) == 0
+    gt_bundle = import_anemoi(FIXTURES / "gt" / "inference.ckpt", root / "gt_bundle")
+    o16 = root / "o16.zarr"
+    generate_synthetic_dataset(o16, grid="o16", steps=24, seed=3)
+    (root / "fresh").mkdir()
+    return World(root, dataset, config, run, bundle, gt_bundle, o16)
+
+
+def _refused(world: World, entry: str, argv: list[str], capsys, *fragments: str, status: int = 2,
+             watch: Path | None = None) -> str:
+    """Run ``entry``; it exits ``status`` with one ``error:`` line holding ``fragments``, no traceback,
+    and nothing under ``watch`` (default: the whole root) written or changed. Returns standard error."""
+    watch = watch or world.root
+    before, hashes = snapshot(watch), content_hashes(watch)
+    capsys.readouterr()
+    code = run_main(entry, argv)
+    out, err = capsys.readouterr()
+    assert code == status, f"exit status {code}\n{err}"
+    assert "Traceback" not in out + err, err
+    assert len([line for line in err.splitlines() if "error: " in line]) == 1, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in:\n{err}"
+    assert snapshot(watch) == before and content_hashes(watch) == hashes, f"{argv} changed files under {watch}"
+    return err
+
+
+def _train(world: World, *args: str, out: Path | None = None) -> list[str]:
+    return ["--config", str(world.config), f"training.output_dir={out or world.fresh('x')}", *args]
+
+
+# ------------------------------------------------------------------------------ --resume: nothing lost
+
+
+def _step(ckpt: Path, n: int) -> Path:
+    return ckpt / f"step_{n:08d}"
+
+
+def _no_metadata(c: Path) -> None:
+    (_step(c, 3) / "metadata.json").unlink()
+
+
+def _step_is_a_file(c: Path) -> None:
+    shutil.rmtree(_step(c, 3))
+    _step(c, 3).write_text("not a checkpoint")
+
+
+def _latest_names_a_missing_step(c: Path) -> None:
+    shutil.rmtree(_step(c, 3))
+
+
+def _latest_empty(c: Path) -> None:
+    (c / "latest").write_text("")
+
+
+def _latest_zeroed(c: Path) -> None:
+    (c / "latest").write_bytes(b"\0" * 14)
+
+
+def _no_rank_files(c: Path) -> None:
+    for f in _step(c, 3).glob("rank_*"):
+        f.unlink()
+
+
+def _newer_than_latest(c: Path) -> None:
+    (c / "latest").write_text("step_00000002\n")
+
+
+def _checksum_record_corrupted(c: Path) -> None:
+    meta_file = _step(c, 3) / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta["files"]["rank_00000.pt"]["sha256"] = "0" * 64  # the file is intact, its record is not
+    meta_file.write_text(json.dumps(meta, indent=1))
+
+
+DAMAGE = {  # how -> (damage, fragments of the message; {c} is the checkpoints directory)
+    "missing-metadata": (_no_metadata, ["checkpoint {c}/step_00000003 is damaged", "metadata.json: missing",
+                                        "previous complete checkpoint is {c}/step_00000002 (step 2)"]),
+    "newest-step-a-file": (_step_is_a_file, ["step_00000003: a file, not a checkpoint directory",
+                                             "previous complete checkpoint is {c}/step_00000002"]),
+    "latest-names-missing-step": (_latest_names_a_missing_step, [
+        "{c}/latest", "names step_00000003, but {c}/step_00000003 does not exist",
+        "echo step_00000002 > {c}/latest"]),
+    "latest-empty": (_latest_empty, ["{c}/latest", "is damaged: it is empty", "echo step_00000003 > {c}/latest"]),
+    "latest-zeroed": (_latest_zeroed, ["{c}/latest", "not a step_NNNNNNNN name", "echo step_00000003"]),
+    "no-rank-files": (_no_rank_files, ["checkpoint {c}/step_00000003 is damaged", "rank_00000.pt: missing",
+                                       "previous complete checkpoint is {c}/step_00000002"]),
+    "newer-than-latest": (_newer_than_latest, ["names step_00000002 but step_00000003 is newer",
+                                               "echo step_00000003 > {c}/latest"]),
+    "checksum-record-corrupted": (_checksum_record_corrupted, [
+        "rank_00000.pt: its contents differ from the sha256 recorded", "step_00000002 (step 2)"]),
+}
+
+
+@pytest.mark.parametrize("how", list(DAMAGE))
+def test_resume_continues_what_latest_names_or_stops(world, how, capsys):
+    damage, fragments = DAMAGE[how]
+    run = world.fresh(f"resume-{how}")
+    shutil.copytree(world.run, run)
+    damage(run / "checkpoints")
+    c = run / "checkpoints"
+    _refused(world, "train", ["--config", str(run / "config.json"), f"training.output_dir={run}", "--resume"], capsys,
+             *[f.format(c=c) for f in fragments], watch=run)
+
+
+def test_moving_the_damaged_step_aside_resumes_from_the_previous_one(world, capsys):
+    run = world.fresh("moved-aside")
+    shutil.copytree(world.run, run)
+    c = run / "checkpoints"
+    _step(c, 3).rename(c / "step_00000003.damaged")  # the user's decision, as the error advises
+    capsys.readouterr()
+    assert run_main("train", ["--config", str(run / "config.json"), f"training.output_dir={run}", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "was moved aside (step_00000003.damaged): continuing from step_00000002" in err, err
+    assert "resumed from step 2" in err and (c / "latest").read_text().strip() == "step_00000003"
+    assert (c / "step_00000003.damaged").is_dir()  # kept as the user left it
+
+
+# ------------------------------------------------------------------------------ empty values, overrides
+
+
+def test_an_empty_value_names_the_field_and_never_means_here(world, tmp_path, capsys, monkeypatch):
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for item, field in (("training.output_dir=", "training.output_dir"), ("training.init_weights=",
+                                                                         "training.init_weights"),
+                        ("data.path= ", "data.path"), ('data.forcing=[""]', "data.forcing[0]")):
+        args = ["--config", str(world.config), item] if "output_dir" in item else _train(world, item)
+        _refused(world, "train", args, capsys, f"override {item!r}: {field} is empty", "leave the key out")
+        assert not any(here.iterdir())
+    in_file = json.loads(world.config.read_text())
+    in_file["data"]["graph_cache"] = ""
+    (tmp_path / "empty.json").write_text(json.dumps(in_file))
+    _refused(world, "train", ["--config", str(tmp_path / "empty.json")], capsys,
+             f"{tmp_path / 'empty.json'}: data.graph_cache is empty")
+    _refused(world, "forecast", ["--model", str(world.bundle), "--dataset", str(world.dataset), "--date",
+                                 "2020-01-12T00", "--out", ""], capsys, "--out is empty")
+
+
+def test_an_override_error_names_the_override_and_a_key_twice_is_an_error(world, capsys):
+    err = _refused(world, "train", _train(world, "training.max_steps=abc"), capsys,
+                   "override 'training.max_steps=abc': training.max_steps = \"abc\"")
+    assert str(world.config) not in err  # the file holds another value: it is not the source
+    _refused(world, "train", _train(world, "training.warmup_steps=50"), capsys,
+             "override 'training.warmup_steps=50': training.warmup_steps=50 exceeds training.max_steps=3")
+    _refused(world, "train", _train(world, "training.lr=1e-3", "training.lr=2e-3"), capsys,
+             "overrides 'training.lr=1e-3' and 'training.lr=2e-3' both set training.lr")
+
+
+# ------------------------------------------------------------------------------ environment variables
+
+
+ENV_CASES = [(name, value, fragment) for name in ("STORMSHARD_DIST_TIMEOUT", "STORMSHARD_RENDEZVOUS_TIMEOUT",
+                                                  "STORMSHARD_HEARTBEAT_S", "STORMSHARD_DEAD_AFTER_S")
+             for value, fragment in (("nan", "is not a finite number"), ("inf", "is not a finite number"),
+                                     ("-1", "-1"), ("soon", "is not a number"))] + [
+    ("STORMSHARD_MALLOC_TUNING", "yes", "is not one of ['0', '1']"),
+    ("STORMSHARD_FLEX_KERNEL_OPTIONS", '{"BLOCK_Q": 64}', "unknown key(s) 'BLOCK_Q'"),
+    ("STORMSHARD_FLEX_KERNEL_OPTIONS", "[1, 2]", "must be a JSON object"),
+    ("STORMSHARD_FLEX_KERNEL_OPTIONS", "{BLOCK_M: 64", "is not a JSON object"),
+    ("STORMSHARD_COMPILE_BACKEND", "inductr", "did you mean 'inductor'?"),
+]
+
+
+@pytest.mark.parametrize("name, value, fragment", ENV_CASES, ids=[f"{n[11:]}={v}" for n, v, _ in ENV_CASES])
+def test_every_stormshard_variable_is_checked_before_any_work(world, name, value, fragment, capsys, monkeypatch):
+    monkeypatch.setenv(name, value)
+    extra = ["training.compile=true"] if name == "STORMSHARD_COMPILE_BACKEND" else []
+    _refused(world, "train", _train(world, *extra), capsys, f"{name}={value!r}", fragment)
+
+
+def test_a_forecast_reads_the_variables_before_any_work(world, capsys, monkeypatch):
+    monkeypatch.setenv("STORMSHARD_FLEX_KERNEL_OPTIONS", '{"BLOCK_M": 64, "num_wraps": 4}')
+    _refused(world, "forecast", ["--model", str(world.bundle), "--dataset", str(world.dataset), "--date",
+                                 "2020-01-12T00", "--steps", "2", "--out", str(world.fresh("fc-env"))], capsys,
+             "STORMSHARD_FLEX_KERNEL_OPTIONS=", "'num_wraps' (did you mean 'num_warps'?)")
+
+
+# ------------------------------------------------------------------------------ init_weights, freeze
+
+
+def test_init_weights_damaged_partial_or_frozen_stops_before_any_file(world, capsys):
+    bundle = world.fresh("bundle-truncated")
+    shutil.copytree(world.bundle, bundle)
+    weights = bundle / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:2000])
+    _refused(world, "train", _train(world, f"training.init_weights={bundle}"), capsys,
+             f"training.init_weights={str(bundle)!r} cannot be read", "damaged")
+    ckpt = world.fresh("ckpt-zeroed")
+    shutil.copytree(world.run / "checkpoints", ckpt)
+    rank = _step(ckpt, 3) / "rank_00000.pt"
+    rank.write_bytes(b"\0" * rank.stat().st_size)
+    _refused(world, "train", _train(world, f"training.init_weights={ckpt}"), capsys,
+             f"training.init_weights={str(ckpt)!r} cannot be read", "rank_00000.pt")
+    _refused(world, "train", _train(world, f"training.init_weights={world.bundle}", "model.processor.num_layers=3"),
+             capsys, "matches 74 of the model's 86 parameters", "processor.processor.blocks.2.", "(not in the file)",
+             "training.init_weights_partial=true")
+    _refused(world, "train", _train(world, f"training.init_weights={world.gt_bundle}"), capsys,  # a graph transformer
+             "matches 42 of the model's 74 parameters", "another architecture")
+    from safetensors.torch import load_file, save_file
+
+    foreign = world.fresh("bundle-foreign")
+    shutil.copytree(world.bundle, foreign)
+    save_file({f"other.{k}": v for k, v in load_file(str(foreign / "model.safetensors")).items()},
+              str(foreign / "model.safetensors"))
+    _refused(world, "train", _train(world, f"training.init_weights={foreign}", "training.init_weights_partial=true"),
+             capsys, "matches 0 of the model's 74 parameters", "it holds another model")
+    from safetensors import safe_open
+
+    with safe_open(str(world.bundle / "model.safetensors"), "pt") as f:
+        tops = sorted({k.split(".")[0] for k in f.keys()})
+    _refused(world, "train", _train(world, f"training.freeze={json.dumps(tops)}"), capsys,
+             "training.freeze=", "freezes all 74 parameters of the model: nothing would train")
+
+
+def test_partial_init_weights_train_when_allowed_with_a_warning(world, capsys):
+    out = world.fresh("partial")
+    assert run_main("train", _train(world, f"training.init_weights={world.bundle}", "model.processor.num_layers=3",
+                                    "training.init_weights_partial=true", *RUN_ARGS[:2], "training.max_steps=1",
+                                    "data.validation_samples=1", out=out)) == 0
+    err = capsys.readouterr().err
+    assert "warning: training.init_weights=" in err and "matches 74 of the model's 86 parameters" in err, err
+    assert "12 start fresh: processor.processor.blocks.2." in err, err
+
+
+# ------------------------------------------------------------------------------ forecasts
+
+
+def test_forecast_flex_on_a_graph_transformer_is_an_error(world, capsys):
+    _refused(world, "forecast", ["--model", str(world.gt_bundle), "--dataset", str(world.o16), "--date",
+                                 "2020-01-05T00", "--steps", "1", "--attention-kernel", "flex", "--out",
+                                 str(world.fresh("gt-forecast"))], capsys,
+             "--attention-kernel 'flex'", "model.name='graphtransformer'", "has a graph processor")
+
+
+# ------------------------------------------------------------------------------ a full disk: no partial output
+
+
+def _disk_full(*_args, **_kwargs) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_in_convert_import_and_forecast_names_the_path_and_leaves_nothing(world, capsys, monkeypatch):
+    import stormshard.checkpoint.anemoi_import as anemoi_import
+    import stormshard.checkpoint.consolidate as consolidate
+    from stormshard.inference.outputs import ForecastStore
+
+    with monkeypatch.context() as m:
+        m.setattr(consolidate, "save_safetensors", _disk_full)
+        out = world.fresh("full") / "consolidated"
+        _refused(world, "convert_checkpoint", ["consolidate", str(world.run / "checkpoints"), "--out", str(out)],
+                 capsys, "error: the disk is full", str(out), status=1)
+        m.setattr(anemoi_import, "save_safetensors", _disk_full)
+        out = world.fresh("imported")
+        _refused(world, "convert_checkpoint", ["import-anemoi", str(FIXTURES / "gt" / "inference.ckpt"), "--out",
+                                               str(out)], capsys, "error: the disk is full", str(out), status=1)
+    with monkeypatch.context() as m:
+        m.setattr(ForecastStore, "write", _disk_full)
+        out = world.fresh("forecast") / "fc"
+        args = ["--model", str(world.bundle), "--dataset", str(world.dataset), "--date", "2020-01-12T00", "--steps",
+                "2"]
+        _refused(world, "forecast", [*args, "--out", str(out)], capsys, "error: the disk is full", str(out), status=1)
+        kept = world.fresh("forecast-into") / "notes.txt"  # an existing --out keeps what was there
+        kept.parent.mkdir()
+        kept.write_text("mine")
+        _refused(world, "forecast", [*args, "--out", str(kept.parent)], capsys, "the disk is full", status=1)
+    kept.parent.joinpath("notes.txt").unlink()
+    kept.parent.rmdir()
+
+
+def test_a_failed_export_anemoi_leaves_no_partial_file(world, capsys, monkeypatch):
+    import zipfile
+
+    calls = []
+    real = zipfile.ZipFile.writestr
+
+    def fails_later(self, *args, **kwargs):  # noqa: ANN001, ANN202 - the zip's signature
+        calls.append(1)
+        if len(calls) > 3:  # some bytes of the .partial file are written: then the disk fills up
+            _disk_full()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "writestr", fails_later)
+    out = world.fresh("exported") / "model.ckpt"
+    _refused(world, "convert_checkpoint", ["export-anemoi", str(world.gt_bundle), "--out", str(out)], capsys,
+             "error: the disk is full", str(out), status=1)
+    assert len(calls) > 3 and not out.with_name("model.ckpt.partial").exists()
