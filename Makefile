@@ -32,11 +32,14 @@ test: setup
 test-gpu:
 	$(PY) -m pytest -m gpu tests/gpu -s -rs
 
-# the GPU benchmark (benchmarks/bench_gpu.py): the AIFS-shape processor and the O96 -> O48 model, fp32 / bf16,
-# attention kernel banded / flex / flash, compile off / on: step time, peak memory, MFU. Without CUDA it says
-# so and exits 0. On a GPU machine without the venv: make test-gpu bench-gpu PY=python3
+# the GPU benchmarks: benchmarks/bench_gpu.py (the AIFS-shape processor and the O96 -> O48 model, fp32 / bf16,
+# attention kernel banded / flex / flash, compile off / on: step time, peak memory, MFU), then
+# benchmarks/bench_gpu_vs_anemoi.py (whole model and graph attention against anemoi-models 0.19, same weights;
+# anemoi's interpreter from ANEMOI_PY / ANEMOI_PYTHONPATH or BENCH_VS_ANEMOI_ARGS). Without CUDA each says so and
+# exits 0. On a GPU machine without the venv: make test-gpu bench-gpu PY=python3 (benchmarks/gpu_session.sh)
 bench-gpu:
 	$(PY) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
+	$(PY) benchmarks/bench_gpu_vs_anemoi.py $(BENCH_VS_ANEMOI_ARGS)
 
 lint: setup
 	$(PY) -m ruff check stormshard launch tests benchmarks examples

@@ -1,7 +1,7 @@
 """stormshard against anemoi-models 0.19 on one GPU, same model and same weights: whole step and graph attention.
 
     python benchmarks/bench_gpu_vs_anemoi.py [--quick] [--budget-s S] [--json PATH]   # CUDA (make bench-gpu)
-        [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--sizes o96,aifs] [--tables model,attention]
+        [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--tables model:o96,attention:aifs,model:aifs]
     python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0.
@@ -56,7 +56,7 @@ keeps it factored and executes fewer FLOPs there. Both sides get the same count,
 speed ratios. ``tests/test_bench_gpu_vs_anemoi.py`` checks the linear part against the dense products a
 forward really runs and the window pairs against a brute-force count.
 
-**Graph-attention table** (``--tables attention``): the three graphs of the ``aifs`` size, encoder
+**Graph-attention table** (``--tables attention:aifs``): the three graphs of the ``aifs`` size, encoder
 O364 -> O96 (cutoff 0.6), processor O96 KNN-16, decoder O96 -> O364 (3 nearest), 1024 channels, 16 heads,
 bf16 q, k, v ``(nodes, heads, 64)``, fp32 edge attributes ``(E, 3)`` and edge projection ``(C, 3)`` + bias:
 one block's attention forward + backward (gradients of q, k, v and the edge projection). stormshard:
@@ -65,11 +65,13 @@ factored, never per edge). anemoi: as its block with ``graph_attention_backend: 
 edge projection ``lin_edge(edge_attr)`` to ``(E, heads, 64)``, ``edge_index_to_csc`` and its Triton
 custom op. Time: median fwd + bwd; memory: peak above what the inputs hold.
 
-``--cpu-smoke``: tiny grids (O16 -> O8, O12 -> O6), fp32, a few steps on the CPU, compiled rows with
+``--cpu-smoke``: tiny grids (model: O16 -> O8, O12 -> O6; attention: O4 -> O2), fp32, a few steps on the CPU, compiled rows with
 ``STORMSHARD_COMPILE_BACKEND=aot_eager`` unless set; with ``TRITON_INTERPRET=1`` the Triton rows (both
 libraries') run in Triton's interpreter. anemoi rows run when its interpreter imports anemoi-models; if not,
-the script says how to get it and runs stormshard's rows only. ``--budget-s`` starts no row after that many
-seconds (the rest print "skipped"); ``--json`` writes every row and the FLOP counts.
+the script says how to get it and runs stormshard's rows only. ``--tables`` runs the tables in the order
+given (default ``model:o96,attention:aifs,model:aifs``: the most expensive rows, the AIFS-size model's, last);
+``--budget-s`` starts no row after that many seconds (the rest print "skipped"; a row started runs to its
+end); ``--json`` writes every row, the FLOP counts and the same-weights checks.
 """
 
 from __future__ import annotations
@@ -101,8 +103,8 @@ from step_measure import (  # noqa: E402
     attention_graphs,
     attention_inputs,
     finish_model_row,
+    measure_attention,
     model_inputs,
-    time_fwd_bwd,
 )
 
 from stormshard.graphs.builder import DECODER, ENCODER, GraphConfig, KNNEdges, load_or_build_graph  # noqa: E402
@@ -145,6 +147,7 @@ SIZES = {
     "aifs": Size("aifs", "o364", "o96", 1024, 16, 16, 1120, True, 96, 4),
     "tiny": Size("tiny", "o16", "o8", 32, 2, 4, 16, False, 6, 1, knn=4),
     "tiny-ckpt": Size("tiny-ckpt", "o12", "o6", 32, 2, 4, 8, True, 5, 1, knn=4),
+    "micro": Size("micro", "o4", "o2", 16, 1, 2, 8, False, 4, 1, knn=4),  # attention smoke: few Triton programs
 }
 
 
@@ -244,6 +247,9 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
     model.load_state_dict(weights)
     model.to(device)
     if row.impl.endswith("compiled"):
+        import torch._dynamo
+
+        torch._dynamo.reset()  # each compiled row compiles afresh (its compile time is its own)
         compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, target = model_inputs(graph, variables, device)
@@ -278,8 +284,7 @@ def run_stormshard_attention(row: AttentionRow, edge_index: torch.Tensor, num_sr
             return graph_attention_kernel(kernel, inputs["q"], inputs["k"], inputs["v"], inputs["attr"],
                                           inputs["weight"], inputs["bias"], index, num_dst)
 
-    f, b, peak = time_fwd_bwd(forward, inputs, device, warmup, steps)
-    row.fwd_ms, row.bwd_ms, row.peak_mib = f * 1e3, b * 1e3, peak
+    measure_attention(row, forward, inputs, device, warmup, steps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,7 +358,7 @@ def format_model_row(r: ModelRow) -> str:
     compile_s = _num(r.compile_s, ".1f") if r.impl.endswith("compiled") else "-"
     busy = "-" if math.isnan(r.busy) else f"{100 * r.busy:.0f}%"
     mfu = "-" if math.isnan(r.mfu) else f"{100 * r.mfu:.1f}%"
-    return (f"| {r.size} | {impl} | {r.step_ms:.1f} | {_num(r.peak_gib, '.2f')} | {busy} | {r.tflops:.2f} | {mfu} | "
+    return (f"| {r.size} | {impl} | {r.step_ms:.1f} | {_num(r.peak_gib, '.2f')} | {busy} | {r.tflops:.3g} | {mfu} | "
             f"{compile_s} |")
 
 
@@ -366,85 +371,80 @@ def format_attention_row(r: AttentionRow, anemoi: AttentionRow | None) -> str:
             f"{_num(r.peak_mib, '.0f')} | {ratio} |")
 
 
-def model_table(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, peak: float | None,
+def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype: torch.dtype, peak: float | None,
                 budget_end: float, workdir: Path, anemoi_ok: bool, report: dict) -> list[ModelRow]:
+    """The whole-model rows of size ``key``: anemoi's (after the same-weights check), stormshard eager, compiled."""
     from stormshard.models.registry import build_model
 
-    warmup, steps = args.warmup, args.steps
-    print(f"\nwhole model, one training step (forward {'bf16 autocast' if dtype != torch.float32 else 'fp32'}, MSE, "
-          f"backward, AdamW), batch 1; median of {steps} steps after {warmup}; MFU = 3 x forward model FLOPs "
-          "(no recomputation) / step / peak\n| size | implementation | step ms | peak GiB | GPU busy | TFLOP/s | MFU | "
-          "compile s |\n|---|---|---|---|---|---|---|---|", flush=True)
-    rows: list[ModelRow] = []
-    for key in args.sizes.split(","):
-        size = SIZES[key]
-        ours = [ModelRow(key, "stormshard eager"), ModelRow(key, "stormshard compiled")]
-        theirs = ModelRow(key, "anemoi-models 0.19")
-        if time.perf_counter() > budget_end:
-            for r in [theirs, *ours]:
-                r.note = "skipped: --budget-s reached"
-                print(format_model_row(r), flush=True)
-            rows += [theirs, *ours]
-            continue
-        tic = time.perf_counter()
-        graph, graph_path = size_graph(size)
-        variables, config = size_variables(size), size_config(size)
-        flops = model_flops(config, graph, variables)
-        torch.manual_seed(0)
-        weights = {k: v.detach().clone() for k, v in build_model(config, graph, variables).state_dict().items()}
-        weights_path = workdir / f"{key}_weights.pt"
-        torch.save(weights, weights_path)
-        report["flops"][key] = asdict(flops) | {"forward": flops.forward, "step": flops.step}
-        print(f"{key}: {size.label}; {graph['data'].num_nodes:,} data / {graph['hidden'].num_nodes:,} hidden nodes, "
-              f"edges enc {graph[ENCODER].edge_index.shape[1]:,} / dec {graph[DECODER].edge_index.shape[1]:,}; "
-              f"{sum(w.numel() for w in weights.values()) / 1e6:.1f} M parameters; model FLOPs per step "
-              f"{flops.step / 1e12:.3f} T (linear {3 * flops.linear / 1e12:.3f}, edge projection "
-              f"{3 * flops.edge_projection / 1e12:.3f}, graph attention {3 * flops.graph_attention / 1e12:.3f}, "
-              f"window attention {3 * flops.window_attention / 1e12:.3f}); graph + weights "
-              f"{time.perf_counter() - tic:.0f} s", flush=True)
-        if anemoi_ok:
-            job = {"task": "model", "size": asdict(size), "graph": str(graph_path), "weights": str(weights_path),
-                   "device": device.type, "dtype": str(dtype).removeprefix("torch."), "warmup": warmup,
-                   "steps": steps, "peak": peak, "flops": flops.step,
-                   "budget_end": time.time() + (budget_end - time.perf_counter())}
-            result = run_anemoi(args, job, workdir)
-            report["anemoi"][key] = result
-            if "model" in result:
-                theirs = ModelRow(**result["model"])
-            else:
-                theirs.note = f"error: {result.get('error', 'no result')}"
+    size, warmup, steps = SIZES[key], args.warmup, args.steps
+    print(f"\nwhole model at {key} ({size.label}), one training step (forward "
+          f"{'bf16 autocast' if dtype != torch.float32 else 'fp32'}, MSE, backward, AdamW), batch 1; median of {steps} "
+          f"steps after {warmup}; MFU = 3 x forward model FLOPs (no recomputation) / step / peak", flush=True)
+    ours = [ModelRow(key, "stormshard eager"), ModelRow(key, "stormshard compiled")]
+    theirs = ModelRow(key, "anemoi-models 0.19")
+    if time.perf_counter() > budget_end:
+        for r in [theirs, *ours]:
+            r.note = "skipped: --budget-s reached"
+            print(format_model_row(r), flush=True)
+        return [theirs, *ours]
+    tic = time.perf_counter()
+    graph, graph_path = size_graph(size)
+    variables, config = size_variables(size), size_config(size)
+    flops = model_flops(config, graph, variables)
+    torch.manual_seed(0)
+    weights = {k: v.detach().clone() for k, v in build_model(config, graph, variables).state_dict().items()}
+    weights_path = workdir / f"{key}_weights.pt"
+    torch.save(weights, weights_path)
+    report["flops"][key] = asdict(flops) | {"forward": flops.forward, "step": flops.step}
+    print(f"{graph['data'].num_nodes:,} data / {graph['hidden'].num_nodes:,} hidden nodes, edges enc "
+          f"{graph[ENCODER].edge_index.shape[1]:,} / dec {graph[DECODER].edge_index.shape[1]:,}; "
+          f"{sum(w.numel() for w in weights.values()) / 1e6:.1f} M parameters; model GFLOPs per step "
+          f"{flops.step / 1e9:.4g} (linear {3 * flops.linear / 1e9:.4g}, edge projection "
+          f"{3 * flops.edge_projection / 1e9:.4g}, graph attention {3 * flops.graph_attention / 1e9:.4g}, "
+          f"window attention {3 * flops.window_attention / 1e9:.4g}); graph + weights {time.perf_counter() - tic:.0f} s"
+          "\n| size | implementation | step ms | peak GiB | GPU busy | TFLOP/s | MFU | compile s |\n"
+          "|---|---|---|---|---|---|---|---|", flush=True)
+    if anemoi_ok:
+        job = {"task": "model", "size": asdict(size), "graph": str(graph_path), "weights": str(weights_path),
+               "device": device.type, "dtype": str(dtype).removeprefix("torch."), "warmup": warmup, "steps": steps,
+               "peak": peak, "flops": flops.step, "budget_end": time.time() + (budget_end - time.perf_counter())}
+        result = run_anemoi(args, job, workdir)
+        report["anemoi"][key] = result
+        if "model" in result:
+            theirs = ModelRow(**result["model"])
         else:
-            theirs.note = "anemoi not available (see above)"
-        print(format_model_row(theirs), flush=True)
-        for row in ours:
-            guarded(row, lambda row=row, size=size, graph=graph, weights=weights, flops=flops: run_stormshard_model(
-                row, size, graph, weights, device, warmup, steps, flops.step, peak, dtype), budget_end)
-            print(format_model_row(row), flush=True)
-        rows += [theirs, *ours]
-        weights_path.unlink(missing_ok=True)
-    print()
-    for key in args.sizes.split(","):
-        check = report["anemoi"].get(key, {}).get("check")
-        if check:
-            print(f"{key}: same weights, fp32 forward: max |anemoi - stormshard| = {check['max_abs']:.3g}, "
-                  f"{check['max_rel_increment']:.3g} of the largest increment, {check['max_rel_output']:.3g} of the "
-                  f"largest output", flush=True)
-        by = {r.impl: r for r in rows if r.size == key and not r.note}
-        a = by.get("anemoi-models 0.19")
-        for impl in ("stormshard eager", "stormshard compiled"):
-            s = by.get(impl)
-            if a and s:
-                print(f"{key}: {impl} vs anemoi: {a.step_ms / s.step_ms:.2f}x faster (anemoi ms / stormshard ms), peak "
-                      f"memory {s.peak_gib / a.peak_gib:.2f}x of anemoi's, MFU {_num(100 * s.mfu, '.1f')}% vs "
-                      f"{_num(100 * a.mfu, '.1f')}%", flush=True)
-    return rows
+            theirs.note = f"error: {result.get('error', 'no result')}"
+    else:
+        theirs.note = "anemoi not available (see above)"
+    print(format_model_row(theirs), flush=True)
+    for row in ours:
+        guarded(row, lambda row=row: run_stormshard_model(row, size, graph, weights, device, warmup, steps, flops.step,
+                                                          peak, dtype), budget_end)
+        print(format_model_row(row), flush=True)
+    weights_path.unlink(missing_ok=True)
+    check = report["anemoi"].get(key, {}).get("check")
+    if check and "error" in check:
+        print(f"{key}: same weights, fp32 forward: the comparison failed ({check['error']})", flush=True)
+    elif check:
+        print(f"{key}: same weights, fp32 forward: max |anemoi - stormshard| = {check['max_abs']:.3g}, "
+              f"{check['max_rel_increment']:.3g} of the largest increment, {check['max_rel_output']:.3g} of the "
+              f"largest output", flush=True)
+    for s in ours:
+        if not s.note and not theirs.note:
+            a = theirs
+            print(f"{key}: {s.impl} vs anemoi: {a.step_ms / s.step_ms:.2f}x faster (anemoi ms / stormshard ms), peak "
+                  f"memory {_num(s.peak_gib / a.peak_gib, '.2f')}x of anemoi's, GPU busy {_num(100 * s.busy, '.0f')}% "
+                  f"vs {_num(100 * a.busy, '.0f')}%, MFU {_num(100 * s.mfu, '.1f')}% vs {_num(100 * a.mfu, '.1f')}%",
+                  flush=True)
+    return [theirs, *ours]
 
 
-def attention_table(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, budget_end: float,
+def attention_table(args: argparse.Namespace, key: str, device: torch.device, dtype: torch.dtype, budget_end: float,
                     workdir: Path, anemoi_ok: bool, report: dict) -> list[AttentionRow]:
+    """The graph-attention rows on the graphs of size ``key``: anemoi's Triton kernel, stormshard's triton and csr."""
     from stormshard.kernels.dispatch import graph_kernel_problem
 
-    size = SIZES[args.attention_size]
+    size = SIZES[key]
     graph, graph_path = size_graph(size)
     print(f"\ngraph attention of one block, forward + backward ({'bf16' if dtype != torch.float32 else 'fp32'} "
           f"q/k/v, {size.channels} channels, {size.heads} heads, 3 edge features), graphs of {size.key}: encoder "
@@ -458,7 +458,7 @@ def attention_table(args: argparse.Namespace, device: torch.device, dtype: torch
                "dtype": str(dtype).removeprefix("torch."), "warmup": args.warmup, "steps": args.steps,
                "budget_end": time.time() + (budget_end - time.perf_counter())}
         result = run_anemoi(args, job, workdir)
-        report["anemoi"]["attention"] = result
+        report["anemoi"][f"attention:{key}"] = result
         for r in result.get("attention", []):
             anemoi_rows[r["graph"]] = AttentionRow(**r)
     rows: list[AttentionRow] = []
@@ -477,7 +477,21 @@ def attention_table(args: argparse.Namespace, device: torch.device, dtype: torch
             print(format_attention_row(row, theirs), flush=True)
             rows.append(row)
         rows.append(theirs)
+    print()
+    for row in rows:
+        theirs = anemoi_rows.get(row.graph)
+        if row.impl.startswith("stormshard") and row.probes and theirs is not None and theirs.probes:
+            print(f"{row.graph}: {row.impl} vs anemoi triton, same seeded inputs: <out, grad>, <dq, q>, <dk, k>, "
+                  f"<dv, v>, <dW_edge, W_edge> differ by {probe_difference(row.probes, theirs.probes):.2g} relative; "
+                  f"fwd+bwd {theirs.total_ms / row.total_ms:.2f}x faster"
+                  + ("" if math.isnan(row.peak_mib) else f", peak memory {row.peak_mib / theirs.peak_mib:.2f}x of "
+                     "anemoi's"), flush=True)
     return rows
+
+
+def probe_difference(ours: list[float], theirs: list[float]) -> float:
+    """The largest relative difference between two :attr:`AttentionRow.probes` lists."""
+    return max(abs(a - b) / max(abs(a), abs(b), 1e-30) for a, b in zip(ours, theirs, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -486,9 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny grids on the CPU, fp32: every code path")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="start no row after this many seconds")
     parser.add_argument("--json", default=None, help="write the rows, FLOP counts and checks to this path")
-    parser.add_argument("--sizes", default=None, help="whole-model sizes, comma list of " + ", ".join(SIZES))
-    parser.add_argument("--attention-size", default=None, help="whose graphs the attention table uses")
-    parser.add_argument("--tables", default="model,attention", help="model, attention (comma list)")
+    parser.add_argument("--tables", default=None, help="tables in order, a comma list of model:SIZE and "
+                        "attention:SIZE (SIZE one of " + ", ".join(SIZES) + "; default model:o96,attention:aifs,"
+                        "model:aifs, and model:tiny,model:tiny-ckpt,attention:micro with --cpu-smoke)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),
@@ -501,13 +515,14 @@ def main(argv: list[str] | None = None) -> int:
               "paths at tiny sizes on the CPU)")
         return 0
     smoke = args.cpu_smoke
-    args.sizes = args.sizes or ("tiny,tiny-ckpt" if smoke else "o96,aifs")
-    args.attention_size = args.attention_size or ("tiny" if smoke else "aifs")
+    args.tables = args.tables or ("model:tiny,model:tiny-ckpt,attention:micro" if smoke else
+                                  "model:o96,attention:aifs,model:aifs")
+    tables = [item.partition(":")[::2] for item in args.tables.split(",")]
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick or smoke else 2)
     args.steps = args.steps if args.steps is not None else (2 if smoke else 3 if args.quick else 5)
-    unknown = [k for k in [*args.sizes.split(","), args.attention_size] if k not in SIZES]
+    unknown = [f"{t}:{k}" for t, k in tables if t not in ("model", "attention") or k not in SIZES]
     if unknown:
-        parser.error(f"unknown size {unknown}: choose from {', '.join(SIZES)}")
+        parser.error(f"--tables {unknown}: use model:SIZE or attention:SIZE with SIZE one of {', '.join(SIZES)}")
     budget_end = time.perf_counter() + args.budget_s
     if smoke:
         device, dtype, peak = torch.device("cpu"), torch.float32, None
@@ -527,10 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     model_rows: list[ModelRow] = []
     attention_rows: list[AttentionRow] = []
     with tempfile.TemporaryDirectory(prefix="bench-gpu-vs-anemoi-") as tmp:
-        if "model" in args.tables:
-            model_rows = model_table(args, device, dtype, peak, budget_end, Path(tmp), problem is None, report)
-        if "attention" in args.tables:
-            attention_rows = attention_table(args, device, dtype, budget_end, Path(tmp), problem is None, report)
+        for table, key in tables:
+            if table == "model":
+                model_rows += model_table(args, key, device, dtype, peak, budget_end, Path(tmp), problem is None, report)
+            else:
+                attention_rows += attention_table(args, key, device, dtype, budget_end, Path(tmp), problem is None,
+                                                  report)
     if args.json:
         report |= {"model_rows": [asdict(r) for r in model_rows], "attention_rows": [asdict(r) for r in attention_rows]}
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

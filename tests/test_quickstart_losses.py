@@ -3,8 +3,9 @@
 Every ``configs/quickstart*.json`` trains 4 steps on 2 gloo ranks (its own layout, engine and
 model) on a small generated O8 dataset; the per-step losses must equal the curve recorded in
 ``tests/data/quickstart_losses.json``. On a CPU of the recording's kind (the same
-``torch.backends.cpu.get_cpu_capability()`` and torch version) they must be bit-identical; on
-another CPU the kernels differ (AVX2 vs AVX-512 reductions), so they must agree to 1e-5.
+``torch.backends.cpu.get_cpu_capability()``, CPU model and torch version) they must be bit-identical; on
+another CPU the kernels differ (AVX2 vs AVX-512 reductions; an Intel Xeon and an AMD EPYC, both AVX-512,
+differ in the last bits from the first step), so they must agree to 1e-5.
 
 Record again (only when the math is meant to change, and say why in the commit)::
 
@@ -72,8 +73,23 @@ def losses_of(name: str, dataset: str, sea: str, out: Path) -> list[float]:
     return run_distributed(_train, WORLD, shrink(raw, dataset, sea, out), timeout=600)[0]
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere): two CPUs of the
+    same capability (AVX512 on an Intel Xeon and an AMD EPYC) pick different MKL / oneDNN kernels."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
 def machine() -> dict[str, str]:
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__.split("+")[0]}
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": _cpu_model(),
+            "torch": torch.__version__.split("+")[0]}
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,8 @@ from step_measure import (  # noqa: E402
     attention_graphs,
     attention_inputs,
     finish_model_row,
+    measure_attention,
     model_inputs,
-    time_fwd_bwd,
 )
 
 from stormshard.graphs.builder import load_graph  # noqa: E402
@@ -131,10 +131,15 @@ def model_task(job: dict, device: torch.device, dtype: torch.dtype) -> dict:
 
     tic = time.perf_counter()
     ours, interface, graph, variables, attention = build_pair(job, device)
-    check = compare(ours, interface, graph, variables, device)
-    print(f"anemoi side ({size.key}): built in {time.perf_counter() - tic:.0f} s; fp32 forward vs stormshard: max abs "
-          f"diff {check['max_abs']:.3g}, {check['max_rel_increment']:.3g} of the largest increment", flush=True)
+    try:
+        check = compare(ours, interface, graph, variables, device)
+        print(f"anemoi side ({size.key}): built in {time.perf_counter() - tic:.0f} s; fp32 forward vs stormshard: max "
+              f"abs diff {check['max_abs']:.3g}, {check['max_rel_increment']:.3g} of the largest increment", flush=True)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory in fp32: reported, the timing still runs
+        traceback.print_exc()
+        check = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     del ours
+    interface.to(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     interface.train()
@@ -208,8 +213,7 @@ def attention_task(job: dict, device: torch.device, dtype: torch.dtype) -> dict:
                         return _InterpretedConv.apply(inputs["q"], inputs["k"], inputs["v"], e, *csc, *reverse)
                     return graph_transformer_attention_conv(inputs["q"], inputs["k"], inputs["v"], e, csc, reverse)
 
-            f, b, peak = time_fwd_bwd(forward, inputs, device, job["warmup"], job["steps"])
-            row.fwd_ms, row.bwd_ms, row.peak_mib = f * 1e3, b * 1e3, peak
+            measure_attention(row, forward, inputs, device, job["warmup"], job["steps"])
         except Exception as exc:  # noqa: BLE001 - reported in the row, the other graphs go on
             traceback.print_exc()
             row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"

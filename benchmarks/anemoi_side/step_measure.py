@@ -20,7 +20,7 @@ import torch
 from bench_gpu import _peak_mib, _sync, time_steps
 
 __all__ = ["union_seconds", "device_spans", "profiled_busy", "ModelRow", "finish_model_row", "model_inputs",
-           "AttentionRow", "attention_graphs", "attention_inputs", "time_fwd_bwd"]
+           "AttentionRow", "attention_graphs", "attention_inputs", "measure_attention"]
 
 ENCODER, PROCESSOR, DECODER = ("data", "to", "hidden"), ("hidden", "to", "hidden"), ("hidden", "to", "data")
 
@@ -119,6 +119,9 @@ class AttentionRow:
     bwd_ms: float = math.nan
     peak_mib: float = math.nan
     note: str = ""
+    # <out, grad>, <dq, q>, <dk, k>, <dv, v>, <dW, W> of the last step (float64): the same seeded inputs on
+    # both sides, so equal values say both libraries computed the same function and gradients
+    probes: list[float] = field(default_factory=list)
 
     @property
     def total_ms(self) -> float:
@@ -148,16 +151,18 @@ def attention_inputs(num_src: int, num_dst: int, edges: int, channels: int, head
             "grad": randn(num_dst, heads, d, dt=dtype, grad=False)}
 
 
-def time_fwd_bwd(forward: Callable[[], torch.Tensor], inputs: dict[str, torch.Tensor], device: torch.device,
-                 warmup: int, steps: int) -> tuple[float, float, float]:
-    """Median forward and backward seconds of ``forward().backward(grad)``, and the peak MiB above the
-    memory held before (the inputs)."""
+def measure_attention(row: AttentionRow, forward: Callable[[], torch.Tensor], inputs: dict[str, torch.Tensor],
+                      device: torch.device, warmup: int, steps: int) -> None:
+    """Fill ``row``: median forward and backward ms of ``forward().backward(grad)``, the peak MiB above the
+    memory held before (the inputs), and the last step's :attr:`AttentionRow.probes`."""
     leaves = [t for t in inputs.values() if t.requires_grad]
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     fwd, bwd = [], []
     for i in range(warmup + steps):
+        for t in leaves:
+            t.grad = None
         _sync(device)
         tic = time.perf_counter()
         out = forward()
@@ -168,8 +173,13 @@ def time_fwd_bwd(forward: Callable[[], torch.Tensor], inputs: dict[str, torch.Te
         if i >= warmup:
             fwd.append(mid - tic)
             bwd.append(time.perf_counter() - mid)
-        for t in leaves:
-            t.grad = None
-        del out
-    peak = (_peak_mib(device) - base / 2**20) if device.type == "cuda" else math.nan
-    return statistics.median(fwd), statistics.median(bwd), peak
+        if i < warmup + steps - 1:
+            del out
+    row.peak_mib = (_peak_mib(device) - base / 2**20) if device.type == "cuda" else math.nan
+    row.fwd_ms, row.bwd_ms = statistics.median(fwd) * 1e3, statistics.median(bwd) * 1e3
+
+    def dot(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() * b.double()).sum())
+
+    row.probes = [dot(out.detach(), inputs["grad"])] + [
+        dot(inputs[k].grad, inputs[k].detach()) if inputs[k].grad is not None else math.nan for k in ("q", "k", "v", "weight")]

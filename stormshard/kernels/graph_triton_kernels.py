@@ -19,6 +19,13 @@ padding masked), its edges are walked ``BLOCK_E`` at a time from the CSR range a
 accumulated in ``ACC`` (fp32, or fp64 for fp64 inputs) whatever the input dtypes (converted on
 load); results are converted to the output pointer's dtype on store. No atomics: every output
 element is written by exactly one program, sums run in a fixed order (deterministic).
+
+The kernels call no ``@triton.jit`` helper: the program prologue, an edge block (CSR positions,
+neighbour rows, attributes), the scores and ``W^T x`` / ``W y`` are written out in each kernel, each
+piece marked by a comment, and sums are ``tl.reduce(x, axis, _sum)`` (``tl.sum``'s own reduction)
+and zeros ``tl.full``. A GPU compiler inlines such calls anyway, but under ``TRITON_INTERPRET=1``
+every nested ``@triton.jit`` call (``tl.sum`` and ``tl.zeros`` included) re-patches ``triton.language``:
+about half the interpreted time before (one ``tl.max`` per forward edge block is left).
 """
 
 from __future__ import annotations
@@ -26,86 +33,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# ``tl.sum(x, axis)`` is ``tl.reduce(x, axis, _sum)`` behind a nested @jit call: the same reduction, bit
+# for bit, compiled or interpreted (numpy's sum), without the interpreter's per-call patching
+_sum = tl.standard._sum_combine
+
 __all__ = ["graph_attention_fwd", "graph_attention_bwd_dst", "graph_attention_bwd_src"]
-
-
-@triton.jit
-def _program(ptr_ptr, B, H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-             FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr):
-    """This program's node ``n`` (``program_id(0)``), batch entry ``b`` (``program_id(1)``), its row
-    ``node = n * B + b``, the offsets and masks of a ``[HP, DP]`` head tile (``hd``) and an ``[HP, FP]``
-    column tile (``hf``), the edge lanes, the logit scale and the node's CSR range ``start .. end``."""
-    n = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    offs_h = tl.arange(0, HP)
-    offs_d = tl.arange(0, DP)
-    offs_f = tl.arange(0, FP)
-    hd = offs_h[:, None] * D + offs_d[None, :]
-    hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
-    hf = offs_h[:, None] * (F + 1) + offs_f[None, :]
-    hf_mask = (offs_h[:, None] < H) & (offs_f[None, :] < F + 1)
-    scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
-    start = tl.load(ptr_ptr + n)
-    end = tl.load(ptr_ptr + n + 1)
-    return n * B + b, b, offs_h, offs_f, hd, hd_mask, hf, hf_mask, tl.arange(0, BLOCK_E), scale, start, end
-
-
-@triton.jit
-def _project(x, w_ptr, hd, hd_mask, offs_f, H: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-             HP: tl.constexpr, FP: tl.constexpr, ACC: tl.constexpr):
-    """``W^T x`` per head: ``[HP, FP]`` from ``x`` ``[HP, DP]`` (column ``f`` = ``sum_d x[h, d] w[f, h, d]``)."""
-    res = tl.zeros((HP, FP), ACC)
-    for f in tl.static_range(F + 1):
-        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-        res += tl.where(offs_f[None, :] == f, tl.sum(x * wf, 1)[:, None], 0.0)
-    return res
-
-
-@triton.jit
-def _expand(acc, y, w_ptr, hd, hd_mask, offs_f, H: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-            ACC: tl.constexpr):
-    """``acc + W y`` per head: ``acc`` ``[HP, DP]`` plus ``sum_f y[h, f] w[f, h, :]`` for ``y`` ``[HP, FP]``."""
-    for f in tl.static_range(F + 1):
-        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-        acc += tl.sum(tl.where(offs_f[None, :] == f, y, 0.0), 1)[:, None] * wf
-    return acc
-
-
-@triton.jit
-def _edge_attributes(attr_ptr, eid, emask, b, B, offs_f, F: tl.constexpr, SHARED: tl.constexpr, ACC: tl.constexpr):
-    """``[BLOCK_E, FP]`` attributes of the edges ``eid`` for batch entry ``b`` (row ``eid`` of ``(E, F)``
-    attributes when ``SHARED``, else row ``(eid, b)`` of ``(E, B, F)``), with the ones column ``F``."""
-    if SHARED:
-        row = eid
-    else:
-        row = eid * B + b
-    ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
-    a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
-    return tl.where(offs_f[None, :] == F, 1.0, a)
-
-
-@triton.jit
-def _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, offs_e, offs_f, hd, hd_mask, H: tl.constexpr,
-                D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, ACC: tl.constexpr):
-    """The CSR positions ``e0 .. e0 + BLOCK_E`` (below ``end``): ``(emask [BLOCK_E], eid, nbr_node (the
-    neighbour's (node, b) row), rows [BLOCK_E, HP, DP] offsets of the neighbour's heads, rmask, attributes
-    [BLOCK_E, FP])``."""
-    idx = e0 + offs_e
-    emask = idx < end
-    nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
-    eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
-    nbr_node = nbr * B + b
-    rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
-    rmask = emask[:, None, None] & hd_mask[None, :, :]
-    a = _edge_attributes(attr_ptr, eid, emask, b, B, offs_f, F, SHARED, ACC)
-    return emask, eid, nbr_node, rows, rmask, a
-
-
-@triton.jit
-def _scores(x, y, a, u, scale):
-    """``scale * (x . y + a . u)`` per (edge, head), ``[BLOCK_E, HP]``: node rows ``x`` / ``y`` and
-    columns ``a`` / ``u`` broadcast to ``[BLOCK_E, HP, DP]`` / ``[BLOCK_E, HP, FP]``."""
-    return (tl.sum(x * y, 2) + tl.sum(a * u, 2)) * scale
 
 
 @triton.jit
@@ -117,34 +49,69 @@ def graph_attention_fwd(
 ):
     """Forward for destination ``program_id(0)``, batch entry ``program_id(1)``: ``out`` (``sum_j
     alpha_j v_j + W agg``) and ``lse`` (``max + log(sum)`` of the logits per head; 0 without edges)."""
-    node, b, offs_h, offs_f, hd, hd_mask, hf, hf_mask, offs_e, scale, start, end = _program(
-        ptr_ptr, B, H, D, F, HP, DP, FP, BLOCK_E, ACC)
+    # program: node n, batch entry b, their row node; the [HP, DP] head tile; the node's CSR range
+    n = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    node = n * B + b
+    offs_h = tl.arange(0, HP)
+    offs_d = tl.arange(0, DP)
+    offs_f = tl.arange(0, FP)
+    offs_e = tl.arange(0, BLOCK_E)
+    hd = offs_h[:, None] * D + offs_d[None, :]
+    hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
+    start = tl.load(ptr_ptr + n)
+    end = tl.load(ptr_ptr + n + 1)
     q = tl.load(q_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-    u = _project(q, w_ptr, hd, hd_mask, offs_f, H, D, F, HP, FP, ACC)  # W^T q  [HP, FP]
+    # project: u = W^T q per head [HP, FP] (column f = sum_d q[h, d] w[f, h, d])
+    u = tl.full((HP, FP), 0, ACC)
+    for f in tl.static_range(F + 1):
+        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
+        u += tl.where(offs_f[None, :] == f, tl.reduce(q * wf, 1, _sum)[:, None], 0.0)
 
     m_i = tl.full((HP,), float("-inf"), ACC)
-    l_i = tl.zeros((HP,), ACC)
-    acc = tl.zeros((HP, DP), ACC)
-    agg = tl.zeros((HP, FP), ACC)
+    l_i = tl.full((HP,), 0, ACC)
+    acc = tl.full((HP, DP), 0, ACC)
+    agg = tl.full((HP, FP), 0, ACC)
     for e0 in range(start, end, BLOCK_E):
-        emask, eid, _, rows, rmask, a = _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, offs_e, offs_f, hd,
-                                                    hd_mask, H, D, F, SHARED, ACC)
+        # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
+        idx = e0 + offs_e
+        emask = idx < end
+        nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
+        eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
+        nbr_node = nbr * B + b
+        rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
+        rmask = emask[:, None, None] & hd_mask[None, :, :]
+        # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
+        if SHARED:
+            row = eid
+        else:
+            row = eid * B + b
+        ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
+        a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
+        a = tl.where(offs_f[None, :] == F, 1.0, a)
         k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        s = _scores(k, q[None, :, :], a[:, None, :], u[None, :, :], scale)
+        # scores: scale * (k . q + a . u) per (edge, head) [BLOCK_E, HP]
+        s = (tl.reduce(k * q[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * u[None, :, :], 2, _sum)) * scale
         s = tl.where(emask[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         corr = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[None, :])
-        l_i = l_i * corr + tl.sum(p, 0)
+        l_i = l_i * corr + tl.reduce(p, 0, _sum)
         v = tl.load(v_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        acc = acc * corr[:, None] + tl.sum(p[:, :, None] * v, 0)
-        agg = agg * corr[:, None] + tl.sum(p[:, :, None] * a[:, None, :], 0)
+        acc = acc * corr[:, None] + tl.reduce(p[:, :, None] * v, 0, _sum)
+        agg = agg * corr[:, None] + tl.reduce(p[:, :, None] * a[:, None, :], 0, _sum)
         m_i = m_new
 
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     inv = tl.where(has, 1.0 / l_safe, 0.0)
-    out = _expand(acc * inv[:, None], agg * inv[:, None], w_ptr, hd, hd_mask, offs_f, H, D, F, ACC)
+    # expand: out = acc / l + W (agg / l) per head (out[h, :] += sum_f y[h, f] w[f, h, :])
+    out = acc * inv[:, None]
+    y = agg * inv[:, None]
+    for f in tl.static_range(F + 1):
+        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
+        out += tl.reduce(tl.where(offs_f[None, :] == f, y, 0.0), 1, _sum)[:, None] * wf
     tl.store(out_ptr + node * (H * D) + hd, out, mask=hd_mask)
     tl.store(lse_ptr + node * H + offs_h, tl.where(has, m_i + tl.log(l_safe), 0.0), mask=offs_h < H)
 
@@ -165,38 +132,75 @@ def graph_attention_bwd_dst(
     (sum_j alpha_j dalpha_j x_j - delta sum_j alpha_j x_j)``. Writes ``dq = sum_j ds_j k_j + W de``
     and what the source side and the weight gradient read: ``u = W^T q``, ``gu``, ``agg = sum_j
     alpha_j a_j``, ``de = sum_j ds_j a_j``, ``delta``."""
-    node, b, offs_h, offs_f, hd, hd_mask, hf, hf_mask, offs_e, scale, start, end = _program(
-        ptr_ptr, B, H, D, F, HP, DP, FP, BLOCK_E, ACC)
+    # program: node n, batch entry b, their row node; the [HP, DP] head tile; the node's CSR range
+    n = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    node = n * B + b
+    offs_h = tl.arange(0, HP)
+    offs_d = tl.arange(0, DP)
+    offs_f = tl.arange(0, FP)
+    offs_e = tl.arange(0, BLOCK_E)
+    hd = offs_h[:, None] * D + offs_d[None, :]
+    hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
+    start = tl.load(ptr_ptr + n)
+    end = tl.load(ptr_ptr + n + 1)
     hmask = offs_h < H
     q = tl.load(q_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
     go = tl.load(go_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
     lse = tl.load(lse_ptr + node * H + offs_h, mask=hmask, other=0.0).to(ACC)
-    u = _project(q, w_ptr, hd, hd_mask, offs_f, H, D, F, HP, FP, ACC)
-    gu = _project(go, w_ptr, hd, hd_mask, offs_f, H, D, F, HP, FP, ACC)
+    # project: u = W^T q and gu = W^T go per head [HP, FP], one column f of W at a time
+    u = tl.full((HP, FP), 0, ACC)
+    gu = tl.full((HP, FP), 0, ACC)
+    for f in tl.static_range(F + 1):
+        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
+        u += tl.where(offs_f[None, :] == f, tl.reduce(q * wf, 1, _sum)[:, None], 0.0)
+        gu += tl.where(offs_f[None, :] == f, tl.reduce(go * wf, 1, _sum)[:, None], 0.0)
 
-    delta = tl.zeros((HP,), ACC)
-    k_dal = tl.zeros((HP, DP), ACC)  # sum_j alpha_j dalpha_j k_j
-    k_sum = tl.zeros((HP, DP), ACC)  # sum_j alpha_j k_j
-    a_dal = tl.zeros((HP, FP), ACC)  # sum_j alpha_j dalpha_j a_j
-    agg = tl.zeros((HP, FP), ACC)  # sum_j alpha_j a_j
+    delta = tl.full((HP,), 0, ACC)
+    k_dal = tl.full((HP, DP), 0, ACC)  # sum_j alpha_j dalpha_j k_j
+    k_sum = tl.full((HP, DP), 0, ACC)  # sum_j alpha_j k_j
+    a_dal = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j dalpha_j a_j
+    agg = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j a_j
     for e0 in range(start, end, BLOCK_E):
-        emask, eid, _, rows, rmask, a = _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, offs_e, offs_f, hd,
-                                                    hd_mask, H, D, F, SHARED, ACC)
+        # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
+        idx = e0 + offs_e
+        emask = idx < end
+        nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
+        eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
+        nbr_node = nbr * B + b
+        rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
+        rmask = emask[:, None, None] & hd_mask[None, :, :]
+        # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
+        if SHARED:
+            row = eid
+        else:
+            row = eid * B + b
+        ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
+        a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
+        a = tl.where(offs_f[None, :] == F, 1.0, a)
         k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
         v = tl.load(v_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        s = _scores(k, q[None, :, :], a[:, None, :], u[None, :, :], scale)
+        # scores: scale * (k . q + a . u) and dalpha = v . go + a . gu per (edge, head) [BLOCK_E, HP]
+        s = (tl.reduce(k * q[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * u[None, :, :], 2, _sum)) * scale
         alpha = tl.where(emask[:, None] & hmask[None, :], tl.exp(s - lse[None, :]), 0.0)
-        dalpha = _scores(v, go[None, :, :], a[:, None, :], gu[None, :, :], 1.0)
+        dalpha = tl.reduce(v * go[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * gu[None, :, :], 2, _sum)
         weighted = alpha * dalpha
-        delta += tl.sum(weighted, 0)
-        k_dal += tl.sum(weighted[:, :, None] * k, 0)
-        k_sum += tl.sum(alpha[:, :, None] * k, 0)
-        a_dal += tl.sum(weighted[:, :, None] * a[:, None, :], 0)
-        agg += tl.sum(alpha[:, :, None] * a[:, None, :], 0)
+        delta += tl.reduce(weighted, 0, _sum)
+        k_dal += tl.reduce(weighted[:, :, None] * k, 0, _sum)
+        k_sum += tl.reduce(alpha[:, :, None] * k, 0, _sum)
+        a_dal += tl.reduce(weighted[:, :, None] * a[:, None, :], 0, _sum)
+        agg += tl.reduce(alpha[:, :, None] * a[:, None, :], 0, _sum)
 
     de = (a_dal - delta[:, None] * agg) * scale
-    dq = _expand((k_dal - delta[:, None] * k_sum) * scale, de, w_ptr, hd, hd_mask, offs_f, H, D, F, ACC)
+    # expand: dq = (k_dal - delta k_sum) scale + W de per head (dq[h, :] += sum_f de[h, f] w[f, h, :])
+    dq = (k_dal - delta[:, None] * k_sum) * scale
+    for f in tl.static_range(F + 1):
+        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
+        dq += tl.reduce(tl.where(offs_f[None, :] == f, de, 0.0), 1, _sum)[:, None] * wf
     tl.store(dq_ptr + node * (H * D) + hd, dq, mask=hd_mask)
+    hf = offs_h[:, None] * (F + 1) + offs_f[None, :]  # the [HP, FP] column tile
+    hf_mask = (offs_h[:, None] < H) & (offs_f[None, :] < F + 1)
     cols = node * (H * (F + 1)) + hf
     tl.store(u_ptr + cols, u, mask=hf_mask)
     tl.store(gu_ptr + cols, gu, mask=hf_mask)
@@ -219,17 +223,44 @@ def graph_attention_bwd_src(
     ``u``, ``gu``; when ``NEED_DA`` each edge's attribute gradient ``sum_h alpha gu + ds u`` (columns
     ``< F``) into ``dattr`` ``(E, B, F)`` row ``(eid, b)`` (every (edge, batch entry) has one source
     program: no two programs write one element)."""
-    node, b, offs_h, offs_f, hd, hd_mask, hf, hf_mask, offs_e, scale, start, end = _program(
-        ptr_ptr, B, H, D, F, HP, DP, FP, BLOCK_E, ACC)
+    # program: node n, batch entry b, their row node; the [HP, DP] head tile; the node's CSR range
+    n = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    node = n * B + b
+    offs_h = tl.arange(0, HP)
+    offs_d = tl.arange(0, DP)
+    offs_f = tl.arange(0, FP)
+    offs_e = tl.arange(0, BLOCK_E)
+    hd = offs_h[:, None] * D + offs_d[None, :]
+    hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
+    start = tl.load(ptr_ptr + n)
+    end = tl.load(ptr_ptr + n + 1)
     hmask = offs_h < H
+    hf = offs_h[:, None] * (F + 1) + offs_f[None, :]  # the [HP, FP] column tile
+    hf_mask = (offs_h[:, None] < H) & (offs_f[None, :] < F + 1)
     k = tl.load(k_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
     v = tl.load(v_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
 
-    dk = tl.zeros((HP, DP), ACC)
-    dv = tl.zeros((HP, DP), ACC)
+    dk = tl.full((HP, DP), 0, ACC)
+    dv = tl.full((HP, DP), 0, ACC)
     for e0 in range(start, end, BLOCK_E):
-        emask, eid, dnode, rows, rmask, a = _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, offs_e, offs_f, hd,
-                                                        hd_mask, H, D, F, SHARED, ACC)
+        # edge block: CSR positions e0 .. e0 + BLOCK_E below end; destination rows [BLOCK_E, HP, DP]
+        idx = e0 + offs_e
+        emask = idx < end
+        nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
+        eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
+        dnode = nbr * B + b
+        rows = (dnode * (H * D))[:, None, None] + hd[None, :, :]
+        rmask = emask[:, None, None] & hd_mask[None, :, :]
+        # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
+        if SHARED:
+            row = eid
+        else:
+            row = eid * B + b
+        ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
+        a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
+        a = tl.where(offs_f[None, :] == F, 1.0, a)
         q = tl.load(q_ptr + rows, mask=rmask, other=0.0).to(ACC)
         go = tl.load(go_ptr + rows, mask=rmask, other=0.0).to(ACC)
         cols = (dnode * (H * (F + 1)))[:, None, None] + hf[None, :, :]
@@ -240,14 +271,15 @@ def graph_attention_bwd_src(
         smask = emask[:, None] & hmask[None, :]
         lse = tl.load(lse_ptr + stats, mask=smask, other=0.0).to(ACC)
         delta = tl.load(delta_ptr + stats, mask=smask, other=0.0).to(ACC)
-        s = _scores(q, k[None, :, :], u, a[:, None, :], scale)
+        # scores: scale * (q . k + u . a) and dalpha = go . v + gu . a per (edge, head) [BLOCK_E, HP]
+        s = (tl.reduce(q * k[None, :, :], 2, _sum) + tl.reduce(u * a[:, None, :], 2, _sum)) * scale
         alpha = tl.where(smask, tl.exp(s - lse), 0.0)
-        dalpha = _scores(go, v[None, :, :], gu, a[:, None, :], 1.0)
+        dalpha = tl.reduce(go * v[None, :, :], 2, _sum) + tl.reduce(gu * a[:, None, :], 2, _sum)
         ds = alpha * (dalpha - delta) * scale
-        dk += tl.sum(ds[:, :, None] * q, 0)
-        dv += tl.sum(alpha[:, :, None] * go, 0)
+        dk += tl.reduce(ds[:, :, None] * q, 0, _sum)
+        dv += tl.reduce(alpha[:, :, None] * go, 0, _sum)
         if NEED_DA:
-            da = tl.sum(alpha[:, :, None] * gu + ds[:, :, None] * u, 1)  # [BLOCK_E, FP]
+            da = tl.reduce(alpha[:, :, None] * gu + ds[:, :, None] * u, 1, _sum)  # [BLOCK_E, FP]
             dptrs = dattr_ptr + (eid * B + b)[:, None] * F + offs_f[None, :]
             tl.store(dptrs, da, mask=emask[:, None] & (offs_f[None, :] < F))
 

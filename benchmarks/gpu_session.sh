@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One prepared device call on a lent GPU machine (issue 31): anemoi's wheels, `make test-gpu`, the step census
+# (the profile of casts, sorts and host syncs), then `make bench-gpu` (benchmarks/bench_gpu.py, the processor
+# MFU row, and benchmarks/bench_gpu_vs_anemoi.py, the head-to-head with anemoi-models 0.19), all inside a total
+# budget. Logs go to $OUT (the device tool's output folder; they come back) or benchmarks/results/gpu_session_<time>/.
+#
+# The GPU machine has python3 with torch, triton and torch-geometric but no package index, so fetch anemoi's
+# wheels here first (13 MB; keep them out of git) and carry them:
+#
+#   ../shared/gpu/fetch_anemoi_wheels.sh .whl && echo /.whl/ >> .git/info/exclude
+#   device run: command "bash benchmarks/gpu_session.sh 540", carry [".whl"], timeout_s 600
+#
+# Budget (seconds, default 540): make test-gpu up to 120, the census up to 30, then make bench-gpu with what is
+# left (about 380 s): bench_gpu.py's bf16 compiled flex processor rows (--budget-s 30, about 40 s) and
+# bench_gpu_vs_anemoi.py --quick with --budget-s = what is left - 170 (a row started before that runs to its end:
+# the AIFS-size compiled row, last, compiles for a minute or two). Estimated on an H100: O96 rows ~100 s, the
+# attention table ~60 s, the AIFS rows ~200 s. Each step runs under `timeout`; a failed step is logged and the
+# next one runs. Without .whl/ the anemoi rows are skipped (the script says why) and stormshard's rows still run.
+set -uo pipefail
+TOTAL=${1:-540}
+PY=${PY:-python3}
+START=$(date +%s)
+LOG=${OUT:-benchmarks/results/gpu_session_$(date +%Y%m%d_%H%M%S)}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+
+left() { echo $(( TOTAL - ($(date +%s) - START) )); }
+say() { echo "$*" | tee -a "$LOG/session.log"; }
+
+# run_step NAME SECONDS COMMAND...: the command under timeout, its output in $LOG/NAME.log, its tail shown
+run_step() {
+  local name=$1 secs=$2 t0 rc
+  shift 2
+  if (( secs < 20 )); then say "== $name: skipped ($(left) s of the budget left)"; return 0; fi
+  say "== $name (up to $secs s; $(left) s of $TOTAL left): $*"
+  t0=$(date +%s)
+  timeout -k 15 "$secs" "$@" > "$LOG/$name.log" 2>&1
+  rc=$?
+  say "== $name: exit $rc after $(( $(date +%s) - t0 )) s$([ $rc = 124 ] && echo ' (timed out)')"
+  tail -n "${TAIL:-15}" "$LOG/$name.log"
+}
+
+# anemoi-models and its dependencies (pip --target, never into the machine's python), the checkout on the path
+ANEMOI=(--anemoi-python none)
+export PYTHONPATH=$PWD
+if compgen -G ".whl/*.whl" > /dev/null; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >> "$LOG/session.log" 2>&1; then
+    export PYTHONPATH=/tmp/site:$PWD  # as ../shared/gpu/fetch_anemoi_wheels.sh says (zarr for stormshard's data too)
+    ANEMOI=(--anemoi-python "$PY" --anemoi-pythonpath /tmp/site)
+    say "anemoi wheels installed into /tmp/site ($(ls .whl/*.whl | wc -l) wheels)"
+  else
+    say "installing .whl/*.whl failed (see above): anemoi rows skipped"
+  fi
+else
+  say "no .whl/ here: anemoi rows skipped (fetch them on a machine with an index: ../shared/gpu/fetch_anemoi_wheels.sh .whl, then carry .whl)"
+fi
+
+{
+  echo "# gpu_session.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1
+  "$PY" -c "import anemoi.models; print('anemoi-models', anemoi.models.__version__)" 2>&1 | tail -1
+} | tee -a "$LOG/session.log"
+
+run_step test_gpu 120 make test-gpu PY="$PY"
+run_step census 30 "$PY" benchmarks/step_census.py --device cuda
+VS_BUDGET=$(( $(left) - 170 ))
+TAIL=60 run_step bench_gpu $(( $(left) - 10 )) make bench-gpu PY="$PY" \
+  BENCH_GPU_ARGS="--quick --tables processor --rows bf16/flex/on --budget-s 30 --json $LOG/bench_gpu.json" \
+  BENCH_VS_ANEMOI_ARGS="--quick ${ANEMOI[*]} --budget-s $VS_BUDGET --json $LOG/bench_gpu_vs_anemoi.json"
+
+say "== the head-to-head (from $LOG/bench_gpu.log)"
+grep -E '^\| |^(o96|aifs|encoder|processor|decoder): |^device: |anemoi' "$LOG/bench_gpu.log" | grep -v '^| case' \
+  | tee "$LOG/summary.txt"
+say "== done in $(( $(date +%s) - START )) s; logs in $LOG"

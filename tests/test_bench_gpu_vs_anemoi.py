@@ -1,0 +1,156 @@
+"""The GPU head-to-head with anemoi-models (benchmarks/bench_gpu_vs_anemoi.py) on a CPU: its code paths and its counts.
+
+The benchmark itself needs CUDA (and anemoi's interpreter for anemoi's rows); here, without either:
+
+- its ``--cpu-smoke`` mode at the micro size prints stormshard's rows of both tables (whole-model step
+  eager and compiled, graph attention with the csr kernel) with finite numbers, and says that anemoi's
+  rows are left out (``--anemoi-python none``; the Triton rows are skipped without ``TRITON_INTERPRET``);
+- the model-FLOP formula's dense part equals the FLOPs of the dense products a forward really runs
+  (``benchmarks/gemm_timer.py``'s counter, restricted to products with a bias: the Linears), with the
+  optional terms (decoder embedding, self projections) on and off; the window attention's pair count
+  equals a brute-force count;
+- the GPU-busy helpers: the interval union, and the profiler path on CPU events.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: pathlib.Path):  # noqa: ANN202 - a module
+    """The module at ``path`` under ``name`` (registered first: its dataclasses look their module up)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+h2h = _load("bench_gpu_vs_anemoi", REPO / "benchmarks" / "bench_gpu_vs_anemoi.py")  # puts benchmarks/ on sys.path
+gemm_timer = _load("gemm_timer", REPO / "benchmarks" / "gemm_timer.py")
+step_measure = _load("step_measure", REPO / "benchmarks" / "anemoi_side" / "step_measure.py")
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter rows: minutes
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gpu_vs_anemoi.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def _finite(*values: float) -> bool:
+    return all(isinstance(v, float | int) and math.isfinite(v) for v in values)
+
+
+@pytest.mark.timeout(600)
+def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
+    out = tmp_path / "smoke.json"
+    done = _run("--cpu-smoke", "--tables", "model:micro,attention:micro", "--anemoi-python", "none", "--warmup", "1", "--steps", "1",
+                "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    text = done.stdout
+    assert "anemoi rows not asked for" in text
+    lines = [line for line in text.splitlines() if line.startswith("| micro | stormshard")]
+    assert [line.split("|")[2].strip() for line in lines] == ["stormshard eager", "stormshard compiled"], text
+    for line in lines:
+        assert float(line.split("|")[3]) > 0, line  # step ms
+    for graph in ("encoder", "processor", "decoder"):
+        csr = [line for line in text.splitlines() if line.startswith(f"| {graph} |") and "stormshard csr" in line]
+        assert len(csr) == 1, text
+        assert all(float(c) > 0 for c in csr[0].split("|")[4:7]), csr  # fwd, bwd, fwd+bwd ms
+    report = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in report["model_rows"]}
+    assert "anemoi not available" in rows["anemoi-models 0.19"]["note"]
+    for impl in ("stormshard eager", "stormshard compiled"):
+        r = rows[impl]
+        assert r["note"] == "" and _finite(r["step_ms"], r["loss"], r["tflops"], r["compile_s"]), r
+        assert r["extra"]["device_events"] > 0  # the profiler step ran (CPU operators here)
+    attention = [r for r in report["attention_rows"] if r["impl"] == "stormshard csr"]
+    assert len(attention) == 3
+    for r in attention:
+        assert r["note"] == "" and _finite(r["fwd_ms"], r["bwd_ms"], *r["probes"]) and len(r["probes"]) == 5, r
+    # the FLOP count in the report is the formula's on the same graph
+    size = h2h.SIZES["micro"]
+    graph, _ = h2h.size_graph(size)
+    flops = h2h.model_flops(h2h.size_config(size), graph, h2h.size_variables(size))
+    assert report["flops"]["micro"]["step"] == pytest.approx(flops.step, rel=1e-12)
+
+
+class _LinearProducts(gemm_timer.DenseGemmTimer):
+    """gemm_timer's counter restricted to the products of a Linear with a bias (``addmm`` with a 1-D input)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.overloadpacket is torch.ops.aten.addmm and args[0].dim() == 1:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("key,options", [("tiny", {}), ("tiny-ckpt", {"decoder_embedding": True}),
+                                         ("micro", {"self_projection": True, "decoder_embedding": True})])
+def test_linear_flops_equal_the_dense_products_a_forward_runs(key, options):
+    from stormshard.models.config import ModelConfig
+    from stormshard.models.registry import build_model
+
+    size = h2h.SIZES[key]
+    graph, _ = h2h.size_graph(size)
+    variables = h2h.size_variables(size)
+    raw = h2h.size_config(size).model_dump()
+    raw["decoder_embedding"] = options.get("decoder_embedding", False)
+    for section in ("encoder", "decoder"):
+        raw[section]["self_projection"] = options.get("self_projection", False)
+    config = ModelConfig(**raw)
+    torch.manual_seed(0)
+    model = build_model(config, graph, variables)
+    x, target = step_measure.model_inputs(graph, variables, torch.device("cpu"))
+    flops = h2h.model_flops(config, graph, variables)
+    with _LinearProducts() as linear:
+        pred = model(x)
+    assert linear.flops == flops.linear  # every Linear's product, exactly
+    with gemm_timer.DenseGemmTimer() as step:
+        (model(x) - target).square().mean().backward()
+    # forward + both backward products of every Linear, plus the attention kernels' own dense products
+    assert step.flops >= 3 * flops.linear
+    assert flops.step == 3 * flops.forward
+    c = config.num_channels
+    edges = sum(int(graph[e].edge_index.shape[1]) for e in (h2h.ENCODER, h2h.DECODER))
+    assert flops.graph_attention == 4 * c * edges
+    assert flops.edge_projection == 2 * c * 3 * edges  # 3 edge features (no trainable edge features)
+    assert pred.shape == target.shape
+
+
+@pytest.mark.parametrize("tokens,window", [(1, 0), (5, 0), (5, 1), (17, 3), (17, 16), (17, 40), (64, 8)])
+def test_window_pairs_equal_a_brute_force_count(tokens, window):
+    i = torch.arange(tokens)
+    assert h2h.window_pairs(tokens, window) == int(((i[:, None] - i[None, :]).abs() <= window).sum())
+
+
+def test_busy_fraction_helpers_on_cpu_events():
+    assert step_measure.union_seconds([]) == 0
+    assert step_measure.union_seconds([(20, 30), (0, 10), (5, 15), (21, 22), (15, 16)]) == pytest.approx(26e-9)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def work() -> None:
+        for _ in range(5):
+            a @ b
+
+    busy, events, wall = step_measure.profiled_busy(work, torch.device("cpu"))
+    assert events >= 5 and 0 < busy <= wall * 1.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message needs a machine without CUDA")
+def test_without_cuda_it_says_so_and_exits_0():
+    done = _run(timeout=300)
+    assert done.returncode == 0 and "no CUDA device here" in done.stdout
