@@ -43,6 +43,11 @@ run_step() {
 # anemoi-models and its dependencies (pip --target, never into the machine's python), the checkout on the path
 ANEMOI=(--anemoi-python none)
 export PYTHONPATH=$PWD
+if ! compgen -G ".whl/*.whl" > /dev/null && [ -f ../shared/gpu/fetch_anemoi_wheels.sh ]; then
+  say "no .whl/: trying ../shared/gpu/fetch_anemoi_wheels.sh .whl (needs a package index)"
+  PIP_RETRIES=0 PIP_TIMEOUT=10 timeout 90 bash ../shared/gpu/fetch_anemoi_wheels.sh .whl >> "$LOG/session.log" 2>&1 \
+    || say "fetching the wheels failed (no index here?)"
+fi
 if compgen -G ".whl/*.whl" > /dev/null; then
   if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl >> "$LOG/session.log" 2>&1; then
@@ -71,6 +76,6 @@ TAIL=60 run_step bench_gpu $(( $(left) - 10 )) make bench-gpu PY="$PY" \
   BENCH_VS_ANEMOI_ARGS="--quick ${ANEMOI[*]} --budget-s $VS_BUDGET --json $LOG/bench_gpu_vs_anemoi.json"
 
 say "== the head-to-head (from $LOG/bench_gpu.log)"
-grep -E '^\| |^(o96|aifs|encoder|processor|decoder): |^device: |anemoi' "$LOG/bench_gpu.log" | grep -v '^| case' \
+grep -E '^\| |^(o96|aifs|encoder|processor|decoder): |^device: |^anemoi' "$LOG/bench_gpu.log" | grep -v '^| case' \
   | tee "$LOG/summary.txt"
 say "== done in $(( $(date +%s) - START )) s; logs in $LOG"

@@ -91,6 +91,17 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
+@dataclass
+class _PendingStep:
+    """A trained step whose loss (a device tensor) is read later: :meth:`Trainer.fit` on CUDA."""
+
+    step: int
+    started: float  # time.perf_counter() at the step's start
+    waited: float  # the trainer's data wait before the step
+    loss: Tensor | None = None
+    lr: float = float("nan")
+
+
 class Trainer:
     """Builds everything from an :class:`ExperimentConfig` (validated before any group or file is
     made) and runs the loop. ``torch.distributed`` must be initialised when the world is larger
@@ -246,9 +257,11 @@ class Trainer:
             self._loader = None
 
     # ------------------------------------------------------------------ the training step
-    def train_step(self, step: int) -> float:
-        """One optimizer step; returns its loss, averaged over micro-batches and replicas."""
-        step_loss = 0.0
+    def train_step(self, step: int) -> Tensor:
+        """One optimizer step; returns its loss, averaged over micro-batches and replicas, as a 0-dim
+        float64 tensor on the device (reading it, ``float(...)``, waits for the step's kernels: :meth:`fit`
+        reads it one step later on CUDA, so that the device never idles while the host catches up)."""
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro in range(self.settings.accumulation):
             key, batch = self.next_batch()                                        # read (prefetched)
             if (key.step, key.micro) != (step, micro):
@@ -257,14 +270,14 @@ class Trainer:
             loss = self.task.forecast_loss(self.engine, batch, step, micro)       # forward + loss (rollout)
             self.engine.backward(loss * self.task.loss_scale)                     # backward
             self.engine.step()                                                    # step (at the boundary)
-            step_loss += float(loss.detach()) / self.settings.accumulation
+            step_loss += loss.detach().double() / self.settings.accumulation
         return self._replica_mean(step_loss)
 
-    def _replica_mean(self, value: float) -> float:
+    def _replica_mean(self, value: Tensor) -> Tensor:
+        """The mean of the 0-dim ``value`` over the replicas (an all-reduce of 8 bytes; no host sync)."""
         if self.replicas == 1 or not dist.is_initialized():
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        return float(all_reduce_sum(t, self.task.replica_group)[0]) / self.replicas
+        return all_reduce_sum(value.reshape(1), self.task.replica_group)[0] / self.replicas
 
     # ------------------------------------------------------------------ validation
     def lead_times(self, samples: WindowedSampleDataset) -> list[str]:
@@ -394,6 +407,26 @@ class Trainer:
                 f"training.lr (now {self.config.training.lr}), set training.gradient_clipping (now "
                 f"{self.config.training.gradient_clipping}) or lengthen training.warmup_steps")
 
+    @property
+    def read_loss_late(self) -> bool:
+        """Whether :meth:`fit` reads a step's loss after queueing the next step: on CUDA (a read waits for
+        the device; reading one step late keeps it fed), not on a CPU (its work is done when queued)."""
+        return self.device.type == "cuda"
+
+    def _record_step(self, done: _PendingStep, result: TrainResult, samples_per_step: int) -> None:
+        """Read a step's loss (a host sync), check it is finite, append it and log it."""
+        lg = self.config.logging
+        mean_loss = float(done.loss)
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(self.non_finite_message(mean_loss, done.step))
+        result.losses.append(mean_loss)
+        result.rollouts.append(self.rollout_at(done.step))
+        if (done.step + 1) % lg.log_interval == 0 or done.step + 1 == self.total_steps:
+            self.logger.log(done.step + 1, {"loss": mean_loss, "rollout": self.rollout_at(done.step),
+                                            "lr": done.lr, "step_time": time.perf_counter() - done.started,
+                                            "data_wait": self.data_wait - done.waited},
+                            samples=samples_per_step * lg.log_interval)
+
     def describe(self) -> str:
         b = self.plan_batch
         return (f"layout: {self.layout.describe()}\n"
@@ -424,19 +457,22 @@ class Trainer:
         # no step is trained that could not be saved: room for the first checkpoint, before the first step
         self.check_checkpoint_space(min(self.total_steps, (start // t.checkpoint_interval + 1) * t.checkpoint_interval))
         last_saved = None
+        # on CUDA a step's loss is read after the next step is queued (reading it waits for its kernels);
+        # never across a validation, a checkpoint or the end, so nothing is saved before its loss is checked
+        defer = self.read_loss_late
+        pending: _PendingStep | None = None
         try:
             for step in range(start, self.total_steps):
-                tic, waited = time.perf_counter(), self.data_wait
-                mean_loss = self.train_step(step)
-                if not math.isfinite(mean_loss):
-                    raise FloatingPointError(self.non_finite_message(mean_loss, step))
-                result.losses.append(mean_loss)
-                result.rollouts.append(self.rollout_at(step))
-                if (step + 1) % lg.log_interval == 0 or step + 1 == self.total_steps:
-                    self.logger.log(step + 1, {"loss": mean_loss, "rollout": self.rollout_at(step),
-                                               "lr": self.engine.lr, "step_time": time.perf_counter() - tic,
-                                               "data_wait": self.data_wait - waited},
-                                    samples=samples_per_step * lg.log_interval)
+                queued = _PendingStep(step, time.perf_counter(), self.data_wait)
+                queued.loss = self.train_step(step)
+                queued.lr = self.engine.lr  # after the step, as logged before
+                if pending is not None:
+                    self._record_step(pending, result, samples_per_step)
+                boundary = (step + 1) % t.validation_interval == 0 or (step + 1) % t.checkpoint_interval == 0 \
+                    or step + 1 == self.total_steps
+                pending = queued if defer and not boundary else None
+                if pending is None:
+                    self._record_step(queued, result, samples_per_step)
                 if (step + 1) % t.validation_interval == 0 and step + 1 < self.total_steps:
                     metrics = self.validate()
                     self.logger.log(step + 1, self.validation_metrics(metrics))

@@ -1,0 +1,70 @@
+"""Reading a step's loss one step late (what :meth:`Trainer.fit` does on CUDA, so that the host never waits
+for the device between steps) changes nothing the run records: the same losses, the same metrics records
+(the learning rate after each step included), and a non-finite loss still stops the run before anything
+is saved. Forced on a CPU here (``Trainer.read_loss_late``), over 2 data-parallel ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stormshard.data.synthetic import generate_synthetic_dataset
+from tests.distributed import run_distributed
+from tests.tiny_run import tiny_config
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
+    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
+    return str(path)
+
+
+def _train(rank: int, world: int, cfg: dict, late: bool, poison_step: int | None = None) -> object:
+    import torch
+
+    from stormshard.training import loop
+    from stormshard.training.launch import run_training
+
+    loop.Trainer.read_loss_late = property(lambda self: late)
+    if poison_step is not None:  # the loss of one step becomes NaN (as a diverged model's would)
+        original = loop.Trainer.train_step
+
+        def poisoned(self, step):  # noqa: ANN001, ANN202
+            loss = original(self, step)
+            return loss * torch.nan if step == poison_step else loss
+
+        loop.Trainer.train_step = poisoned
+    try:
+        return run_training(cfg).losses
+    except FloatingPointError as err:
+        return str(err)
+
+
+def _records(out: Path) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        r.pop("step_time", None), r.pop("data_wait", None), r.pop("samples_per_s", None), r.pop("time", None)
+    return records
+
+
+def test_late_loss_readout_records_the_same_run(dataset, tmp_path):
+    changes = {"training.max_steps": 7, "training.checkpoint_interval": 3, "training.validation_interval": 5,
+               "parallel.gpus_per_model": 1, "training.micro_batch_size": 1}
+    runs = {}
+    for late in (False, True):
+        out = tmp_path / f"late_{late}"
+        runs[late] = (run_distributed(_train, 2, tiny_config(dataset, out, **changes), late)[0], _records(out))
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1]
+
+
+def test_a_nan_loss_read_late_stops_before_the_next_checkpoint(dataset, tmp_path):
+    out = tmp_path / "nan"
+    cfg = tiny_config(dataset, out, **{"training.max_steps": 6, "training.checkpoint_interval": 3})
+    message = run_distributed(_train, 1, cfg, True, 3)[0]
+    assert isinstance(message, str) and "at step 3" in message, message
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert saved == ["step_00000003"], saved  # step 6's checkpoint was never written
