@@ -247,9 +247,9 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
     model.load_state_dict(weights)
     model.to(device)
     if row.impl.endswith("compiled"):
-        import torch._dynamo
+        from torch import _dynamo
 
-        torch._dynamo.reset()  # each compiled row compiles afresh (its compile time is its own)
+        _dynamo.reset()  # each compiled row compiles afresh (its compile time is its own)
         compile_blocks(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, target = model_inputs(graph, variables, device)

@@ -21,6 +21,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -143,11 +144,14 @@ def test_busy_fraction_helpers_on_cpu_events():
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def work() -> None:
-        for _ in range(5):
-            a @ b
+        with torch.profiler.record_function("a range with an idle gap"):  # an annotation is not busy time
+            for _ in range(5):
+                a @ b
+            time.sleep(0.2)
 
-    busy, events, wall = step_measure.profiled_busy(work, torch.device("cpu"))
-    assert events >= 5 and 0 < busy <= wall * 1.05
+    busy, events, wall, kinds = step_measure.profiled_busy(work, torch.device("cpu"))
+    assert events >= 5 and 0 < busy < wall - 0.15, (busy, wall)
+    assert kinds["user_annotation"] >= 1 and kinds["cpu_op"] == events  # seen, and left out of the busy time
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message needs a machine without CUDA")

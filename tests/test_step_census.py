@@ -25,9 +25,10 @@ sys.modules["step_census"] = step_census  # its dataclass looks its module up
 _spec.loader.exec_module(step_census)
 
 
-def _steady_census(model: str, precision: str, graph_kernel: str = "auto"):  # noqa: ANN202
-    step, params = step_census.small_model_step(model, precision, graph_kernel, grid="o8", hidden="o4", channels=16)
-    for _ in range(2):
+def _steady_census(model: str, precision: str, graph_kernel: str = "auto", grid: str = "o8",  # noqa: ANN202
+                   hidden: str = "o4", warmup: int = 2):
+    step, params = step_census.small_model_step(model, precision, graph_kernel, grid=grid, hidden=hidden, channels=16)
+    for _ in range(warmup):
         step()
     return step_census.census(step, params)
 
@@ -70,3 +71,15 @@ def test_layer_norm_keeps_the_compute_dtype_under_autocast():
     assert (out.double() - ref).abs().max() < 3e-2
     out.float().sum().backward()
     assert xb.grad.dtype == torch.bfloat16 and norm.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_bf16_with_the_triton_kernel_casts_activations_only_at_the_model_boundary():
+    """The GPU's default graph kernel (here under Triton's interpreter) reads bf16 nodes and fp32 edge
+    attributes as they are: no cast inside the blocks, forward or backward."""
+    result = _steady_census("graphtransformer", "bf16", "triton", grid="o2", hidden="o1", warmup=1)
+    ours = _ours(result.activation_casts)
+    assert all(where.startswith("stormshard/models/encoder_processor_decoder.py") for where in ours), result.table()
+    assert sum(ours.values()) <= 3, result.table()
+    backward = sum(n for where, n in result.activation_casts.items() if not where.startswith("stormshard/"))
+    assert backward <= 3, result.table()  # the backward of the boundary casts (the three above)

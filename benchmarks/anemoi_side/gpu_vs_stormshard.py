@@ -9,14 +9,15 @@ result goes to ``job["out"]`` as JSON.
 - ``"model"``: stormshard's model of the size is built and given the job's weights (the state dict the
   stormshard rows load), mapped onto anemoi's model by :func:`stormshard.checkpoint.anemoi_plan.plan_anemoi_export`
   (identity normaliser: mean 0, stdev 1) with anemoi's GPU settings written into the plan's config
-  (mappers ``graph_attention_backend: "triton"``, processor ``attention_implementation`` "flash_attention"
-  when flash-attn imports on CUDA, else "scaled_dot_product_attention"; checkpointing as stormshard's:
-  processor blocks one per chunk when the size checkpoints, mappers not) and built by
+  (mappers ``graph_attention_backend: "triton"``; checkpointing as stormshard's: processor blocks one per
+  chunk when the size checkpoints, mappers not) and built by
   :func:`stormshard.checkpoint.anemoi_build.build_anemoi_interface`, as ``export-anemoi`` does. Both
-  models' fp32 forward (TF32 off) on the benchmark's input are compared (``check``); then anemoi's training
-  step (``interface.model({"data": x})``, bf16 autocast, fp32 MSE, backward, AdamW) is timed like
-  stormshard's (``step_measure.finish_model_row``). The row says which graph backend and processor
-  attention anemoi's modules ended up with (anemoi falls back to "pyg" without CUDA).
+  models' fp32 forward (TF32 off; anemoi's processor with SDPA, as flash-attn has no fp32) on the
+  benchmark's input are compared (``check``); then the processor takes anemoi's GPU default,
+  ``attention_implementation`` "flash_attention" when flash-attn imports on CUDA (else SDPA, a dense band
+  mask), and anemoi's training step (``interface.model({"data": x})``, bf16 autocast, fp32 MSE, backward,
+  AdamW) is timed like stormshard's (``step_measure.finish_model_row``). The row says which graph backend
+  and processor attention anemoi's modules ended up with (anemoi falls back to "pyg" without CUDA).
 - ``"attention"``: per graph (encoder, processor, decoder) one block's attention as anemoi's
   ``GraphTransformerBaseBlock`` with the triton backend computes it: ``lin_edge`` of the edge attributes
   to ``(E, heads, d)``, ``edge_index_to_csc`` (edges already destination-sorted) and
@@ -81,12 +82,22 @@ def build_pair(job: dict, device: torch.device) -> tuple[torch.nn.Module, torch.
     attention = ("flash_attention" if device.type == "cuda" and flash_importable()
                  else "scaled_dot_product_attention")
     model = plan.config["model"]
-    model["processor"].update(attention_implementation=attention, gradient_checkpointing=size.checkpointing,
+    # built with SDPA (fp32 for the check: flash-attn takes bf16 / fp16 only), switched by use_attention
+    model["processor"].update(attention_implementation="scaled_dot_product_attention",
+                              gradient_checkpointing=size.checkpointing,
                               num_chunks=size.layers if size.checkpointing else 1)
     for side in (model["encoders"]["0"]["mapper"], model["decoders"]["0"]["mapper"]):
         side.update(graph_attention_backend="triton", gradient_checkpointing=False)
     interface, _ = build_anemoi_interface(plan, source.path)
     return ours, interface, graph, variables, attention
+
+
+def use_attention(interface: torch.nn.Module, attention: str) -> None:
+    """Every anemoi ``MultiHeadSelfAttention`` of ``interface`` switched to ``attention`` (its own setter)."""
+    for m in interface.modules():
+        if hasattr(m, "attention_implementation") and hasattr(m, "set_attention_function"):
+            m.attention_implementation = attention
+            m.set_attention_function()
 
 
 def anemoi_settings(interface: torch.nn.Module, attention: str) -> str:
@@ -139,6 +150,7 @@ def model_task(job: dict, device: torch.device, dtype: torch.dtype) -> dict:
         traceback.print_exc()
         check = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     del ours
+    use_attention(interface, attention)  # flash-attn where it imports on CUDA (anemoi's GPU default)
     interface.to(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()

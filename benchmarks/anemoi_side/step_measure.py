@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from bench_gpu import _peak_mib, _sync, time_steps
 
-__all__ = ["union_seconds", "device_spans", "profiled_busy", "ModelRow", "finish_model_row", "model_inputs",
+__all__ = ["BUSY_ACTIVITIES", "union_seconds", "device_spans", "profiled_busy", "ModelRow", "finish_model_row", "model_inputs",
            "AttentionRow", "attention_graphs", "attention_inputs", "measure_attention"]
 
 ENCODER, PROCESSOR, DECODER = ("data", "to", "hidden"), ("hidden", "to", "hidden"), ("hidden", "to", "data")
@@ -38,22 +39,39 @@ def union_seconds(spans: list[tuple[int, int]]) -> float:
     return total / 1e9
 
 
-def device_spans(prof, device_type: str) -> list[tuple[int, int]]:  # noqa: ANN001
-    """``(start_ns, end_ns)`` of the profiler's events on ``device_type`` ("cuda": kernels, copies, memsets;
-    "cpu": host operators, for tests), sync waits left out."""
+#: the profiler activities that occupy the device ("cuda") or are host work ("cpu", for tests); left out:
+#: user annotations mirrored onto the GPU timeline ("gpu_user_annotation": they span the idle gaps between
+#: the kernels of a range such as ``Optimizer.step``), sync waits, runtime calls
+BUSY_ACTIVITIES = {"cuda": frozenset({"kernel", "gpu_memcpy", "gpu_memset"}), "cpu": frozenset({"cpu_op"})}
+
+
+def device_spans(prof, device_type: str, kinds: Counter | None = None) -> list[tuple[int, int]]:  # noqa: ANN001
+    """``(start_ns, end_ns)`` of the profiler's events of :data:`BUSY_ACTIVITIES` on ``device_type`` ("cuda":
+    kernels, copies, memsets; "cpu": host operators). Where the event has no activity type (an older
+    torch), device events other than user annotations and sync waits. ``kinds`` counts every event on the
+    device by activity type (kept or not)."""
     from torch.autograd import DeviceType
 
     want = DeviceType.CUDA if device_type == "cuda" else DeviceType.CPU
+    keep = BUSY_ACTIVITIES[device_type]
     spans = []
     for e in prof.profiler.kineto_results.events():
-        if e.device_type() == want and e.duration_ns() > 0 and "Sync" not in e.name():
-            spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+        if e.device_type() != want or e.duration_ns() <= 0:
+            continue
+        kind = str(e.activity_type()) if hasattr(e, "activity_type") else None
+        if kinds is not None:
+            kinds[kind or "?"] += 1
+        if kind is not None and kind not in keep:
+            continue
+        if kind is None and (e.is_user_annotation() or "Sync" in e.name() or "annotation" in e.name()):
+            continue
+        spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
     return spans
 
 
-def profiled_busy(step: Callable[[], object], device: torch.device) -> tuple[float, int, float]:
-    """One ``step`` under torch.profiler: (seconds some device event ran, device events, profiled wall s).
-    On a CPU the host operators' union is returned (the code path; no GPU column)."""
+def profiled_busy(step: Callable[[], object], device: torch.device) -> tuple[float, int, float, dict[str, int]]:
+    """One ``step`` under torch.profiler: (seconds some busy event ran, busy events, profiled wall s, every
+    device event counted by activity type). On a CPU the host operators' union (the code path; no GPU column)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -63,8 +81,9 @@ def profiled_busy(step: Callable[[], object], device: torch.device) -> tuple[flo
         step()
         _sync(device)
         wall = time.perf_counter() - tic
-    spans = device_spans(prof, device.type)
-    return union_seconds(spans), len(spans), wall
+    kinds: Counter = Counter()
+    spans = device_spans(prof, device.type, kinds)
+    return union_seconds(spans), len(spans), wall, dict(kinds)
 
 
 @dataclass
@@ -91,12 +110,12 @@ def finish_model_row(row: ModelRow, step: Callable[[], float], device: torch.dev
         torch.cuda.reset_peak_memory_stats(device)
     first, median, loss = time_steps(step, device, warmup, steps)
     row.peak_gib = _peak_mib(device) / 1024
-    busy_s, events, wall = profiled_busy(step, device)
+    busy_s, events, wall, kinds = profiled_busy(step, device)
     row.step_ms, row.loss, row.compile_s = median * 1e3, loss, first - median
-    row.busy = min(1.0, busy_s / median) if device.type == "cuda" else math.nan
+    row.busy = min(1.0, busy_s / median) if device.type == "cuda" and events else math.nan  # none seen: unknown
     row.tflops = flops / median / 1e12
     row.mfu = flops / median / peak if peak else math.nan
-    row.extra.update(busy_ms=busy_s * 1e3, device_events=events, profiled_step_ms=wall * 1e3)
+    row.extra.update(busy_ms=busy_s * 1e3, device_events=events, profiled_step_ms=wall * 1e3, activities=kinds)
 
 
 def model_inputs(graph, variables, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001

@@ -266,12 +266,26 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
             da = da.sum(1, keepdim=True).to(attr3.dtype)
     dw = db = None
     if need_w or need_b:
-        rows = nd * batch
-        per_head = (torch.einsum("nhf,nhd->fhd", agg.view(rows, heads, -1), go.view(rows, heads, d).to(acc))
-                    + torch.einsum("nhf,nhd->fhd", de.view(rows, heads, -1), q.view(rows, heads, d).to(acc)))
-        per_head = per_head.reshape(fdim + 1, heads * d)
+        per_head = _weight_gradient(kernels, agg, go, de, q, acc)  # (F + 1, H d): [dW_e^T | db_e] per head
         dw, db = per_head[:fdim].t().contiguous().to(w_e.dtype), per_head[fdim].to(b_e.dtype)
     return [dq if need_q else None, dk if need_k else None, dv if need_v else None, da if need_a else None, dw, db]
+
+
+def _weight_gradient(kernels, agg: Tensor, go: Tensor, de: Tensor, q: Tensor, acc: torch.dtype) -> Tensor:  # noqa: ANN001
+    """``(F + 1, H * d)`` in ``acc``: ``sum_rows agg^T go + de^T q`` per head, read from ``go`` / ``q`` in their
+    own dtype (no fp32 copy of a node tensor); rows split over programs (about 2,048 each, at most 64
+    splits) whose partial sums are added here in a fixed order: deterministic."""
+    nd, batch, heads, d = q.shape
+    f1, rows = agg.shape[-1], nd * batch
+    splits = max(1, min(64, -(-rows // 2048)))
+    rows_per = -(-rows // splits)
+    partial = torch.zeros((splits, f1, heads, d), dtype=acc, device=q.device)
+    if rows:
+        fp, dp = (1 << max(n - 1, 0).bit_length() for n in (f1, d))
+        kernels.graph_attention_bwd_weight[(heads, splits)](
+            agg, go, de, q, partial, rows, rows_per, H=heads, D=d, F1=f1, FP=fp, DP=dp,
+            BLOCK_R=min(128, max(2, 8192 // (fp * dp))), ACC=_triton_dtype(acc), num_warps=4)
+    return partial.sum(0).reshape(f1, heads * d)
 
 
 # --------------------------------------------------------------------------------------------

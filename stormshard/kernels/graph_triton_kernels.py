@@ -37,7 +37,7 @@ import triton.language as tl
 # for bit, compiled or interpreted (numpy's sum), without the interpreter's per-call patching
 _sum = tl.standard._sum_combine
 
-__all__ = ["graph_attention_fwd", "graph_attention_bwd_dst", "graph_attention_bwd_src"]
+__all__ = ["graph_attention_fwd", "graph_attention_bwd_dst", "graph_attention_bwd_src", "graph_attention_bwd_weight"]
 
 
 @triton.jit
@@ -285,3 +285,41 @@ def graph_attention_bwd_src(
 
     tl.store(dk_ptr + node * (H * D) + hd, dk, mask=hd_mask)
     tl.store(dv_ptr + node * (H * D) + hd, dv, mask=hd_mask)
+
+
+@triton.jit
+def graph_attention_bwd_weight(
+    agg_ptr, go_ptr, de_ptr, q_ptr, out_ptr,
+    R, ROWS_PER,
+    H: tl.constexpr, D: tl.constexpr, F1: tl.constexpr, FP: tl.constexpr, DP: tl.constexpr,
+    BLOCK_R: tl.constexpr, ACC: tl.constexpr,
+):
+    """The edge projection's gradient, head ``program_id(0)``, rows ``[s * ROWS_PER, (s + 1) * ROWS_PER)`` of
+    split ``s = program_id(1)``: ``out[s, f, h, :] = sum_r agg[r, h, f] go[r, h, :] + de[r, h, f] q[r, h, :]``
+    (``r`` a (node, batch entry) row), accumulated in ``ACC`` whatever ``go`` and ``q``'s dtype; the splits
+    are summed outside, in a fixed order."""
+    h = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_f = tl.arange(0, FP)
+    offs_d = tl.arange(0, DP)
+    fmask = offs_f < F1
+    dmask = offs_d < D
+    first = s * ROWS_PER
+    last = tl.minimum(first + ROWS_PER, R)
+    acc = tl.full((FP, DP), 0, ACC)
+    for r0 in range(first, last, BLOCK_R):
+        r = r0 + offs_r
+        rmask = r < last
+        # per (row, column) statistics [BLOCK_R, FP] and per (row, d) node rows [BLOCK_R, DP] of head h
+        small = (r[:, None] * H + h) * F1 + offs_f[None, :]
+        smask = rmask[:, None] & fmask[None, :]
+        big = (r[:, None] * H + h) * D + offs_d[None, :]
+        bmask = rmask[:, None] & dmask[None, :]
+        a = tl.load(agg_ptr + small, mask=smask, other=0.0).to(ACC)
+        g = tl.load(go_ptr + big, mask=bmask, other=0.0).to(ACC)
+        e = tl.load(de_ptr + small, mask=smask, other=0.0).to(ACC)
+        x = tl.load(q_ptr + big, mask=bmask, other=0.0).to(ACC)
+        acc += tl.reduce(a[:, :, None] * g[:, None, :] + e[:, :, None] * x[:, None, :], 0, _sum)
+    out = out_ptr + ((s * F1 + offs_f[:, None]) * H + h) * D + offs_d[None, :]
+    tl.store(out, acc, mask=fmask[:, None] & dmask[None, :])
