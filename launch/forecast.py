@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention-kernel", default=None, choices=["auto", "banded", "flex", "flash"],
                         help="sliding-window kernel for this forecast (default: the model's own; flex runs its "
                              "forward on a CPU too)")
+    parser.add_argument("--graph-kernel", default=None, choices=["auto", "csr", "triton"],
+                        help="graph-transformer attention kernel for this forecast (default: the model's own; a model "
+                             "trained with 'triton' forecasts on a CPU with 'auto' or 'csr')")
     parser.add_argument("--graph", default=None, help="the graph file (checkpoints only; default: found or rebuilt)")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the DeepSpeed launcher")
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                          precision=args.precision, formats=args.formats, plot_variables=args.plot,
                          plot_steps=args.plot_steps, verify=not args.no_scores,
                          cells_per_chunk=args.cells_per_chunk, graph=args.graph, overwrite=args.overwrite,
-                         attention_kernel=args.attention_kernel, trust_model_code=args.trust_model_code,
+                         attention_kernel=args.attention_kernel, graph_kernel=args.graph_kernel,
+                         trust_model_code=args.trust_model_code,
                          verbose=(dist.get_rank() if dist.is_initialized() else 0) == 0)
         finally:
             if owns_group:

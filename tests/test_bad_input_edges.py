@@ -352,3 +352,31 @@ def test_a_failed_export_anemoi_leaves_no_partial_file(world, capsys, monkeypatc
     _refused(world, "convert_checkpoint", ["export-anemoi", str(world.gt_bundle), "--out", str(out)], capsys,
              "error: the disk is full", str(out), status=1)
     assert len(calls) > 3 and not out.with_name("model.ckpt.partial").exists()
+
+
+# ------------------------------------------------------------------------------ graph kernels
+
+
+def _without_interpreter(entry: str, argv: list[str], world: World) -> tuple[int, str]:
+    """``launch/<entry>.py argv`` in a fresh process without TRITON_INTERPRET (as a user's CPU has it)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE")}
+    root = Path(__file__).resolve().parents[1]
+    before, hashes = snapshot(world.root), content_hashes(world.root)
+    proc = subprocess.run([sys.executable, str(root / "launch" / f"{entry}.py"), *argv], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert snapshot(world.root) == before and content_hashes(world.root) == hashes, f"{argv} changed files"
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error: ") == 1, proc.stderr
+    return proc.returncode, proc.stderr
+
+
+def test_a_graph_kernel_that_cannot_run_is_one_error_before_any_work(world):
+    code, err = _without_interpreter("train", _train(world, "model.graph_kernel=triton"), world)
+    assert code == 2 and "model.graph_kernel='triton' cannot run here (cpu)" in err and "TRITON_INTERPRET=1" in err, err
+    code, err = _without_interpreter("forecast", ["--model", str(world.gt_bundle), "--dataset", str(world.o16),
+                                                  "--date", "2020-01-05T00", "--steps", "1", "--graph-kernel",
+                                                  "triton", "--out", str(world.fresh("gt-triton"))], world)
+    assert code == 2 and "--graph-kernel='triton' cannot run here (cpu)" in err and "'csr'" in err, err

@@ -61,7 +61,8 @@ from stormshard.inference.runner import member_generator, member_noise, replica_
 from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
 from stormshard.kernels.flex import flex_options_from_env
 from stormshard.layers.attention import set_attention_kernel
-from stormshard.models.parallelize import check_parallel_strategy
+from stormshard.layers.graph_transformer import set_graph_kernel
+from stormshard.models.parallelize import check_graph_kernel_for_device, check_parallel_strategy
 from stormshard.parallel.topology import ParallelLayout, build_process_groups
 from stormshard.progress import format_duration, note, phase, reporting
 
@@ -129,7 +130,8 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                  formats: Sequence[str] = ("zarr",), plot_variables: Sequence[str] | None = None,
                  plot_steps: Sequence[int] | None = None, verify: bool = True, cells_per_chunk: int | None = None,
                  graph: str | os.PathLike | None = None, overwrite: bool = False, verbose: bool = True,
-                 attention_kernel: str | None = None, trust_model_code: bool = False) -> ForecastResult:
+                 attention_kernel: str | None = None, graph_kernel: str | None = None,
+                 trust_model_code: bool = False) -> ForecastResult:
     """Forecast ``steps`` lead times from each of ``dates`` (the last input state) and write the
     outputs under ``out`` (see the module docstring). Call it on every rank of the process group.
 
@@ -138,7 +140,8 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
     deterministic models); ``precision``: ``fp32``, ``bf16``, ``fp16`` or ``fp64`` (None: the
     training precision); ``formats``: ``zarr`` (always written) and ``netcdf``; ``cells_per_chunk``:
     cells per zarr chunk (None: the largest grid slice); ``attention_kernel``: the sliding-window
-    kernel for this forecast (``auto``, ``banded``, ``flex``, ``flash``; None: the model's own); ``trust_model_code``:
+    kernel for this forecast (``auto``, ``banded``, ``flex``, ``flash``; None: the model's own); ``graph_kernel``: the
+    graph-transformer attention kernel (``auto``, ``csr``, ``triton``; None: the model's own); ``trust_model_code``:
     a bundle or checkpoint whose stored config names its builder as ``"package.module:attribute"`` may
     import that module (refused otherwise, before any work); ``verify``: scores and plots; ``verbose``:
     rank 0 prints its progress (a line per phase, per forecast step at most every few seconds, on
@@ -151,7 +154,7 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                              seed=seed, precision=precision, formats=formats, plot_variables=plot_variables,
                              plot_steps=plot_steps, verify=verify, cells_per_chunk=cells_per_chunk, graph=graph,
                              overwrite=overwrite, verbose=verbose, attention_kernel=attention_kernel,
-                             trust_model_code=trust_model_code)
+                             graph_kernel=graph_kernel, trust_model_code=trust_model_code)
 
 
 def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.PathLike,
@@ -159,7 +162,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
                   members: int | None, seed: int, precision: str | None, formats: Sequence[str],
                   plot_variables: Sequence[str] | None, plot_steps: Sequence[int] | None, verify: bool,
                   cells_per_chunk: int | None, graph: str | os.PathLike | None, overwrite: bool, verbose: bool,
-                  attention_kernel: str | None = None, trust_model_code: bool = False) -> ForecastResult:
+                  attention_kernel: str | None = None, graph_kernel: str | None = None,
+                  trust_model_code: bool = False) -> ForecastResult:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_environment()  # every STORMSHARD_* variable, before any work (an EnvError names it)
     flex_options_from_env()
@@ -187,6 +191,12 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         check_forecast_attention_kernel(attention_kernel, device_type, req.precision,
                                         model_config.num_channels // max(1, model_config.processor.num_heads),
                                         model=model_config)
+    model_config = info.source.config if info.source is not None else info.prebuilt.config
+    if graph_kernel is not None:
+        model_config = model_config.model_copy(update={"graph_kernel": graph_kernel})
+    check_graph_kernel_for_device(model_config, device_type,  # the model's own kernel, or --graph-kernel's
+                                  "--graph-kernel" if graph_kernel is not None else
+                                  "the model's stored graph_kernel (override it with --graph-kernel)")
     if info.source is not None:  # the model's split over --gpus-per-model ranks, before any group is made
         try:
             check_parallel_strategy(info.source.config, info.source.shard_strategy, req.gpus_per_model)
@@ -207,6 +217,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
                 attention_kernel != "auto":  # a custom model without sliding-window attention: nothing to switch
             raise ValueError(f"--attention-kernel {attention_kernel!r}: the model ({info.name}) has no sliding-window "
                              "attention layer to run it: leave --attention-kernel out")
+        if graph_kernel is not None:
+            set_graph_kernel(forecaster.model, graph_kernel)
     plan = forecaster.model.plan
     exchange = ChunkExchange(plan.data_sizes, req.cells_per_chunk or max(plan.data_sizes), groups.model_group)
     v = forecaster.variables

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from stormshard.kernels.dispatch import AttentionKernel, attention_kernel_problem
+from stormshard.kernels.dispatch import AttentionKernel, attention_kernel_problem, graph_kernel_problem
 from stormshard.layers.checkpointing import checkpoint_blocks
 from stormshard.layers.strategy import indivisible_sizes
 from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
@@ -33,7 +33,7 @@ from stormshard.models.config import ModelConfig
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.parallel.shard import SHARD_STRATEGIES, SequenceShard, ShardStrategy
 
-__all__ = ["check_parallel_strategy", "parallelize", "parallelize_processor", "build_transformer_processor"]
+__all__ = ["check_parallel_strategy", "check_graph_kernel_for_device", "parallelize", "parallelize_processor", "build_transformer_processor"]
 
 
 def check_attention_kernel_for_training(config: ModelConfig, device_type: str, precision: str) -> None:
@@ -55,6 +55,24 @@ def check_attention_kernel_for_training(config: ModelConfig, device_type: str, p
     if problem is not None:
         raise ValueError(f"model.processor.attention_kernel={kernel!r} cannot train here (training.precision="
                          f"{precision!r}, {device_type}): {problem}; or use 'auto' / 'banded'")
+
+
+def check_graph_kernel_for_device(config: ModelConfig, device_type: str, field: str = "model.graph_kernel") -> None:
+    """Raise ValueError unless ``config.graph_kernel`` can run on ``device_type``
+    (:func:`~stormshard.kernels.dispatch.graph_kernel_problem`: ``triton`` needs Triton, and CUDA or
+    ``TRITON_INTERPRET=1``); the setting applies to models with graph-transformer blocks (every built-in but
+    ``gnn``: a kernel other than ``auto`` there is refused rather than ignored). ``field`` names the setting in
+    the message (``--graph-kernel`` for a forecast)."""
+    kernel = config.graph_kernel
+    if kernel == "auto":
+        return
+    if config.is_builtin and config.name == "gnn":
+        raise ValueError(f"{field}={kernel!r} picks the graph-transformer attention kernel, but model.name='gnn' has "
+                         f"no graph-transformer block: leave {field} out (or 'auto')")
+    problem = graph_kernel_problem(kernel, device_type)
+    if problem is not None:
+        raise ValueError(f"{field}={kernel!r} cannot run here ({device_type}): {problem}; or use 'auto' (Triton on "
+                         "CUDA, csr elsewhere) / 'csr'")
 
 
 def check_parallel_strategy(config: ModelConfig, shard_strategy: str, group_size: int) -> None:

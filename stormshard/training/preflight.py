@@ -64,7 +64,11 @@ from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.env import check_environment
 from stormshard.errors import check_writable_directory, nearest_existing_parent
 from stormshard.graphs.builder import KNNEdges
-from stormshard.models.parallelize import check_attention_kernel_for_training, check_parallel_strategy
+from stormshard.models.parallelize import (
+    check_attention_kernel_for_training,
+    check_graph_kernel_for_device,
+    check_parallel_strategy,
+)
 from stormshard.models.registry import resolve_builder
 from stormshard.models.variables import VariableIndex
 from stormshard.parallel.topology import BatchPlan, ParallelLayout, batch_arithmetic
@@ -133,8 +137,9 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
     try:  # 2.
         resolve_builder(config.model.name)  # the user's own config: a builder module it names is imported
         check_parallel_strategy(config.model, config.parallel.shard_strategy, layout.gpus_per_model)
-        check_attention_kernel_for_training(config.model, "cuda" if torch.cuda.is_available() else "cpu",
-                                            config.training.precision)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        check_attention_kernel_for_training(config.model, device_type, config.training.precision)
+        check_graph_kernel_for_device(config.model, device_type)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     resume_notes = check_resume(config, world) if resume else ()  # 3.
