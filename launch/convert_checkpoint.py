@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         check_arguments_not_empty(argv)  # an empty --out would mean the current directory
         out = getattr(args, "out", None)  # a failure leaves none of it behind (a full disk is named with it)
-        with reporting(), no_partial_output(out) if out else contextlib.nullcontext():
+        # reshard may write into an existing --out: what it adds there goes too (its step, latest.part)
+        written = ("latest", "latest.part", "resume_config.json") if args.command == "reshard" else ()
+        with reporting(), no_partial_output(out, written) if out else contextlib.nullcontext():
             _run(args)  # standard error: a line per phase; standard output keeps the results (--json)
 
     return run_cli(body, debug=args.debug)

@@ -41,6 +41,7 @@ from stormshard.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
     ReportedByRank,
+    disk_full_error,
     format_validation_errors,
     is_bad_input,
     is_disk_full,
@@ -133,6 +134,8 @@ def report_failure(exc: BaseException, debug: bool = False, stream: TextIO | Non
     if isinstance(exc, ReportedByRank):  # e.g. rank 0 prints its own exception, the others this one
         status, printer, text = EXIT_FAILURE, exc.reporter == rank, f"error: {exc}"
     elif is_disk_full(exc):  # every rank that hits it says so (another rank's disk may be fine)
+        if not isinstance(exc, OSError):  # torch.save's RuntimeError: no errno, no file name
+            exc = disk_full_error(exc, "the output")
         prefix = f"[rank {rank}] " if _world_size() > 1 else ""
         status, printer = EXIT_FAILURE, True
         text = (f"{prefix}error: the disk is full ({exc.strerror or 'no space left on device'}) writing "

@@ -59,14 +59,24 @@ def is_bad_input(exc: BaseException) -> bool:
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
+#: what torch's zip writer (``torch.save``) raises, as a RuntimeError without an errno, when a write fails
+TORCH_WRITE_FAILED = ("file write failed", "unexpected pos")
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` is a write that failed because the disk (or quota) is full."""
-    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+    """Whether ``exc`` is a write that failed because the disk (or quota) is full: an ``OSError`` with
+    ``ENOSPC`` / ``EDQUOT``, or ``torch.save``'s ``RuntimeError`` ("PytorchStreamWriter failed writing file
+    ...: file write failed"), which loses the errno (a failed write there is the disk, or the device, failing)."""
+    if isinstance(exc, OSError):
+        return exc.errno in DISK_FULL_ERRNOS
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in TORCH_WRITE_FAILED)
 
 
-def disk_full_error(exc: OSError, path: str | os.PathLike) -> OSError:
-    """``exc`` (a full disk) naming ``path``, the output being written, when it names no file itself
-    (``write()`` does not); raise it ``from exc``."""
+def disk_full_error(exc: BaseException, path: str | os.PathLike) -> OSError:
+    """``exc`` (a full disk: :func:`is_disk_full`) as an ``OSError`` naming ``path``, the output being written,
+    when it names no file itself (``write()`` and ``torch.save`` do not); raise it ``from exc``."""
+    if not isinstance(exc, OSError):
+        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {exc}", str(path))
     return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(exc.filename or path))
 
 

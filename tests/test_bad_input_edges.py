@@ -380,3 +380,35 @@ def test_a_graph_kernel_that_cannot_run_is_one_error_before_any_work(world):
                                                   "--date", "2020-01-05T00", "--steps", "1", "--graph-kernel",
                                                   "triton", "--out", str(world.fresh("gt-triton"))], world)
     assert code == 2 and "--graph-kernel='triton' cannot run here (cpu)" in err and "'csr'" in err, err
+
+
+def test_torch_save_failing_on_a_full_disk_is_named_as_a_full_disk(world, capsys, monkeypatch):
+    """``torch.save`` loses the errno (a RuntimeError from its zip writer): still "the disk is full", the output
+    named, nothing left behind (here ``reshard``, whose rank files are torch.save'd state)."""
+    import stormshard.checkpoint.state_codec as state_codec
+
+    def failing_save(*_args, **_kwargs) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(state_codec.torch, "save", failing_save)
+    out = world.fresh("resharded") / "r"
+    _refused(world, "convert_checkpoint", ["reshard", str(world.run / "checkpoints"), "--gpus-per-model", "1",
+                                           "--out", str(out)], capsys, "error: the disk is full", str(out), status=1)
+
+
+def test_a_failed_reshard_into_an_existing_out_leaves_what_was_there_and_nothing_new(world, capsys, monkeypatch):
+    import stormshard.checkpoint.state_codec as state_codec
+
+    def failing_save(*_args, **_kwargs) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = world.fresh("reshard-into")
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.setattr(state_codec.torch, "save", failing_save)
+    _refused(world, "convert_checkpoint", ["reshard", str(world.run / "checkpoints"), "--gpus-per-model", "1",
+                                           "--out", str(out)], capsys, "error: the disk is full", status=1)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    (out / "notes.txt").unlink()
+    out.rmdir()

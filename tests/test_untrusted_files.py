@@ -234,6 +234,17 @@ def test_train_trusts_the_users_own_config_and_a_bundles_config_on_request(world
         world.marker.unlink(missing_ok=True)
 
 
+def test_run_training_of_a_bundles_config_refuses_its_builder_module_unless_trusted(world):
+    """``run_training(path)`` treats a config file beside a stormshard ``metadata.json`` as a stored file,
+    as ``launch/train.py`` does: nothing imported without ``trust_model_code=True``."""
+    from stormshard.training.launch import run_training
+
+    stored = world.downloads / "evil_bundle" / "finetune_config.json"
+    with pytest.raises(UntrustedModelCode, match=r"finetune_config.json \(it came with .*trust_model_code=True"):
+        run_training(stored)
+    assert not world.marker.exists()
+
+
 def test_load_model_refuses_a_builder_module_unless_trusted(world, monkeypatch):
     """``stormshard.load_model``: a bad-input error naming the module and the opt-in, nothing imported;
     with ``trust_model_code=True`` the model loads and predicts as the bundle it was copied from."""

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from stormshard.checkpoint.integrity import resume_target
 from stormshard.env import VARIABLES, EnvError
 from stormshard.errors import ReportedByRank
+from stormshard.models.trust import check_model_code, stored_beside
 from stormshard.training.checkpoint import verify_resume_files
 from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
 from stormshard.training.hostlist import HostlistError, first_host
@@ -342,9 +343,14 @@ def _collective_failure(exc: BaseException) -> bool:
 
 
 def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, resume: bool = False,
-                 overrides: dict[str, Any] | None = None) -> TrainResult:
+                 overrides: dict[str, Any] | None = None, trust_model_code: bool = False) -> TrainResult:
     """Validate ``config`` (and, with ``resume``, that ``training.output_dir`` holds a checkpoint),
     start the process group, train, and shut down.
+
+    A config file that came with a bundle or checkpoint (a stormshard ``metadata.json`` beside it, e.g. a
+    bundle's ``finetune_config.json``) is a stored file: a model builder it names as
+    ``"package.module:attribute"`` is imported only with ``trust_model_code=True``
+    (:func:`~stormshard.models.trust.check_model_code`), as ``launch/train.py --trust-model-code``.
 
     When this call starts the process group of several ranks, every rank also runs a
     :class:`~stormshard.training.watchdog.RankMonitor`: a failed collective caused by a rank that died
@@ -355,6 +361,9 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
     """
     tune_malloc()
     cfg = config if isinstance(config, ExperimentConfig) else load_experiment_config(config, overrides)
+    stored = stored_beside(config) if isinstance(config, (str, os.PathLike)) else None
+    if stored is not None:  # before the builder is resolved (preflight imports the run's own)
+        check_model_code(cfg.model.name, f"{config} (it came with {stored.parent})", trust_model_code)
     owns_group = not dist.is_initialized()
     launch = detect_launch() if owns_group else None
     world = dist.get_world_size() if not owns_group else launch.world_size
