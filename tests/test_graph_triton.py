@@ -285,3 +285,16 @@ def test_bad_inputs_raise():
         gt.triton_graph_attention(q, k, v, attr.unsqueeze(1).expand(-1, 3, -1), w, b, edge_index, 4)
     with pytest.raises(ValueError, match="outside"):
         gt.triton_graph_attention(q, k[:1], v[:1], attr, w, b, edge_index.clone(), 4)
+
+
+def test_the_dispatch_chooses_and_refuses():
+    from stormshard.kernels.dispatch import check_graph_kernel, graph_kernel_problem, resolve_graph_kernel
+
+    assert resolve_graph_kernel("auto", "cpu") == "csr"  # CPU defaults stay csr, interpreter or not
+    assert resolve_graph_kernel("csr", "cuda") == "csr"
+    assert resolve_graph_kernel("auto", "cuda", torch.float64) == "csr"  # float64: the reference precision
+    assert resolve_graph_kernel("triton", "cpu") == "triton"  # TRITON_INTERPRET=1 here (tests/conftest.py)
+    assert graph_kernel_problem("triton", "cpu") is None and graph_kernel_problem("csr", "cpu") is None
+    assert "unknown" in graph_kernel_problem("cusparse", "cuda")
+    with pytest.raises(ValueError, match=r"graph_kernel must be one of 'auto', 'csr', 'triton', got 'fast'"):
+        check_graph_kernel("fast")

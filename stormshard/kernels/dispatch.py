@@ -207,11 +207,13 @@ def graph_kernel_problem(kernel: str, device_type: str) -> str | None:
     return None
 
 
-def resolve_graph_kernel(kernel: GraphKernel, device_type: str) -> str:
-    """The graph kernel that computes a call on ``device_type``: ``"csr"`` or ``"triton"``.
+def resolve_graph_kernel(kernel: GraphKernel, device_type: str, dtype: torch.dtype | None = None) -> str:
+    """The graph kernel that computes a call on ``device_type`` with node tensors of ``dtype`` (None: not
+    known): ``"csr"`` or ``"triton"``.
 
-    ``"auto"``: Triton on CUDA when it imports (a fallback to csr is logged once), csr elsewhere. A kernel
-    named explicitly that cannot run is a ValueError naming the reason and the fix."""
+    ``"auto"``: Triton on CUDA when it imports (a fallback to csr is logged once), except for float64 (a
+    reference precision, where speed does not matter: csr, whose float64 path is proven on CUDA), csr
+    elsewhere. A kernel named explicitly that cannot run is a ValueError naming the reason and the fix."""
     if kernel == "csr":
         return "csr"
     if kernel == "triton":
@@ -220,7 +222,7 @@ def resolve_graph_kernel(kernel: GraphKernel, device_type: str) -> str:
             raise ValueError(f"graph_kernel 'triton' cannot run: {reason}; use graph_kernel 'auto' or 'csr'")
         return "triton"
     check_graph_kernel(kernel)
-    if device_type != "cuda":
+    if device_type != "cuda" or dtype == torch.float64:
         return "csr"
     reason = _triton_unavailable(device_type)
     if reason is None:
@@ -243,7 +245,7 @@ def graph_attention_kernel(kernel: GraphKernel, query: Tensor, key: Tensor, valu
     for float64 inputs) whatever the compute dtype: the Triton kernel reads bf16 / fp16 / fp32 inputs as
     they are and accumulates in fp32; the csr kernel computes on fp32 copies (autocast off).
     """
-    if resolve_graph_kernel(kernel, query.device.type) == "triton":
+    if resolve_graph_kernel(kernel, query.device.type, query.dtype) == "triton":
         from stormshard.kernels.graph_triton import triton_graph_attention
 
         return triton_graph_attention(query, key, value, edge_attr, edge_weight, edge_bias, edge_index, num_dst)

@@ -69,6 +69,8 @@ def test_triton_matches_the_float64_reference_on_cuda(dtype):
 
 def test_auto_picks_triton_on_cuda_and_times_it_against_csr():
     assert resolve_graph_kernel("auto", "cuda") == "triton"
+    assert resolve_graph_kernel("auto", "cuda", torch.bfloat16) == "triton"
+    assert resolve_graph_kernel("auto", "cuda", torch.float64) == "csr"  # the reference precision
     # an O48-like processor: 10,944 nodes, KNN 16, 16 heads x 64, bf16 nodes, fp32 attributes (autocast's mix)
     *floats, edge_index = _inputs(10944, 10944, 16, 64, 3, 16, seed=0)
     edge_index = edge_index.cuda()
