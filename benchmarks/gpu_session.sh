@@ -10,8 +10,10 @@
 #   ../shared/gpu/fetch_anemoi_wheels.sh .whl && echo /.whl/ >> .git/info/exclude
 #   device run: command "bash benchmarks/gpu_session.sh 540", carry [".whl"], timeout_s 600
 #
-# Budget (seconds, default 540): make test-gpu up to 120, the census up to 30, then make bench-gpu with what is
-# left (about 380 s): bench_gpu.py's bf16 compiled flex processor rows (--budget-s 30, about 40 s) and
+# Budget (seconds, default 540): the GPU tests of the new kernels (tests/gpu/test_cuda_graph_triton.py and
+# test_cuda_layers.py) up to 150, the census up to 30, then make bench-gpu with what is left but 60 s (about
+# 300 s), then the rest of `make test-gpu` in what remains (a full make test-gpu takes 5-6 min: run it in a
+# second session if it is cut): bench_gpu.py's bf16 compiled flex processor rows (--budget-s 30, about 40 s) and
 # bench_gpu_vs_anemoi.py --quick with --budget-s = what is left - 170 (a row started before that runs to its end:
 # the AIFS-size compiled row, last, compiles for a minute or two). Estimated on an H100: O96 rows ~100 s, the
 # attention table ~60 s, the AIFS rows ~200 s. Each step runs under `timeout`; a failed step is logged and the
@@ -68,12 +70,16 @@ fi
   "$PY" -c "import anemoi.models; print('anemoi-models', anemoi.models.__version__)" 2>&1 | tail -1
 } | tee -a "$LOG/session.log"
 
-run_step test_gpu 120 make test-gpu PY="$PY"
+# the new kernels first (a full `make test-gpu` takes 5-6 min on an H100: it runs last, in what is left)
+run_step test_gpu_kernels 150 "$PY" -m pytest -m gpu tests/gpu/test_cuda_graph_triton.py tests/gpu/test_cuda_layers.py \
+  -s -rs -q
 run_step census 30 "$PY" benchmarks/step_census.py --device cuda
 VS_BUDGET=$(( $(left) - 170 ))
-TAIL=60 run_step bench_gpu $(( $(left) - 10 )) make bench-gpu PY="$PY" \
+TAIL=60 run_step bench_gpu $(( $(left) - 60 )) make bench-gpu PY="$PY" \
   BENCH_GPU_ARGS="--quick --tables processor --rows bf16/flex/on --budget-s 30 --json $LOG/bench_gpu.json" \
   BENCH_VS_ANEMOI_ARGS="--quick ${ANEMOI[*]} --budget-s $VS_BUDGET --json $LOG/bench_gpu_vs_anemoi.json"
+run_step test_gpu_rest $(( $(left) - 10 )) "$PY" -m pytest -m gpu tests/gpu -s -rs -q \
+  --deselect tests/gpu/test_cuda_graph_triton.py --deselect tests/gpu/test_cuda_layers.py
 
 say "== the head-to-head (from $LOG/bench_gpu.log)"
 grep -E '^\| |^(o96|aifs|encoder|processor|decoder): |^device: |^anemoi' "$LOG/bench_gpu.log" | grep -v '^| case' \

@@ -22,8 +22,9 @@ BASE: dict[str, Any] = {
         "train": {"end": "2020-01-10T18"}, "validation": {"start": "2020-01-11"}, "validation_samples": 4,
     },
     "parallel": {"gpus_per_model": 1},
+    # compile off explicitly: on CUDA "auto" would compile every tiny run (test_cuda_compile tests compiling)
     "training": {"max_steps": 3, "lr": 1e-3, "warmup_steps": 1, "validation_interval": 100,
-                 "checkpoint_interval": 100, "seed": 0, "output_dir": "", "micro_batch_size": 2},
+                 "checkpoint_interval": 100, "seed": 0, "output_dir": "", "micro_batch_size": 2, "compile": False},
     "engine": "deepspeed",
     "deepspeed": {"zero_optimization": {"stage": 0}},
     "logging": {"progress": False},
