@@ -19,8 +19,11 @@ error that recommends ``upgrade`` leads to a command that works as printed.
 
 from __future__ import annotations
 
+import collections
 import json
+import logging.config
 import os
+import pathlib
 import re
 import shlex
 import shutil
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.collect_env as collect_env
 
 from stormshard.checkpoint.anemoi_pickle import UnsafeAnemoiCheckpoint, open_anemoi_checkpoint
 from stormshard.checkpoint.export import export_bundle, load_model
@@ -363,8 +367,15 @@ class _Reduce:
     (_Reduce(exec, "import os; os.system('touch PWNED')"), "builtins.exec"),
     (_Reduce(subprocess.check_call, ["touch", "PWNED"]), "subprocess.check_call"),
     (_Reduce(__import__, "os"), "builtins.__import__"),
-    (_Reduce(getattr, os.path.join, "__globals__"), "builtins.getattr of the private attribute '__globals__'"),
-], ids=["eval", "exec", "subprocess", "import", "getattr-private"])
+    (_Reduce(getattr, collections.OrderedDict, "__subclasses__"),
+     "builtins.getattr of the private attribute '__subclasses__'"),
+    # globals outside the allow-list, which a deny-list would have let through as stubs
+    (_Reduce(os.path.join, "a", "b"), "posixpath.join" if os.name == "posix" else "ntpath.join"),
+    (_Reduce(collect_env.run, "touch PWNED"), "torch.utils.collect_env.run"),  # a shell command
+    (_Reduce(logging.config.dictConfig, {}), "logging.config.dictConfig"),
+    (_Reduce(getattr, _Reduce(pathlib.Path, "PWNED"), "touch"), "builtins.getattr of 'touch'"),
+], ids=["eval", "exec", "subprocess", "import", "getattr-private", "not-allowed", "collect-env", "dict-config",
+        "getattr-on-a-path"])
 def test_every_code_global_is_refused_by_name(tmp_path, monkeypatch, payload, named):
     monkeypatch.chdir(tmp_path)
     path = _anemoi_zip({"state_dict": {"w": torch.ones(2)}, "payload": payload}, tmp_path / "bad.ckpt")

@@ -38,7 +38,7 @@ import torch
 
 from stormshard.checkpoint.errors import ConversionError
 
-__all__ = ["Stub", "RestrictedUnpickler", "AnemoiCheckpoint", "open_anemoi_checkpoint", "module_tensors",
+__all__ = ["may_stub", "Stub", "RestrictedUnpickler", "AnemoiCheckpoint", "open_anemoi_checkpoint", "module_tensors",
            "stub_class_name", "NotAnemoiCheckpoint", "UnsafeAnemoiCheckpoint", "runs_code"]
 
 
@@ -80,6 +80,38 @@ _CODE_NAMES = frozenset({
 #: modules whose every global is refused, under a package whose others are fine
 _CODE_SUBMODULES = ("torch.serialization", "torch.hub", "torch.package", "torch.utils.cpp_extension",
                     "numpy.lib.npyio", "hydra._internal.instantiate", "hydra._internal.utils")
+
+
+#: the packages whose classes and functions a stub may stand for (an allow-list): what an anemoi checkpoint's
+#: model, config and graph are built from. A global outside them and outside :data:`_STUB_GLOBALS` is refused
+#: (a real unpickler would import it, and anemoi-inference loads with one)
+_STUB_PACKAGES = ("anemoi.models", "anemoi.training", "anemoi.utils.config", "anemoi.graphs", "torch.nn",
+                  "torch_geometric", "omegaconf", "hydra._internal.target_policy", "torch._C._nn")
+#: plain data types and a few harmless functions, per module (Python 3 names)
+_STUB_GLOBALS: dict[str, frozenset[str]] = {
+    "builtins": frozenset({"dict", "list", "tuple", "set", "frozenset", "getattr", "type", "int", "float", "str",
+                           "bytes", "bool", "slice", "range", "object", "complex", "bytearray", "long", "unicode"}),
+    "collections": frozenset({"OrderedDict", "defaultdict", "deque", "Counter"}),
+    "datetime": frozenset({"timedelta", "datetime", "date", "time", "timezone"}),
+    "inspect": frozenset({"_empty"}),
+    "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}),
+    "typing": frozenset({"Any", "Union", "Optional", "OrderedDict", "List", "Dict", "Tuple", "Callable", "Literal",
+                         "Set", "FrozenSet", "Type", "Sequence", "Mapping"}),
+    "operator": frozenset({"getitem"}),
+    "_operator": frozenset({"getitem"}),
+    "torch": frozenset({"Tensor", "Size", "device", "Generator"}),
+}
+
+
+def may_stub(module: str, name: str) -> bool:
+    """Whether ``module.name`` (Python 3 module name) is on the allow-list a stub may stand for: a class or
+    function of :data:`_STUB_PACKAGES`, or a plain type of :data:`_STUB_GLOBALS`; never a dotted name (a
+    protocol-4 attribute path such as ``torch`` / ``os.system``) and never what :func:`runs_code` names."""
+    if "." in name or runs_code(module, name):
+        return False
+    if name in _STUB_GLOBALS.get(module, ()):
+        return True
+    return any(module == p or module.startswith(f"{p}.") for p in _STUB_PACKAGES)
 
 
 def runs_code(module: str, name: str) -> bool:
@@ -144,7 +176,22 @@ class _PublicGetattr(Stub):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if len(args) > 1 and (not isinstance(args[1], str) or args[1].startswith("_")):
             raise _CodeGlobal(f"builtins.getattr of the private attribute {args[1]!r:.60}")
+        target = _stub_target(args[0]) if args else ""
+        if args and not any(target == p or target.startswith(f"{p}.") for p in _STUB_PACKAGES):
+            # a method of a model class (anemoi's files hold getattr(<model class>, 'forward')); a method of a
+            # path, a date or a container (Path(...).touch) would act when a real unpickler calls it
+            raise _CodeGlobal(f"builtins.getattr of {args[1] if len(args) > 1 else '?'!r:.60} on "
+                              f"{target or type(args[0]).__name__!r:.80}")
         super().__init__(*args, **kwargs)
+
+
+def _stub_target(obj: Any) -> str:
+    """The ``module.qualname`` a stub class, a stub instance or a stub call's result stands for ("" otherwise)."""
+    if isinstance(obj, type) and issubclass(obj, Stub):
+        return obj._stub_name
+    if isinstance(obj, Stub):
+        return obj.__dict__.get("_stub_called") or type(obj)._stub_name
+    return ""
 
 
 def _stub_class(name: str) -> type:
@@ -271,6 +318,9 @@ class RestrictedUnpickler(pickle.Unpickler):
             raise _CodeGlobal(f"{py3}.{name}" + (f" (os.{name})" if py3 in ("posix", "nt") else ""))
         if module == "numpy" and name.endswith("DType") or module == "numpy.dtypes":
             return _numpy_dtype
+        if not may_stub(py3, name):
+            raise _CodeGlobal(f"{py3}.{name} (not a class or type an anemoi checkpoint holds: the allow-list is "
+                              "anemoi's, torch.nn's, torch-geometric's and the config's classes and plain types)")
         self.stubbed.add(f"{module}.{name}")
         return _stub_class(f"{module}.{name}")
 
