@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                                         cli_overrides=args.overrides)
         from stormshard.models.trust import check_model_code, stored_beside
 
-        stored = stored_beside(args.config)  # a bundle's finetune_config.json: a stored file, not the user's own
+        # a bundle's finetune_config.json, a run's config.json, a folder that ships its builder: a stored file
+        stored = stored_beside(args.config, config.model.name)
         if stored is not None:
-            check_model_code(config.model.name, f"--config {args.config} (it came with {stored.parent})",
+            check_model_code(config.model.name, f"--config {args.config} (beside {stored})",
                              args.trust_model_code)
         from stormshard.training.launch import run_training
 

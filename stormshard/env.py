@@ -28,6 +28,10 @@ __all__ = ["EnvError", "EnvVariable", "VARIABLES", "env_float", "env_int", "env_
            "check_environment", "raw_value"]
 
 
+#: the largest magnitude a numeric variable may hold (seconds: about 115 days; a C int holds it; a timedelta too)
+MAXIMUM = 1e7
+
+
 class EnvError(ValueError):
     """A ``STORMSHARD_*`` environment variable whose value cannot work; the message names it."""
 
@@ -48,6 +52,9 @@ def _number(name: str, raw: str, default: float, unit: str) -> float:
     if not math.isfinite(value):
         raise EnvError(f"{name}={raw!r} is not a finite number{unit}: unset it (default {default:g}) or give e.g. "
                        f"{default:g}")
+    if abs(value) > MAXIMUM:  # beyond what a timer, a C int or a timedelta takes
+        raise EnvError(f"{name}={raw!r} is above the largest value stormshard takes, {MAXIMUM:g}{unit} (115 days "
+                       f"of seconds): unset it (default {default:g}) or give e.g. {default:g}")
     return value
 
 

@@ -132,6 +132,11 @@ def _newer_than_latest(c: Path) -> None:
     (c / "latest").write_text("step_00000002\n")
 
 
+def _moved_aside_below_a_newer_step(c: Path) -> None:
+    (c / "latest").write_text("step_00000002\n")  # an interrupted save of step 3 left latest behind
+    _step(c, 2).rename(c / "step_00000002.damaged")
+
+
 def _checksum_record_corrupted(c: Path) -> None:
     meta_file = _step(c, 3) / "metadata.json"
     meta = json.loads(meta_file.read_text())
@@ -153,6 +158,9 @@ DAMAGE = {  # how -> (damage, fragments of the message; {c} is the checkpoints d
                                        "previous complete checkpoint is {c}/step_00000002"]),
     "newer-than-latest": (_newer_than_latest, ["names step_00000002 but step_00000003 is newer",
                                                "echo step_00000003 > {c}/latest"]),
+    "moved-aside-below-a-newer-step": (_moved_aside_below_a_newer_step, [
+        "names step_00000002, which was moved aside", "holds newer steps (step_00000003)",
+        "echo step_00000003 > {c}/latest"]),
     "checksum-record-corrupted": (_checksum_record_corrupted, [
         "rank_00000.pt: its contents differ from the sha256 recorded", "step_00000002 (step 2)"]),
 }
@@ -220,7 +228,8 @@ def test_an_override_error_names_the_override_and_a_key_twice_is_an_error(world,
 ENV_CASES = [(name, value, fragment) for name in ("STORMSHARD_DIST_TIMEOUT", "STORMSHARD_RENDEZVOUS_TIMEOUT",
                                                   "STORMSHARD_HEARTBEAT_S", "STORMSHARD_DEAD_AFTER_S")
              for value, fragment in (("nan", "is not a finite number"), ("inf", "is not a finite number"),
-                                     ("-1", "-1"), ("soon", "is not a number"))] + [
+                                     ("-1", "-1"), ("soon", "is not a number"),
+                                     ("1e300", "above the largest value"))] + [
     ("STORMSHARD_MALLOC_TUNING", "yes", "is not one of ['0', '1']"),
     ("STORMSHARD_FLEX_KERNEL_OPTIONS", '{"BLOCK_Q": 64}', "unknown key(s) 'BLOCK_Q'"),
     ("STORMSHARD_FLEX_KERNEL_OPTIONS", "[1, 2]", "must be a JSON object"),

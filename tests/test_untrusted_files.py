@@ -192,7 +192,7 @@ def _builder_cases() -> list:
                                             "--out", "{root}/k1"],
                      ["module 'evil_run.evil_module'", opt_in], id="reshard"),
         pytest.param("train", ["--config", "{downloads}/evil_bundle/finetune_config.json"],
-                     ["--config", "evil_bundle/finetune_config.json (it came with", "module 'evil_bundle.evil_module'",
+                     ["--config", "evil_bundle/finetune_config.json (beside", "module 'evil_bundle.evil_module'",
                       opt_in], id="train-bundle-config"),
     ]
 
@@ -238,13 +238,38 @@ def test_train_trusts_the_users_own_config_and_a_bundles_config_on_request(world
         world.marker.unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("kind", ["foreign-metadata", "no-metadata", "run-config"])
+def test_a_config_that_came_with_code_or_a_run_is_a_stored_file(world, tmp_path, kind):
+    """The folder decides, not a marker its sender controls: a ``metadata.json`` of any content, a run's
+    ``config.json`` (``metrics.jsonl`` beside it) or a builder module shipped in the config's own folder."""
+    folder = world.downloads / f"evilcfg_{kind.replace('-', '_')}"
+    name = f"{folder.name}.evil_module:build"
+    folder.mkdir()
+    (folder / "evil_module.py").write_text(_EVIL_MODULE.format(marker=str(world.marker)))
+    cfg = json.loads((world.downloads / "evil_bundle" / "finetune_config.json").read_text())
+    cfg["model"]["name"] = name
+    cfg["training"]["output_dir"] = str(tmp_path / "out")
+    config = folder / ("config.json" if kind == "run-config" else "finetune_config.json")
+    config.write_text(json.dumps(cfg))
+    if kind == "foreign-metadata":
+        (folder / "metadata.json").write_text('{"format": "bundle-v2"}')
+    if kind == "run-config":
+        (folder / "metrics.jsonl").write_text("")
+    try:
+        _refused(world, "train", ["--config", str(config)], f"{config.name} (beside", f"module '{folder.name}",
+                 "--trust-model-code")
+    finally:
+        shutil.rmtree(folder)
+        world.marker.unlink(missing_ok=True)
+
+
 def test_run_training_of_a_bundles_config_refuses_its_builder_module_unless_trusted(world):
     """``run_training(path)`` treats a config file beside a stormshard ``metadata.json`` as a stored file,
     as ``launch/train.py`` does: nothing imported without ``trust_model_code=True``."""
     from stormshard.training.launch import run_training
 
     stored = world.downloads / "evil_bundle" / "finetune_config.json"
-    with pytest.raises(UntrustedModelCode, match=r"finetune_config.json \(it came with .*trust_model_code=True"):
+    with pytest.raises(UntrustedModelCode, match=r"finetune_config.json \(beside .*trust_model_code=True"):
         run_training(stored)
     assert not world.marker.exists()
 

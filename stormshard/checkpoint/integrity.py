@@ -209,6 +209,12 @@ def _moved_aside(pointer: Path, name: str, step: int) -> ResumeTarget:
             hint = (f" ({name}.old is its previous copy, left by a save interrupted while it replaced the step: "
                     f"mv {root / (name + '.old')} {root / name} restores it)")
         raise _pointer_error(pointer, f"names {name}, but {root / name} does not exist{hint}")
+    newer = [p.name for s, p in _step_entries(root) if s > step]
+    if newer:  # resuming from an older step would retrain and overwrite them
+        raise CheckpointError(
+            f"{pointer} names {name}, which was moved aside ({', '.join(moved)}), but {root} holds newer steps "
+            f"({', '.join(newer)}): resuming from before {name} would train those steps again and overwrite them; "
+            f"point {pointer} at the one to continue (echo {newer[-1]} > {pointer}) or move them aside too")
     older = [(s, p) for s, p in _step_entries(root) if s < step]
     if not older:
         raise CheckpointError(f"{pointer} names {name}, which was moved aside ({', '.join(moved)}), and no earlier "

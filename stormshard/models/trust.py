@@ -16,13 +16,13 @@ user's choice and needs no opt-in. Torch-free.
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 from pathlib import Path
 
 from stormshard.models.config import builder_module
 
-__all__ = ["OPT_IN", "UntrustedModelCode", "check_model_code", "stored_beside"]
+__all__ = ["OPT_IN", "UntrustedModelCode", "check_model_code", "stored_beside", "module_source"]
 
 #: how the user opts in, on the command line and in Python
 OPT_IN = "--trust-model-code (Python: trust_model_code=True)"
@@ -51,12 +51,43 @@ def check_model_code(name: object, where: str, trust_model_code: bool) -> None:
         )
 
 
-def stored_beside(config_file: str | os.PathLike) -> Path | None:
-    """The ``metadata.json`` beside ``config_file`` when that file came with a bundle or checkpoint (a
-    stormshard ``format`` in it), else None: such a config is a stored file, not the user's own."""
-    meta = Path(config_file).parent / "metadata.json"
-    try:
-        fmt = json.loads(meta.read_text()).get("format")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return meta if isinstance(fmt, int) or isinstance(fmt, str) and fmt.startswith("stormshard") else None
+def stored_beside(config_file: str | os.PathLike, model_name: object = None) -> Path | None:
+    """What marks ``config_file`` as a stored file, not the user's own (None: nothing does):
+
+    - a ``metadata.json`` beside it (a bundle's or checkpoint's, whatever it holds: a downloaded folder
+      controls its contents);
+    - a run's ``checkpoints`` folder or ``metrics.jsonl`` beside it (a run's saved ``config.json``);
+    - the source of the builder module ``model_name`` names lying inside the config file's folder (found on
+      ``sys.path`` by file name only, nothing imported): a folder that ships its own code.
+    """
+    folder = Path(config_file).absolute().parent
+    for marker in ("metadata.json", "checkpoints", "metrics.jsonl"):
+        if (folder / marker).exists():
+            return folder / marker
+    if isinstance(model_name, str):
+        try:
+            module = builder_module(model_name)
+        except ValueError:
+            return None
+        source = module_source(module) if module else None
+        if source is not None and folder in source.parents:
+            return source
+    return None
+
+
+def module_source(module: str) -> Path | None:
+    """The file (or folder) ``import module`` would load, found by name alone on ``sys.path`` (the first entry
+    holding its top-level package or module, as import does): no import, no ``find_spec`` (which imports
+    parent packages). None when no entry holds it."""
+    parts = module.split(".")
+    for entry in sys.path:
+        base = Path(entry or os.getcwd()).absolute()
+        if base.joinpath(parts[0] + ".py").is_file():
+            return base.joinpath(parts[0] + ".py")
+        if base.joinpath(parts[0]).is_dir():
+            deepest = base.joinpath(*parts)
+            for candidate in (deepest.with_suffix(".py"), deepest):
+                if candidate.exists():
+                    return candidate
+            return base.joinpath(parts[0])
+    return None

@@ -361,9 +361,9 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
     """
     tune_malloc()
     cfg = config if isinstance(config, ExperimentConfig) else load_experiment_config(config, overrides)
-    stored = stored_beside(config) if isinstance(config, (str, os.PathLike)) else None
+    stored = stored_beside(config, cfg.model.name) if isinstance(config, (str, os.PathLike)) else None
     if stored is not None:  # before the builder is resolved (preflight imports the run's own)
-        check_model_code(cfg.model.name, f"{config} (it came with {stored.parent})", trust_model_code)
+        check_model_code(cfg.model.name, f"{config} (beside {stored})", trust_model_code)
     owns_group = not dist.is_initialized()
     launch = detect_launch() if owns_group else None
     world = dist.get_world_size() if not owns_group else launch.world_size
