@@ -220,6 +220,8 @@ def test_an_override_error_names_the_override_and_a_key_twice_is_an_error(world,
              "override 'training.warmup_steps=50': training.warmup_steps=50 exceeds training.max_steps=3")
     _refused(world, "train", _train(world, "training.lr=1e-3", "training.lr=2e-3"), capsys,
              "overrides 'training.lr=1e-3' and 'training.lr=2e-3' both set training.lr")
+    _refused(world, "train", _train(world, "optimizer.eps=1e-8", 'optimizer={"eps": 1e-6}'), capsys,
+             "overrides 'optimizer.eps=1e-8' and 'optimizer={\"eps\": 1e-6}' both set optimizer (one holds the other)")
 
 
 # ------------------------------------------------------------------------------ environment variables
