@@ -22,12 +22,15 @@ def dataset(tmp_path_factory) -> str:
     return str(path)
 
 
-def _train(rank: int, world: int, cfg: dict, late: bool, poison_step: int | None = None) -> object:
+def _train(rank: int, world: int, cfg: dict, late: bool, poison_step: int | None = None,
+           fail_step: int | None = None) -> object:
     import torch
 
     from stormshard.training import loop
     from stormshard.training.launch import run_training
 
+    # patched in this worker process only for this run (the rank pools persist across tests): put back below
+    saved = loop.Trainer.__dict__["read_loss_late"], loop.Trainer.__dict__["train_step"]
     loop.Trainer.read_loss_late = property(lambda self: late)
     if poison_step is not None:  # the loss of one step becomes NaN (as a diverged model's would)
         original = loop.Trainer.train_step
@@ -37,10 +40,21 @@ def _train(rank: int, world: int, cfg: dict, late: bool, poison_step: int | None
             return loss * torch.nan if step == poison_step else loss
 
         loop.Trainer.train_step = poisoned
+    if fail_step is not None:  # one step fails (out of memory, a lost rank) after the step before was queued
+        original_step = loop.Trainer.train_step
+
+        def failing(self, step):  # noqa: ANN001, ANN202
+            if step == fail_step:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return original_step(self, step)
+
+        loop.Trainer.train_step = failing
     try:
         return run_training(cfg).losses
-    except FloatingPointError as err:
+    except (FloatingPointError, RuntimeError) as err:
         return str(err)
+    finally:
+        loop.Trainer.read_loss_late, loop.Trainer.train_step = saved
 
 
 def _records(out: Path) -> list[dict]:
@@ -68,3 +82,13 @@ def test_a_nan_loss_read_late_stops_before_the_next_checkpoint(dataset, tmp_path
     assert isinstance(message, str) and "at step 3" in message, message
     saved = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert saved == ["step_00000003"], saved  # step 6's checkpoint was never written
+
+
+def test_a_failing_step_does_not_lose_the_loss_of_the_step_before(dataset, tmp_path):
+    out = tmp_path / "fail"
+    cfg = tiny_config(dataset, out, **{"training.max_steps": 6, "training.checkpoint_interval": 6,
+                                       "logging.log_interval": 1})
+    message = run_distributed(_train, 1, cfg, True, None, 4)[0]
+    assert "out of memory" in message, message
+    steps = [r["step"] for r in _records(out) if "loss" in r]
+    assert steps == [1, 2, 3, 4], steps  # step index 3 (logged as 4) was read late, when step index 4 failed

@@ -83,3 +83,27 @@ def test_bf16_with_the_triton_kernel_casts_activations_only_at_the_model_boundar
     assert sum(ours.values()) <= 3, result.table()
     backward = sum(n for where, n in result.activation_casts.items() if not where.startswith("stormshard/"))
     assert backward <= 3, result.table()  # the backward of the boundary casts (the three above)
+
+
+def test_blocks_sharing_a_plan_share_its_edge_tensors_on_every_device():
+    """The processor's blocks share one plan: its edge index and each chunk's index are the same tensors in
+    every block, before and after ``.to(device)`` (here the meta device), so a kernel's structure cached per
+    edge index is built once for all blocks (16 blocks x 2 chunks would otherwise be 32 structures)."""
+    from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+    from stormshard.models.config import ModelConfig
+    from stormshard.models.registry import build_model
+    from stormshard.models.variables import VariableIndex
+
+    names = ["a", "b", "c"]
+    graph = build_graph(GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4)))
+    config = ModelConfig(name="graphtransformer", num_channels=8, processor=dict(num_layers=4, num_heads=2,
+                                                                                 num_chunks=2))
+    model = build_model(config, graph, VariableIndex.build(names, forcing=[], diagnostic=[]))
+    for m in (model, model.to("meta")):
+        blocks = list(m.processor.blocks) if hasattr(m.processor, "blocks") else list(m.processor.processor.blocks)
+        first = blocks[0]
+        for block in blocks[1:]:
+            assert block.plan.edge_index is first.plan.edge_index
+            assert all(block.chunk_index[k] is first.chunk_index[k] for k in first.chunk_index)
+            assert all(a[2] is b[2] for a, b in zip(block.edge_chunks, first.edge_chunks, strict=True))
+        assert first.plan.edge_index.device.type == next(m.parameters()).device.type

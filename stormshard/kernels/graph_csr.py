@@ -237,7 +237,7 @@ def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int)
 
 
 _CACHE: dict[tuple, tuple[weakref.ref, CsrStructure]] = {}
-_CACHE_SIZE = 32
+_CACHE_SIZE = 1024  # entries also go with their edge index tensor (weakref)
 
 
 def csr_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:

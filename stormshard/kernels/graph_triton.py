@@ -138,7 +138,7 @@ class TritonGraphStructure:
 
 _BUILDS = 0
 _STRUCTURES: dict[tuple, tuple[weakref.ref, TritonGraphStructure]] = {}
-_MAX_STRUCTURES = 32
+_MAX_STRUCTURES = 1024  # entries also go with their edge index tensor (weakref)
 
 
 def structure_builds() -> int:
@@ -268,7 +268,8 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
     if need_w or need_b:
         per_head = _weight_gradient(kernels, agg, go, de, q, acc)  # (F + 1, H d): [dW_e^T | db_e] per head
         dw, db = per_head[:fdim].t().contiguous().to(w_e.dtype), per_head[fdim].to(b_e.dtype)
-    return [dq if need_q else None, dk if need_k else None, dv if need_v else None, da if need_a else None, dw, db]
+    return [dq if need_q else None, dk if need_k else None, dv if need_v else None, da if need_a else None,
+            dw if need_w else None, db if need_b else None]  # as the fake: the ones asked for
 
 
 def _weight_gradient(kernels, agg: Tensor, go: Tensor, de: Tensor, q: Tensor, acc: torch.dtype) -> Tensor:  # noqa: ANN001

@@ -124,6 +124,9 @@ def graph_operands(query: Tensor, key: Tensor, value: Tensor, edge_attr: Tensor,
     if edge_weight.shape != (heads * d, fdim):
         raise ValueError(f"edge_weight must be ({heads * d}, {fdim}) (heads * d, edge features), got "
                          f"{tuple(edge_weight.shape)}")
+    if edge_index.device != query.device:
+        raise ValueError(f"edge_index is on {edge_index.device} but query on {query.device}: move the edge index "
+                         "(or the block holding it: block.to(device)) to the nodes' device")
     if edge_index.dim() != 2 or edge_index.shape[0] != 2 or edge_index.dtype.is_floating_point:
         raise ValueError(f"edge_index must be an integer (2, E) tensor, got {edge_index.dtype} "
                          f"{tuple(edge_index.shape)}")

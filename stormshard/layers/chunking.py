@@ -11,7 +11,9 @@ keep every chunk's edge tensors alive and the peak would not fall.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stormshard.parallel.graph_edges import destination_chunks
 
-__all__ = ["map_destination_chunks", "check_num_chunks", "precompute_chunks", "chunk_edge_indices"]
+__all__ = ["map_destination_chunks", "check_num_chunks", "precompute_chunks", "chunk_edge_indices", "shared_to"]
 
 ChunkFn = Callable[[Tensor | None, int, int], tuple[Tensor, ...]]
 
@@ -31,12 +33,38 @@ def check_num_chunks(num_chunks: object) -> int:
     return num_chunks
 
 
+# per edge index tensor (by identity, while it lives): what precompute_chunks / chunk_edge_indices / shared_to
+# made of it, so that blocks sharing a plan share the tensors (and the kernels' structures cached on them)
+_MADE: dict[tuple, tuple[weakref.ref, Any]] = {}
+
+
+def _made_once(source: Tensor, key: tuple, make: Callable[[], Any]) -> Any:
+    full = (id(source), *key)
+    hit = _MADE.get(full)
+    if hit is not None and hit[0]() is source:
+        return hit[1]
+    value = make()
+    _MADE[full] = (weakref.ref(source, lambda _ref, full=full: _MADE.pop(full, None)), value)
+    return value
+
+
+def shared_to(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor.to(device)``, one copy per tensor and device: blocks that hold the same index tensor hold the
+    same moved copy."""
+    if tensor.device == device:
+        return tensor
+    return _made_once(tensor, ("to", str(device)), lambda: tensor.to(device))
+
+
 def precompute_chunks(edge_index: Tensor, num_dst: int, num_chunks: int) -> tuple[tuple[int, int, Tensor], ...] | None:
     """The ``(first, end, edge ids)`` chunks :func:`map_destination_chunks` walks, computed once (a
-    block computes them at construction from its plan's ``edge_index``); None for one chunk. Their
-    sizes depend on the edges' values, so computing them inside a torch.compile'd block would break
-    its graph."""
-    return None if num_chunks == 1 else tuple(destination_chunks(edge_index, num_dst, num_chunks))
+    block computes them at construction from its plan's ``edge_index``; blocks sharing the plan share
+    them); None for one chunk. Their sizes depend on the edges' values, so computing them inside a
+    torch.compile'd block would break its graph."""
+    if num_chunks == 1:
+        return None
+    return _made_once(edge_index, ("chunks", num_dst, num_chunks),
+                      lambda: tuple(destination_chunks(edge_index, num_dst, num_chunks)))
 
 
 def chunk_edge_indices(edge_index: Tensor,
@@ -47,7 +75,9 @@ def chunk_edge_indices(edge_index: Tensor,
     built once per chunk, not on every call; None for one chunk."""
     if chunks is None:
         return None
-    return {first: torch.stack([edge_index[0, ids], edge_index[1, ids] - first]) for first, _end, ids in chunks}
+    bounds = tuple((first, end) for first, end, _ids in chunks)
+    return _made_once(edge_index, ("chunk_index", bounds), lambda: {
+        first: torch.stack([edge_index[0, ids], edge_index[1, ids] - first]) for first, _end, ids in chunks})
 
 
 def map_destination_chunks(

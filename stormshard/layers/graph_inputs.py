@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from stormshard.layers.chunking import shared_to
 from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["check_positive_int", "check_plan", "check_local_rows", "check_node_and_edge_shapes"]
@@ -85,8 +86,9 @@ class PlanFollowsModule(nn.Module):
         device = tensors[0].device  # where the call left the parameters (a dtype change leaves them)
         if self.plan.edge_index.device != device:
             self.plan = self.plan.to(device)
+            # one moved copy per tensor and device: the blocks sharing a plan share its chunks too
             if self.edge_chunks is not None:
-                self.edge_chunks = tuple((first, end, ids.to(device)) for first, end, ids in self.edge_chunks)
+                self.edge_chunks = tuple((first, end, shared_to(ids, device)) for first, end, ids in self.edge_chunks)
             if getattr(self, "chunk_index", None) is not None:
-                self.chunk_index = {first: index.to(device) for first, index in self.chunk_index.items()}
+                self.chunk_index = {first: shared_to(index, device) for first, index in self.chunk_index.items()}
         return out

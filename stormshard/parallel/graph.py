@@ -23,6 +23,7 @@ are in :mod:`stormshard.parallel.graph_edges`, anemoi's edge-sorting helpers in
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +42,10 @@ from stormshard.parallel.shapes import balanced_offsets, balanced_sizes, group_r
 __all__ = ["GraphShardPlan"]
 
 ProcessGroup = dist.ProcessGroup
+
+
+# plan -> {device: the plan moved there}, kept while the plan lives (GraphShardPlan.to)
+_MOVED_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,11 +171,18 @@ class GraphShardPlan(RowExchangePlan):
         )
 
     def to(self, device: torch.device | str) -> GraphShardPlan:
-        """The same plan with its index tensors on ``device``."""
-        return replace(
-            self, edge_ids=self.edge_ids.to(device), edge_index=self.edge_index.to(device),
-            send_index=self.send_index.to(device), halo_ids=self.halo_ids.to(device),
-        )
+        """The same plan with its index tensors on ``device``; one copy per plan and device (the blocks that
+        share a plan share its moved copy, so kernel structures cached per edge index are built once)."""
+        if self.edge_index.device == torch.device(device):
+            return self
+        copies = _MOVED_PLANS.setdefault(self, {})
+        key = str(torch.device(device))
+        if key not in copies:
+            copies[key] = replace(
+                self, edge_ids=self.edge_ids.to(device), edge_index=self.edge_index.to(device),
+                send_index=self.send_index.to(device), halo_ids=self.halo_ids.to(device),
+            )
+        return copies[key]
 
     # ----------------------------------------------------------------------------------------
     # sizes

@@ -100,6 +100,22 @@ class _PendingStep:
     waited: float  # the trainer's data wait before the step
     loss: Tensor | None = None
     lr: float = float("nan")
+    host: Tensor | None = None  # the loss copied to the host without waiting (CUDA), valid once ``ready`` is
+    ready: Any = None  # a torch.cuda.Event recorded after that copy: waiting on it waits for this step only
+
+    def hand_over(self) -> None:
+        """Queue the loss's copy to the host and an event behind it (on CUDA; elsewhere nothing)."""
+        if self.loss is not None and self.loss.is_cuda:
+            self.host = self.loss.to("cpu", non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def value(self) -> float:
+        """The loss as a float: waits for this step's kernels only (not for steps queued after it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            return float(self.host)
+        return float(self.loss)
 
 
 class Trainer:
@@ -409,22 +425,28 @@ class Trainer:
 
     @property
     def read_loss_late(self) -> bool:
-        """Whether :meth:`fit` reads a step's loss after queueing the next step: on CUDA (a read waits for
-        the device; reading one step late keeps it fed), not on a CPU (its work is done when queued)."""
+        """Whether :meth:`fit` reads a step's loss after queueing the next step: on CUDA (the loss is copied to
+        the host behind an event when its step is queued, and the read waits for that event, i.e. for that
+        step only, while the next step runs: the device never waits for the host between steps), not on a
+        CPU (its work is done when queued)."""
         return self.device.type == "cuda"
 
-    def _record_step(self, done: _PendingStep, result: TrainResult, samples_per_step: int) -> None:
-        """Read a step's loss (a host sync), check it is finite, append it and log it."""
+    def _record_step(self, done: _PendingStep, result: TrainResult, samples_per_step: int,
+                     after: _PendingStep | None = None) -> None:
+        """Read a step's loss (a host sync on this step only), check it is finite, append it and log it. ``after``:
+        the step queued after it, whose start ends this one's step time and data wait (a step read late)."""
         lg = self.config.logging
-        mean_loss = float(done.loss)
+        mean_loss = done.value()
         if not math.isfinite(mean_loss):
             raise FloatingPointError(self.non_finite_message(mean_loss, done.step))
         result.losses.append(mean_loss)
         result.rollouts.append(self.rollout_at(done.step))
         if (done.step + 1) % lg.log_interval == 0 or done.step + 1 == self.total_steps:
             self.logger.log(done.step + 1, {"loss": mean_loss, "rollout": self.rollout_at(done.step),
-                                            "lr": done.lr, "step_time": time.perf_counter() - done.started,
-                                            "data_wait": self.data_wait - done.waited},
+                                            "lr": done.lr,
+                                            "step_time": (after.started if after else time.perf_counter())
+                                            - done.started,
+                                            "data_wait": (after.waited if after else self.data_wait) - done.waited},
                             samples=samples_per_step * lg.log_interval)
 
     def describe(self) -> str:
@@ -464,14 +486,21 @@ class Trainer:
         try:
             for step in range(start, self.total_steps):
                 queued = _PendingStep(step, time.perf_counter(), self.data_wait)
-                queued.loss = self.train_step(step)
+                try:
+                    queued.loss = self.train_step(step)
+                except BaseException:
+                    if pending is not None:  # the step before is not lost (its NaN is the clearer error)
+                        self._record_step(pending, result, samples_per_step, after=queued)
+                    raise
                 queued.lr = self.engine.lr  # after the step, as logged before
                 if pending is not None:
-                    self._record_step(pending, result, samples_per_step)
+                    self._record_step(pending, result, samples_per_step, after=queued)
                 boundary = (step + 1) % t.validation_interval == 0 or (step + 1) % t.checkpoint_interval == 0 \
                     or step + 1 == self.total_steps
                 pending = queued if defer and not boundary else None
-                if pending is None:
+                if pending is not None:
+                    pending.hand_over()
+                else:
                     self._record_step(queued, result, samples_per_step)
                 if (step + 1) % t.validation_interval == 0 and step + 1 < self.total_steps:
                     metrics = self.validate()
