@@ -93,6 +93,10 @@ def triton_graph_unavailable(device_type: str) -> str | None:
     if device_type != "cuda" and not _interpreting():
         return (f"Triton kernels run on CUDA devices, not {device_type!r}: set TRITON_INTERPRET=1 before "
                 "triton is imported to run them in Triton's interpreter (slow: tests only)")
+    if device_type == "cuda" and not _interpreting() and torch.cuda.is_available() and \
+            torch.cuda.get_device_capability() < (7, 0):
+        return (f"Triton needs a GPU of compute capability 7.0 or newer, this one is "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability()))}")
     return None
 
 

@@ -253,10 +253,6 @@ def apply_overrides(raw: dict[str, Any], items: Sequence[str], schema: type[Base
         if dotted in seen:
             raise ConfigError(f"overrides {seen[dotted]!r} and {item!r} both set {dotted}: give each key once (the "
                               "second would silently replace the first)")
-        overlap = next((k for k in seen if k.startswith(dotted + ".") or dotted.startswith(k + ".")), None)
-        if overlap is not None:  # optimizer.eps=... and optimizer='{...}': the later one decides silently
-            raise ConfigError(f"overrides {seen[overlap]!r} and {item!r} both set {min(overlap, dotted, key=len)} "
-                              "(one holds the other): give the whole object once, or only the keys inside it")
         seen[dotted] = item
         node = out
         for i, part in enumerate(parts[:-1]):
@@ -270,6 +266,10 @@ def apply_overrides(raw: dict[str, Any], items: Sequence[str], schema: type[Base
                     f"value instead, e.g. {where}='{{...}}'"
                 )
             node = child
+        overlap = next((k for k in seen if k.startswith(dotted + ".") or dotted.startswith(k + ".")), None)
+        if overlap is not None:  # optimizer.eps=... and optimizer='{...}': the later one decides silently
+            raise ConfigError(f"overrides {seen[overlap]!r} and {item!r} both set {min(overlap, dotted, key=len)} "
+                              "(one holds the other): give the whole object once, or only the keys inside it")
         node[parts[-1]] = value
     return out
 
