@@ -179,6 +179,24 @@ def _run_processor_row(row: Row, tokens: int, channels: int, heads: int, window:
     _finish(row, step, device, warmup, steps, processor_flops(tokens, channels, window, layers), peak)
 
 
+def mse_training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, target: torch.Tensor,
+                      autocast: torch.dtype | None) -> Callable[[], float]:
+    """One training step as a function: forward (under ``autocast`` when given), the fp32 MSE loss, backward,
+    the optimizer step; it returns the loss (a host sync: the benchmarks time whole steps)."""
+    device = x.device
+
+    def step() -> float:
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            pred = model(x)
+        loss = (pred.float() - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
 def run_model_row(row: Row, graph, variables: VariableIndex, channels: int, heads: int, window: int,  # noqa: ANN001
                   layers: int, device: torch.device, warmup: int, steps: int, peak: float | None) -> None:
     config = ModelConfig(name="transformer", num_channels=channels, multistep_input=2, trainable_size=8,
@@ -196,15 +214,7 @@ def run_model_row(row: Row, graph, variables: VariableIndex, channels: int, head
     x = torch.randn(1, 2, cells, len(variables.input_names), generator=gen).to(device)
     target = torch.randn(1, cells, len(variables.output_names), generator=gen).to(device)
 
-    def step() -> float:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=row.precision == "bf16"):
-            pred = model(x)
-        loss = (pred.float() - target).square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
+    step = mse_training_step(model, optimizer, x, target, torch.bfloat16 if row.precision == "bf16" else None)
     flops = processor_flops(graph["hidden"].num_nodes, channels, window, layers)
     _finish(row, step, device, warmup, steps, flops, peak)
 

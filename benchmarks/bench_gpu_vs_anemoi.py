@@ -96,7 +96,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "anemoi_side"))
 
-from bench_gpu import device_peak, measured_bf16_rate  # noqa: E402
+from bench_gpu import device_peak, measured_bf16_rate, mse_training_step  # noqa: E402
 from step_measure import (  # noqa: E402
     AttentionRow,
     ModelRow,
@@ -254,15 +254,7 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, target = model_inputs(graph, variables, device)
 
-    def step() -> float:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            pred = model(x)
-        loss = (pred.float() - target).square().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
+    step = mse_training_step(model, optimizer, x, target, None if dtype == torch.float32 else dtype)
     finish_model_row(row, step, device, warmup, steps, flops, peak)
 
 
