@@ -423,3 +423,14 @@ def test_a_failed_reshard_into_an_existing_out_leaves_what_was_there_and_nothing
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     (out / "notes.txt").unlink()
     out.rmdir()
+
+
+def test_the_graph_kernel_may_change_on_resume(world, capsys):
+    """How the same model computes (csr here, Triton on a GPU) is not what it computes: allowed on --resume."""
+    run = world.fresh("resume-kernel")
+    shutil.copytree(world.run, run)
+    capsys.readouterr()
+    assert run_main("train", ["--config", str(run / "config.json"), f"training.output_dir={run}", "--resume",
+                              "model.graph_kernel=csr", "training.max_steps=4"]) == 0
+    err = capsys.readouterr().err
+    assert "resume: model.graph_kernel: stored 'auto', now 'csr' (allowed on --resume)" in err, err

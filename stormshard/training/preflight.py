@@ -99,7 +99,7 @@ RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.
                      "data.graph_cache", "data.validation_samples", "logging", "data.num_workers", "data.prefetch",
                      "data.worker_type", "data.test", "training.validation_rollout",
                      "training.init_weights", "training.init_weights_partial",  # a resumed run continues its weights
-                     "training.compile")  # how the same model runs, not what it computes
+                     "training.compile", "model.graph_kernel")  # how the same model runs, not what it computes
 
 
 def checkpoint_dir(config: ExperimentConfig) -> Path:
