@@ -60,6 +60,7 @@ from stormshard.models.config import ModelConfig  # noqa: E402
 from stormshard.models.parallelize import build_transformer_processor  # noqa: E402
 from stormshard.models.registry import build_model  # noqa: E402
 from stormshard.models.variables import VariableIndex  # noqa: E402
+from stormshard.training.engine.adamw import build_adamw  # noqa: E402
 
 # bf16 dense tensor-core peak, FLOP/s, from the vendors' spec sheets (no sparsity)
 BF16_PEAK = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "GH200": 989e12,
@@ -208,7 +209,7 @@ def run_model_row(row: Row, graph, variables: VariableIndex, channels: int, head
     model = build_model(config, graph, variables).to(device)
     if row.compiled:
         _compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    optimizer = build_adamw(model.parameters(), lr=1e-4)  # what training builds: fused on CUDA
     gen = torch.Generator().manual_seed(1)
     cells = graph["data"].num_nodes
     x = torch.randn(1, 2, cells, len(variables.input_names), generator=gen).to(device)

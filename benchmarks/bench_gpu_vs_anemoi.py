@@ -15,7 +15,9 @@ Without CUDA (and without ``--cpu-smoke``) it says so and exits 0.
   16 layers, 16 heads, window 1120, 96 variables, activation checkpointing of every processor block.
 
 Encoder edges: cutoff 0.6 (AIFS's), decoder: 3 nearest hidden nodes. One training step: forward under
-bf16 autocast, fp32 MSE loss, backward, ``torch.optim.AdamW``. Rows: stormshard with its default settings
+bf16 autocast, fp32 MSE loss, backward, AdamW (stormshard's: what its training builds,
+:func:`~stormshard.training.engine.adamw.build_adamw`, torch's fused kernel on CUDA; anemoi's:
+``torch.optim.AdamW`` with torch's defaults, as anemoi-training builds it). Rows: stormshard with its default settings
 (``graph_kernel`` and ``attention_kernel`` "auto": the Triton graph kernel and flex / flash window attention
 on CUDA) eager and compiled (``training.compile``: :func:`stormshard.models.compile.compile_blocks`), and
 anemoi-models' own model built from the same weights (:mod:`stormshard.checkpoint.anemoi_plan` +
@@ -241,6 +243,7 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
                          steps: int, flops: float, peak: float | None, dtype: torch.dtype) -> None:
     from stormshard.models.compile import compile_blocks
     from stormshard.models.registry import build_model
+    from stormshard.training.engine.adamw import build_adamw
 
     variables = size_variables(size)
     model = build_model(size_config(size), graph, variables)
@@ -251,7 +254,7 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
 
         _dynamo.reset()  # each compiled row compiles afresh (its compile time is its own)
         compile_blocks(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = build_adamw(model.parameters(), lr=1e-4)  # what training builds: fused on CUDA
     x, target = model_inputs(graph, variables, device)
 
     step = mse_training_step(model, optimizer, x, target, None if dtype == torch.float32 else dtype)

@@ -581,6 +581,27 @@ def test_flat_adamw_matches_torch_and_skips_dynamo():
     assert out.strip().splitlines()[-1] == "False", out
 
 
+def test_adamw_is_fused_on_cuda_parameters_only():
+    """``build_adamw`` picks torch's fused kernel for CUDA parameters (one launch per step, the step count
+    on the device) and the flat ``foreach`` path elsewhere; an explicit ``fused`` / ``foreach`` is kept.
+    The fused kernel's arithmetic is torch's AdamW's: on a CPU it takes the same steps within 1e-6
+    (``tests/gpu/test_cuda_training.py`` checks the CUDA choice and its steps)."""
+    from stormshard.training.engine.adamw import build_adamw, fused_capable
+
+    kwargs = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    ours, ref = make_model(3), make_model(3)
+    assert not fused_capable(ours.parameters()) and not fused_capable([])
+    assert not fused_capable([{"params": [torch.zeros(2, device="meta")]}])
+    opt = build_adamw(ours.parameters(), **kwargs)
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    fused = build_adamw(ref.parameters(), fused=True, **kwargs)
+    assert fused.defaults["fused"] is True and not fused.defaults["foreach"]
+    for model, o in ((ours, opt), (ref, fused)):
+        _adamw_steps(model, o, range(3))
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_deepspeed_zero_steps_import_no_compiler():
     """A DeepSpeed ZeRO 1 engine trains without loading torch._dynamo or sympy: it is handed torch's AdamW
     (not DeepSpeed's, whose constructor imports the compiler) and DeepSpeed's Muon module is imported with

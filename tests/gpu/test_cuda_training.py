@@ -1,7 +1,7 @@
 """bf16 training of the tiny config on one GPU (local engine with autocast, DeepSpeed bf16 at ZeRO 0
 and 1, NCCL world 1, each run in its own process as launch/train.py would). DeepSpeed runs torch's
-AdamW (``torch_adam``), so no fused-Adam build is needed. Skipped without CUDA; step times printed
-with ``-s``."""
+AdamW (``torch_adam``), so no fused-Adam build is needed (torch's own fused kernel runs on CUDA).
+Skipped without CUDA; step times printed with ``-s``."""
 
 from __future__ import annotations
 
@@ -60,3 +60,38 @@ def test_bf16_training_on_one_gpu(dataset, tmp_path, engine, stage):
           f"(with start-up); bf16 vs fp32 loss: mean relative difference {sum(rel) / len(rel):.1e}")
     assert all(map(lambda v: v == v and abs(v) < 1e6, bf16["losses"]))
     assert sum(rel) / len(rel) < 2e-2 and bf16["losses"][-1] < 0.8 * bf16["losses"][0]
+
+
+def test_adamw_is_fused_on_cuda_and_resumes_on_a_cpu():
+    """On CUDA parameters every engine's AdamW is torch's fused kernel: its steps equal the CPU ``foreach``
+    path's within 1e-6, and its state dict (the step count on the device) loads into the CPU optimizer and
+    steps on from there."""
+    import torch
+
+    from stormshard.training.engine.adamw import FlatAdamW, build_adamw
+
+    kwargs = {"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    torch.manual_seed(0)
+    cpu = [torch.nn.Parameter(torch.randn(33, 17)), torch.nn.Parameter(torch.randn(5))]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    opt_cpu, opt_gpu = build_adamw(cpu, **kwargs), build_adamw(gpu, **kwargs)
+    assert opt_gpu.defaults["fused"] is True and not opt_gpu.defaults["foreach"]
+    for _ in range(4):
+        grads = [torch.randn_like(p) for p in cpu]
+        for params, opt in ((cpu, opt_cpu), (gpu, opt_gpu)):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.to(p.device)
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(cpu, gpu, strict=True):
+        torch.testing.assert_close(a, b.cpu(), rtol=1e-6, atol=1e-6)
+    resumed = build_adamw([torch.nn.Parameter(p.detach().cpu()) for p in gpu], **kwargs)
+    assert isinstance(resumed, FlatAdamW)
+    saved = torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
+                                         opt_gpu.state_dict())  # as a checkpoint loads: map_location="cpu"
+    resumed.load_state_dict(saved)
+    assert float(resumed.state_dict()["state"][0]["step"]) == 4.0
+    resumed.param_groups[0]["params"][0].grad = torch.ones(33, 17)
+    resumed.param_groups[0]["params"][1].grad = torch.ones(5)
+    resumed.step()
+    assert float(resumed.state_dict()["state"][0]["step"]) == 5.0

@@ -10,9 +10,11 @@ undecorated bodies (the ``__wrapped__`` functions the decorators keep), ``step``
 ``state_dict`` layout, a ``torch.optim.Optimizer`` for the schedulers. Where a torch version lacks one
 of those ``__wrapped__`` functions, :func:`build_adamw` returns plain ``torch.optim.AdamW``.
 
-``foreach=True``: a few multi-tensor kernels per step instead of ~10 ops per parameter. torch
+``foreach=True`` on a CPU: a few multi-tensor kernels per step instead of ~10 ops per parameter. torch
 chooses it by default only for CUDA parameters; on a CPU it is 1.6x faster here and gives the same
-steps as the per-tensor loop, bit for bit.
+steps as the per-tensor loop, bit for bit. On CUDA parameters ``fused=True``: one kernel launch per
+~hundreds of parameters and the step count on the device, where ``foreach`` reads each parameter's
+step on the host (a 16-layer model's step made ~480 such reads and ~10 launches per tensor chunk).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _get_scalar_dtype as _scalar_dtype
 
-__all__ = ["LeanAdamW", "FlatAdamW", "build_adamw"]
+__all__ = ["LeanAdamW", "FlatAdamW", "build_adamw", "fused_capable"]
 
 _METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
 
@@ -217,10 +219,23 @@ def _flat_adamw_step(group: dict[str, Any], flat: _FlatState) -> None:
     torch._foreach_copy_(params, [v.view(p.shape) for v, p in zip(param.split(flat.numels), params, strict=True)])
 
 
-def build_adamw(params: Iterable[Tensor], flat: bool = True, **kwargs: Any) -> torch.optim.AdamW:
-    """AdamW over ``params`` with ``foreach=True`` and ``kwargs`` (lr, betas, eps, weight_decay):
+def fused_capable(params: Iterable[Tensor | dict[str, Any]]) -> bool:
+    """Whether torch's fused AdamW takes ``params`` (tensors or param groups): every one a floating
+    CUDA tensor (one kernel per step for all of them, the step count kept on the device: no per-parameter
+    launches and no host work per parameter). CPU parameters keep the flat ``foreach`` path, whose steps
+    the pinned CPU loss curves hold bit for bit."""
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    return bool(tensors) and all(t.device.type == "cuda" and t.dtype.is_floating_point for t in tensors)
+
+
+def build_adamw(params: Iterable[Tensor | dict[str, Any]], flat: bool = True, **kwargs: Any) -> torch.optim.AdamW:
+    """AdamW over ``params`` with ``kwargs`` (lr, betas, eps, weight_decay): on CUDA parameters torch's
+    fused kernel (``fused=True``, :func:`fused_capable`), elsewhere ``foreach=True`` kernels;
     :class:`FlatAdamW` (``flat=False``: :class:`LeanAdamW`, for parameters that are flat already, such
     as DeepSpeed's ZeRO partitions) where this torch version allows it, else ``torch.optim.AdamW``."""
+    params = list(params)
     lean = _STEP is not None and all(_BODIES.values()) and not kwargs.get("differentiable", False)
     kind = (FlatAdamW if flat else LeanAdamW) if lean else torch.optim.AdamW
-    return kind(params, foreach=True, **kwargs)
+    if "fused" not in kwargs and "foreach" not in kwargs:
+        kwargs["fused" if fused_capable(params) else "foreach"] = True
+    return kind(params, **kwargs)
