@@ -603,9 +603,10 @@ def test_adamw_is_fused_on_cuda_parameters_only():
 
 
 def test_deepspeed_zero_steps_import_no_compiler():
-    """A DeepSpeed ZeRO 1 engine trains without loading torch._dynamo or sympy: it is handed torch's AdamW
-    (not DeepSpeed's, whose constructor imports the compiler) and DeepSpeed's Muon module is imported with
-    its torch.compile deferred; the same steps, bit for bit, as DeepSpeed building torch's AdamW itself
+    """A DeepSpeed ZeRO 1 engine trains without loading torch._dynamo, sympy or Triton: it is handed torch's
+    AdamW (not DeepSpeed's, whose constructor imports the compiler), DeepSpeed's Muon module is imported with
+    its torch.compile deferred and its Triton ops' availability check with Triton hidden (on the CPU
+    accelerator it finds no GPU backend either way); the same steps, bit for bit, as DeepSpeed building torch's AdamW itself
     (the engines' parity tests)."""
     import subprocess
     import sys
@@ -628,7 +629,10 @@ for step in range(2):
     engine.step()
     engine.zero_grad()
 import deepspeed.runtime.zero.muon.muon_optimizer  # imported by DeepSpeed, compiler deferred
-print(type(engine.ds.optimizer.optimizer).__name__, sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+from deepspeed.ops.triton_ops import _triton  # imported by DeepSpeed's engine, Triton hidden on the CPU
+assert _triton.is_triton_available() is False
+print(type(engine.ds.optimizer.optimizer).__name__, sorted(m for m in ("torch._dynamo", "sympy", "triton") if m in sys.modules))
+import triton  # hidden only while DeepSpeed's check was imported
 dist.destroy_process_group()
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -41,7 +41,8 @@ from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.engine.zero_grad_sum import ZeroPartitionGradSum, partition_sum_blocker
 from stormshard.training.schedule import build_scheduler
 
-__all__ = ["DeepSpeedEngine", "on_cpu_accelerator", "disable_cpu_shm_build", "import_muon_without_compiling"]
+__all__ = ["DeepSpeedEngine", "on_cpu_accelerator", "disable_cpu_shm_build", "import_muon_without_compiling",
+           "import_triton_ops_without_triton"]
 
 
 class DeepSpeedEngine(TrainingEngine):
@@ -60,6 +61,7 @@ class DeepSpeedEngine(TrainingEngine):
         zero = int(config.get("zero_optimization", {}).get("stage", 0))
         adamw = settings.adamw_kwargs()
         import_muon_without_compiling()
+        import_triton_ops_without_triton()
         register_zero_optimizers()
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module, model_parameters=params, config=config, mpu=groups,
@@ -235,6 +237,31 @@ def _compile_at_first_call(compile_now: Callable[..., Any]) -> Callable[..., Any
         return call
 
     return deferred
+
+
+_TRITON_OPS = "deepspeed.ops.triton_ops._triton"
+
+
+def import_triton_ops_without_triton() -> None:
+    """On DeepSpeed's CPU accelerator, import DeepSpeed's Triton availability check with Triton hidden.
+
+    DeepSpeed 0.19's engine imports its Triton ops at start-up whether or not expert parallelism is on
+    (``_configure_expert_parallel`` imports ``auto_ep_layer`` before it reads the config). Their shared
+    check imports Triton (~71 MiB resident per rank) and then finds no active GPU backend on a CPU, so
+    DeepSpeed's Triton kernels are off there either way. Imported here with ``triton`` hidden, the check
+    takes its no-Triton branch: the same answer (``_TRITON_AVAILABLE`` False) without loading Triton.
+    Nothing changes where Triton is imported already (stormshard's kernels under the interpreter), where
+    the check was imported, or on a GPU accelerator."""
+    if "triton" in sys.modules or _TRITON_OPS in sys.modules or not on_cpu_accelerator():
+        return
+    sys.modules["triton"] = None  # type: ignore[assignment]  # `import triton` raises ImportError
+    try:
+        importlib.import_module(_TRITON_OPS)
+    except ImportError:  # a DeepSpeed without Triton ops: nothing to hide
+        pass
+    finally:
+        if "triton" in sys.modules and sys.modules["triton"] is None:
+            del sys.modules["triton"]
 
 
 def on_cpu_accelerator() -> bool:
