@@ -159,6 +159,9 @@ def _check_model_parallel_grads(rank: int, world: int) -> None:
     expect_close(local)
     # the full model's gradient norm, and clipping, equal the single-process ones
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    # the multi-tensor squares (the default on GPUs) give the same norm
+    multi = grad_norm(local.parameters(), groups.model_group, multi_tensor=True)
+    torch.testing.assert_close(multi, ref_norm, rtol=1e-12, atol=0)
     norm = clip_grad_norm_(local.parameters(), 1e-3, groups.model_group)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=0)
     expect_close(local)
@@ -579,6 +582,27 @@ def test_flat_adamw_matches_torch_and_skips_dynamo():
             "o.step(); o.zero_grad(); o.load_state_dict(o.state_dict()); print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False", out
+
+
+def test_multi_tensor_grad_norm_equals_the_per_parameter_sums():
+    """The GPU's gradient norm (multi-tensor norms, one stack and sum per kind) equals the CPU's per-parameter
+    sums in order: fp32 and bf16 gradients mixed (accumulated in fp32), partitioned and replicated ones,
+    and clipping with either scales the gradients alike."""
+    from stormshard.parallel.partition import Partition, set_partition
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(40, 3)), nn.Parameter(torch.randn(7).bfloat16()),
+              nn.Parameter(torch.randn(1000)), nn.Parameter(torch.randn(2, 2, 2).bfloat16())]
+    set_partition(params[2], Partition(dim=0, parts=1, index=0, full_size=1000))
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    ref = grad_norm(params, None, multi_tensor=False)
+    multi = grad_norm(params, None, multi_tensor=True)
+    assert multi.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(multi, ref, rtol=2e-6, atol=0)
+    exact = sum(p.grad.double().square().sum() for p in params).sqrt()
+    torch.testing.assert_close(multi.double(), exact, rtol=2e-6, atol=0)
+    assert grad_norm(params[1:2], None, multi_tensor=True).dtype == torch.float32
 
 
 def test_adamw_is_fused_on_cuda_parameters_only():
