@@ -1,4 +1,4 @@
-"""Graph attention as Triton kernels: one program per (destination node, batch entry), all heads at once.
+"""Graph attention as Triton kernels: one program per (destination node, head group, batch entry).
 
 The same computation as :func:`stormshard.kernels.graph_csr.fused_graph_attention`, with the edge
 embedding kept factored: per head ``W = [W_e | b_e]`` ``(H, d, F + 1)`` and attributes with a ones
@@ -9,17 +9,21 @@ decoder in bf16) and the ones column is never stored (the kernels set it on load
 
 Layouts (contiguous): ``q`` / output ``(Nd, B, H, d)``, ``k`` / ``v`` ``(Ns, B, H, d)`` (``B`` the
 batch dims flattened), attributes ``(E, F)`` shared by the batch or ``(E, B, F)`` in the caller's
-edge order, ``W`` as ``(F + 1, H * d)`` (tiny). Kernels (:mod:`~stormshard.kernels.graph_triton_kernels`):
+edge order, ``W`` as ``(F + 1, H * d)`` (tiny). Everything but the edge structure is per head, so a
+node's heads are split into ``G`` groups of ``HP`` (:func:`tile_config`: ``HP * d`` about 256, a
+512-byte bf16 run of each neighbour row), one program each, and the launch grid's first axis is
+``node * G + group`` (a node's groups run side by side and share its edge ids and attributes in the
+cache). Kernels (:mod:`~stormshard.kernels.graph_triton_kernels`):
 
-- forward, grid ``(Nd, B)``: a program loads ``q[i, b]`` ``[HP, DP]`` (``HP`` / ``DP`` the powers of
-  two at or above ``H`` / ``d``, padding masked), computes ``u = W^T q`` in registers, walks the
+- forward, grid ``(Nd G, B)``: a program loads its heads of ``q[i, b]`` ``[HP, DP]`` (``DP`` the
+  power of two at or above ``d``, padding masked), computes ``u = W^T q`` in registers, walks the
   node's CSR range ``BLOCK_E`` edges at a time as ``[BLOCK_E, HP, DP]`` tiles with an online softmax
   (running max and sum per head), and writes the output (``+ W agg`` in registers) and the
-  log-sum-exp per head. One program per (node, batch entry) rather than per node: each neighbour row
-  ``k[j, b]`` is one contiguous ``H * d`` run, the register tile does not grow with the batch and
-  the grid has ``B`` times more programs for small graphs; batch entries sharing a node's edges
-  re-read only its int32 ids and ``F`` attributes per edge.
-- backward, destination side, grid ``(Nd, B)``, one pass over the node's edges: recomputes ``alpha``
+  log-sum-exp per head. Per (node, batch entry) rather than per node: each neighbour row segment
+  ``k[j, b, heads]`` is one contiguous run, the register tile does not grow with the batch and the
+  grid has ``B`` times more programs for small graphs; batch entries and head groups sharing a node's
+  edges re-read only its int32 ids and ``F`` attributes per edge.
+- backward, destination side, grid ``(Nd G, B)``, one pass over the node's edges: recomputes ``alpha``
   from the log-sum-exp, ``dalpha = go . v_j + gu . a_j`` (``gu = W^T go``) and ``delta = sum_j
   alpha_j dalpha_j`` alongside ``sum_j alpha_j dalpha_j x_j`` and ``sum_j alpha_j x_j`` (``x`` = ``k``,
   ``a``), so ``sum_j ds_j x_j`` with ``ds = alpha (dalpha - delta) scale`` needs no second pass;
@@ -30,11 +34,13 @@ edge order, ``W`` as ``(F + 1, H * d)`` (tiny). Kernels (:mod:`~stormshard.kerne
   than the csr kernel's on the same inputs (measured under the interpreter, whose bf16 conversion
   truncates; about half that when rounding to nearest); summed in fp32 it costs two accumulators, and
   the output is not saved;
-- backward, source side, grid ``(Ns, B)``, over the transposed CSR (a source's out-edges in a
+- backward, source side, grid ``(Ns G, B)``, over the transposed CSR (a source's out-edges in a
   fixed order): ``dk = sum ds q_dst``, ``dv = sum alpha go_dst`` and each edge's attribute gradient
-  ``sum_h alpha gu + ds u`` (every (edge, batch entry) has one source program; shared attributes are
-  summed over the batch outside);
-- dense epilogue outside: ``dW = sum_nodes go (x) agg + q (x) de`` (one small product per head).
+  over the group's heads ``sum_h alpha gu + ds u`` (every (edge, batch entry, head group) has one
+  source program; the groups' parts, and for shared attributes the batch, are summed outside in a
+  fixed order);
+- the edge projection's gradient ``dW = sum_nodes go (x) agg + q (x) de``: a Triton reduction per
+  (head, split of the nodes) whose partial sums are added outside in a fixed order.
 
 No atomics anywhere: every output element is written by one program and sums run in a fixed order,
 so the backward is deterministic (bit-identical gradients run to run). Logits, softmax statistics
@@ -45,8 +51,8 @@ autocast off.
 Read per edge (``s`` the input element size, ``H d`` channels): forward ``2 H d s`` (``k``, ``v``
 rows) ``+ F s_attr + 8`` (int32 source and edge ids); destination side the same; source side
 ``2 H d s`` (``q``, ``go`` rows) ``+ 2 H (F + 1) 4`` (``u``, ``gu``) ``+ 2 H 4`` (log-sum-exp,
-``delta``) ``+ F s_attr + 8``; written per edge only the attribute gradient (``F`` values, when the
-attributes need one). Saved for backward: ``q``, ``k``, ``v``, the attributes, the weights and the
+``delta``) ``+ F s_attr + 8``; written per edge only the attribute gradient (``F`` values per head
+group, when the attributes need one). Saved for backward: ``q``, ``k``, ``v``, the attributes, the weights and the
 log-sum-exp ``(Nd, B, H)``; of edge size only the cached int32 structure (16 bytes per edge) and the
 caller's attributes (``4 F`` bytes per edge at fp32), against ``2 H d`` bytes per edge for anemoi's
 bf16 ``[E, heads, d]`` edge tensor (2048 at 16 x 64), which its backward also writes as a gradient.
@@ -78,7 +84,7 @@ from torch.autograd.function import once_differentiable
 from stormshard.kernels.reference import graph_operands
 
 __all__ = ["triton_graph_attention", "triton_graph_unavailable", "triton_graph_structure", "TritonGraphStructure",
-           "structure_builds", "tile_config"]
+           "structure_builds", "tile_config", "weight_tile_config"]
 
 
 def triton_graph_unavailable(device_type: str) -> str | None:
@@ -196,12 +202,29 @@ def triton_graph_structure(edge_index: Tensor, num_src: int, num_dst: int) -> Tr
 
 
 def tile_config(heads: int, head_dim: int, features: int) -> dict[str, int]:
-    """``HP``, ``DP``, ``FP`` (``heads``, ``head_dim``, ``features + 1`` padded to powers of two),
-    ``BLOCK_E`` (edges per tile: a ``[BLOCK_E, HP, DP]`` tile of about 8K elements, 2 to 64 edges)
-    and ``num_warps`` (8 for tiles of 8K elements, else 4)."""
-    hp, dp, fp = (1 << max(n - 1, 0).bit_length() for n in (heads, head_dim, features + 1))
-    block_e = min(64, max(2, 8192 // (hp * dp)))
-    return dict(HP=hp, DP=dp, FP=fp, BLOCK_E=block_e, num_warps=8 if block_e * hp * dp >= 8192 else 4)
+    """The launch configuration: ``HP`` heads per program (a power of two; ``G`` = ``ceil(heads / HP)``
+    programs share a node, one head group each), ``DP`` / ``FP`` (``head_dim`` / ``features + 1``
+    padded to powers of two), ``BLOCK_E`` (edges per ``[BLOCK_E, HP, DP]`` tile) and ``num_warps``.
+
+    ``HP * DP`` at most 256 (a 512-byte bf16 run of each neighbour row per program: four 128-byte
+    lines), tiles of about 2K elements, 8 per thread. Chosen from what ptxas makes of the kernels for
+    sm_90 (``benchmarks/triton_registers.py``), not yet from timings: at 16 heads of 64 the three
+    kernels take 64-126 registers and 16-32 resident warps per SM, where one program per node (a
+    ``[8, 16, 64]`` tile on 8 warps, the first choice) took 177-254 registers and held 8 warps per SM."""
+    hp_all, dp, fp = (1 << max(n - 1, 0).bit_length() for n in (heads, head_dim, features + 1))
+    hp = max(1, min(hp_all, 256 // dp))
+    block_e = min(64, max(2, 2048 // (hp * dp)))
+    warps = max(2, min(8, block_e * hp * dp // 256))
+    return dict(HP=hp, G=-(-heads // hp), DP=dp, FP=fp, BLOCK_E=block_e, num_warps=warps)
+
+
+def weight_tile_config(columns: int, head_dim: int) -> dict[str, int]:
+    """The weight-gradient kernel's ``FP`` / ``DP`` (``columns`` = ``F + 1`` and ``head_dim`` padded to
+    powers of two), ``BLOCK_R`` rows per ``[BLOCK_R, FP, DP]`` tile (about 4K elements, 16 per thread)
+    and ``num_warps`` (8): at 64 x 4 and 64 x 16 ptxas (sm_90) gives 64-80 registers, no spills, where
+    8K-element tiles on 4 warps took 168-236 registers."""
+    fp, dp = (1 << max(n - 1, 0).bit_length() for n in (columns, head_dim))
+    return dict(FP=fp, DP=dp, BLOCK_R=min(128, max(2, 4096 // (fp * dp))), num_warps=8)
 
 
 def _acc_dtype(*tensors: Tensor) -> torch.dtype:
@@ -230,7 +253,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: T
     lse = torch.empty((nd, batch, heads), dtype=acc, device=q.device)
     if nd * batch:
         cfg = tile_config(heads, d, attr3.shape[-1])
-        _kernels().graph_attention_fwd[(nd, batch)](
+        _kernels().graph_attention_fwd[(nd * cfg["G"], batch)](
             q, k, v, attr3, _weights(w_e, b_e), out, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, batch,
             H=heads, D=d, F=attr3.shape[-1], SHARED=attr3.shape[1] == 1, ACC=_triton_dtype(acc), **cfg)
     return out, lse
@@ -246,28 +269,34 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
     acc = _acc_dtype(q, k, v)
     go = go.contiguous()
     w = _weights(w_e, b_e)
-    common = dict(H=heads, D=d, F=fdim, SHARED=attr_batch == 1, ACC=_triton_dtype(acc), **tile_config(heads, d, fdim))
+    cfg = tile_config(heads, d, fdim)
+    common = dict(H=heads, D=d, F=fdim, SHARED=attr_batch == 1, ACC=_triton_dtype(acc), **cfg)
+    groups = cfg["G"]
     need_q, need_k, need_v, need_a, need_w, need_b = needs
     dq = torch.empty_like(q)
     u, gu, agg, de = (torch.empty((nd, batch, heads, fdim + 1), dtype=acc, device=q.device) for _ in range(4))
     delta = torch.empty((nd, batch, heads), dtype=acc, device=q.device)
     kernels = _kernels()
     if nd * batch:
-        kernels.graph_attention_bwd_dst[(nd, batch)](
+        kernels.graph_attention_bwd_dst[(nd * groups, batch)](
             q, k, v, attr3, w, go, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, dq, u, gu, agg, de, delta, batch,
             **common)
     dk = dv = da = None
     if need_k or need_v or need_a:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        # per (edge, batch entry); shared attributes sum it over the batch below
-        da = torch.empty((num_edges if need_a else 0, batch, fdim),
-                         dtype=attr3.dtype if attr_batch == batch else acc, device=q.device)
+        # per (head group, edge, batch entry): the groups' parts are summed below in a fixed order, and
+        # shared attributes sum it over the batch
+        direct = groups == 1 and attr_batch == batch
+        da = torch.empty((groups, num_edges if need_a else 0, batch, fdim), dtype=attr3.dtype if direct else acc,
+                         device=q.device)
         if ns * batch:
-            kernels.graph_attention_bwd_src[(ns, batch)](
+            kernels.graph_attention_bwd_src[(ns * groups, batch)](
                 q, k, v, attr3, go, lse, delta, u, gu, st.src_ptr, st.src_nbr, st.src_eid, dk, dv, da, batch,
-                NEED_DA=need_a, **common)
+                da[0].numel(), NEED_DA=need_a, **common)
+        da = da[0] if groups == 1 else da.sum(0)
         if need_a and attr_batch != batch:
-            da = da.sum(1, keepdim=True).to(attr3.dtype)
+            da = da.sum(1, keepdim=True)
+        da = da.to(attr3.dtype)
     dw = db = None
     if need_w or need_b:
         per_head = _weight_gradient(kernels, agg, go, de, q, acc)  # (F + 1, H d): [dW_e^T | db_e] per head
@@ -278,18 +307,17 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
 
 def _weight_gradient(kernels, agg: Tensor, go: Tensor, de: Tensor, q: Tensor, acc: torch.dtype) -> Tensor:  # noqa: ANN001
     """``(F + 1, H * d)`` in ``acc``: ``sum_rows agg^T go + de^T q`` per head, read from ``go`` / ``q`` in their
-    own dtype (no fp32 copy of a node tensor); rows split over programs (about 2,048 each, at most 64
-    splits) whose partial sums are added here in a fixed order: deterministic."""
+    own dtype (no fp32 copy of a node tensor); rows split over programs (about 1,024 each, at most 256
+    splits: 4,096 programs at 16 heads) whose partial sums are added here in a fixed order: deterministic."""
     nd, batch, heads, d = q.shape
     f1, rows = agg.shape[-1], nd * batch
-    splits = max(1, min(64, -(-rows // 2048)))
+    splits = max(1, min(256, -(-rows // 1024)))
     rows_per = -(-rows // splits)
     partial = torch.zeros((splits, f1, heads, d), dtype=acc, device=q.device)
     if rows:
-        fp, dp = (1 << max(n - 1, 0).bit_length() for n in (f1, d))
         kernels.graph_attention_bwd_weight[(heads, splits)](
-            agg, go, de, q, partial, rows, rows_per, H=heads, D=d, F1=f1, FP=fp, DP=dp,
-            BLOCK_R=min(128, max(2, 8192 // (fp * dp))), ACC=_triton_dtype(acc), num_warps=4)
+            agg, go, de, q, partial, rows, rows_per, H=heads, D=d, F1=f1, ACC=_triton_dtype(acc),
+            **weight_tile_config(f1, d))
     return partial.sum(0).reshape(f1, heads * d)
 
 

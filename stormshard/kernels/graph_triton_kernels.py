@@ -12,10 +12,13 @@ Layouts (all contiguous, row-major; ``N`` nodes, ``B`` batch entries, ``H`` head
 - the destination CSR ``ptr`` ``(Nd + 1)``, ``nbr`` (source of each edge, ``(E,)``), ``eid`` (the
   edge's position in the caller's order, ``(E,)``); the source CSR likewise with destinations.
 
-Every program owns one (node, batch entry) pair and all its heads: the node's rows are one
-``[HP, DP]`` tile (``HP`` / ``DP`` / ``FP`` the powers of two at or above ``H`` / ``D`` / ``F1``,
-padding masked), its edges are walked ``BLOCK_E`` at a time from the CSR range as
-``[BLOCK_E, HP, DP]`` tiles (each neighbour row one contiguous ``H * D`` run). Everything is
+Every program owns one (node, head group, batch entry): ``program_id(0) = node * G + group``,
+``program_id(1)`` the batch entry; the group's heads ``group * HP ...`` of the node's row are one
+``[HP, DP]`` tile (``HP`` a power of two, ``DP`` / ``FP`` the powers of two at or above ``D`` /
+``F1``; heads past ``H`` and padding masked), its edges are walked ``BLOCK_E`` at a time from the
+CSR range as ``[BLOCK_E, HP, DP]`` tiles (each neighbour row segment one contiguous ``HP * D`` run).
+The source side writes each edge's attribute gradient over its group's heads at ``group *
+DA_GROUP_STRIDE`` (the caller sums the groups). Everything is
 accumulated in ``ACC`` (fp32, or fp64 for fp64 inputs) whatever the input dtypes (converted on
 load); results are converted to the output pointer's dtype on store. No atomics: every output
 element is written by exactly one program, sums run in a fixed order (deterministic).
@@ -44,16 +47,19 @@ __all__ = ["graph_attention_fwd", "graph_attention_bwd_dst", "graph_attention_bw
 def graph_attention_fwd(
     q_ptr, k_ptr, v_ptr, attr_ptr, w_ptr, out_ptr, lse_ptr, ptr_ptr, nbr_ptr, eid_ptr,
     B,
-    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+    DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Forward for destination ``program_id(0)``, batch entry ``program_id(1)``: ``out`` (``sum_j
+    """Forward for destination ``program_id(0) // G`` (its head group ``program_id(0) % G``), batch entry
+    ``program_id(1)``: ``out`` (``sum_j
     alpha_j v_j + W agg``) and ``lse`` (``max + log(sum)`` of the logits per head; 0 without edges)."""
-    # program: node n, batch entry b, their row node; the [HP, DP] head tile; the node's CSR range
-    n = tl.program_id(0).to(tl.int64)
+    # program: node n, head group pid % G, batch entry b, their row node; the [HP, DP] tile of the group's
+    # heads; the node's CSR range
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // G
     b = tl.program_id(1).to(tl.int64)
     node = n * B + b
-    offs_h = tl.arange(0, HP)
+    offs_h = (pid % G) * HP + tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     offs_f = tl.arange(0, FP)
     offs_e = tl.arange(0, BLOCK_E)
@@ -121,10 +127,11 @@ def graph_attention_bwd_dst(
     q_ptr, k_ptr, v_ptr, attr_ptr, w_ptr, go_ptr, lse_ptr, ptr_ptr, nbr_ptr, eid_ptr,
     dq_ptr, u_ptr, gu_ptr, agg_ptr, de_ptr, delta_ptr,
     B,
-    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
     DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Backward, destination side, for destination ``program_id(0)``, batch entry ``program_id(1)``.
+    """Backward, destination side, for destination ``program_id(0) // G`` (head group ``program_id(0) % G``),
+    batch entry ``program_id(1)``.
 
     One pass over the node's edges: ``alpha`` recomputed from ``lse``, ``dalpha = go . v_j + gu . a_j``
     (``gu = W^T go``); with ``delta = sum_j alpha_j dalpha_j`` (exact in ``ACC``: not ``go . out``
@@ -132,11 +139,13 @@ def graph_attention_bwd_dst(
     (sum_j alpha_j dalpha_j x_j - delta sum_j alpha_j x_j)``. Writes ``dq = sum_j ds_j k_j + W de``
     and what the source side and the weight gradient read: ``u = W^T q``, ``gu``, ``agg = sum_j
     alpha_j a_j``, ``de = sum_j ds_j a_j``, ``delta``."""
-    # program: node n, batch entry b, their row node; the [HP, DP] head tile; the node's CSR range
-    n = tl.program_id(0).to(tl.int64)
+    # program: node n, head group pid % G, batch entry b, their row node; the [HP, DP] tile of the group's
+    # heads; the node's CSR range
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // G
     b = tl.program_id(1).to(tl.int64)
     node = n * B + b
-    offs_h = tl.arange(0, HP)
+    offs_h = (pid % G) * HP + tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     offs_f = tl.arange(0, FP)
     offs_e = tl.arange(0, BLOCK_E)
@@ -213,21 +222,24 @@ def graph_attention_bwd_dst(
 def graph_attention_bwd_src(
     q_ptr, k_ptr, v_ptr, attr_ptr, go_ptr, lse_ptr, delta_ptr, u_ptr, gu_ptr, ptr_ptr, nbr_ptr, eid_ptr,
     dk_ptr, dv_ptr, dattr_ptr,
-    B,
-    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr, NEED_DA: tl.constexpr,
+    B, DA_GROUP_STRIDE,
+    H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
+    DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr, NEED_DA: tl.constexpr,
 ):
-    """Backward, source side, for source ``program_id(0)``, batch entry ``program_id(1)``, over its
-    out-edges (source CSR: ``nbr`` are destinations): ``dk = sum_j ds_j q_dst``, ``dv = sum_j alpha_j
-    go_dst``, with ``alpha`` / ``ds`` recomputed from the destination side's ``lse``, ``delta``,
-    ``u``, ``gu``; when ``NEED_DA`` each edge's attribute gradient ``sum_h alpha gu + ds u`` (columns
-    ``< F``) into ``dattr`` ``(E, B, F)`` row ``(eid, b)`` (every (edge, batch entry) has one source
+    """Backward, source side, for source ``program_id(0) // G`` (head group ``program_id(0) % G``), batch
+    entry ``program_id(1)``, over its out-edges (source CSR: ``nbr`` are destinations): ``dk = sum_j
+    ds_j q_dst``, ``dv = sum_j alpha_j go_dst``, with ``alpha`` / ``ds`` recomputed from the
+    destination side's ``lse``, ``delta``, ``u``, ``gu``; when ``NEED_DA`` each edge's attribute
+    gradient over the group's heads ``sum_h alpha gu + ds u`` (columns ``< F``) into ``dattr``
+    ``(G, E, B, F)`` at ``(group, eid, b)`` (every (edge, batch entry, head group) has one source
     program: no two programs write one element)."""
-    # program: node n, batch entry b, their row node; the [HP, DP] head tile; the node's CSR range
-    n = tl.program_id(0).to(tl.int64)
+    # program: node n, head group pid % G, batch entry b, their row node; the [HP, DP] tile of the group's
+    # heads; the node's CSR range
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // G
     b = tl.program_id(1).to(tl.int64)
     node = n * B + b
-    offs_h = tl.arange(0, HP)
+    offs_h = (pid % G) * HP + tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     offs_f = tl.arange(0, FP)
     offs_e = tl.arange(0, BLOCK_E)
@@ -280,7 +292,7 @@ def graph_attention_bwd_src(
         dv += tl.reduce(alpha[:, :, None] * go, 0, _sum)
         if NEED_DA:
             da = tl.reduce(alpha[:, :, None] * gu + ds[:, :, None] * u, 1, _sum)  # [BLOCK_E, FP]
-            dptrs = dattr_ptr + (eid * B + b)[:, None] * F + offs_f[None, :]
+            dptrs = dattr_ptr + (pid % G) * DA_GROUP_STRIDE + (eid * B + b)[:, None] * F + offs_f[None, :]
             tl.store(dptrs, da, mask=emask[:, None] & (offs_f[None, :] < F))
 
     tl.store(dk_ptr + node * (H * D) + hd, dk, mask=hd_mask)
