@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu_vs_anemoi.py [--quick] [--budget-s S] [--json PATH]   # CUDA (make bench-gpu)
         [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--tables model:o96,attention:aifs,model:aifs]
+        [--triton-tiles HPxBLOCK_ExWARPS,...]
     python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0.
@@ -65,7 +66,10 @@ one block's attention forward + backward (gradients of q, k, v and the edge proj
 :func:`stormshard.kernels.dispatch.graph_attention_kernel` with ``"triton"`` and ``"csr"`` (the edge term
 factored, never per edge). anemoi: as its block with ``graph_attention_backend: "triton"`` does it: the
 edge projection ``lin_edge(edge_attr)`` to ``(E, heads, 64)``, ``edge_index_to_csc`` and its Triton
-custom op. Time: median fwd + bwd; memory: peak above what the inputs hold.
+custom op. Time: median fwd + bwd; memory: peak above what the inputs hold. ``--triton-tiles
+16x8x8,2x8x4,...`` adds rows of stormshard's Triton kernel at other launch configurations (heads per
+program x edges per tile x warps, :func:`stormshard.kernels.graph_triton.tile_override`): the timed
+sweep behind :func:`~stormshard.kernels.graph_triton.tile_config`'s choice.
 
 ``--cpu-smoke``: tiny grids (model: O16 -> O8, O12 -> O6; attention: O4 -> O2), fp32, a few steps on the CPU, compiled rows with
 ``STORMSHARD_COMPILE_BACKEND=aot_eager`` unless set; with ``TRITON_INTERPRET=1`` the Triton rows (both
@@ -269,8 +273,9 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
 def run_stormshard_attention(row: AttentionRow, edge_index: torch.Tensor, num_src: int, num_dst: int, size: Size,
                              device: torch.device, dtype: torch.dtype, warmup: int, steps: int) -> None:
     from stormshard.kernels.dispatch import graph_attention_kernel
+    from stormshard.kernels.graph_triton import tile_override
 
-    kernel = row.impl.split()[-1]
+    kernel = row.impl.split()[1]  # "stormshard triton", "stormshard csr", "stormshard triton tiles HPxExW"
     index = edge_index.to(device)
     inputs = attention_inputs(num_src, num_dst, row.edges, size.channels, size.heads, 3, device, dtype)
 
@@ -279,7 +284,21 @@ def run_stormshard_attention(row: AttentionRow, edge_index: torch.Tensor, num_sr
             return graph_attention_kernel(kernel, inputs["q"], inputs["k"], inputs["v"], inputs["attr"],
                                           inputs["weight"], inputs["bias"], index, num_dst)
 
-    measure_attention(row, forward, inputs, device, warmup, steps)
+    if " tiles " in row.impl:
+        with tile_override(parse_tiles(row.impl.split()[-1])):
+            measure_attention(row, forward, inputs, device, warmup, steps)
+    else:
+        measure_attention(row, forward, inputs, device, warmup, steps)
+
+
+def parse_tiles(text: str):  # noqa: ANN201 - a stormshard.kernels.graph_triton.Tiles
+    """``"HPxBLOCK_ExWARPS"`` (e.g. ``4x8x8``) as :class:`~stormshard.kernels.graph_triton.Tiles`."""
+    from stormshard.kernels.graph_triton import Tiles
+
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--triton-tiles {text!r}: write heads-per-program x edges-per-tile x warps, e.g. 4x8x8")
+    return Tiles(*(int(p) for p in parts))
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,9 +480,10 @@ def attention_table(args: argparse.Namespace, key: str, device: torch.device, dt
         theirs = anemoi_rows.get(name) or AttentionRow(name, "anemoi triton", int(edge_index.shape[1]),
                                                       note="anemoi not available" if not anemoi_ok else "no result")
         print(format_attention_row(theirs, theirs), flush=True)
-        for kernel in ("triton", "csr"):
+        sweep = [f"triton tiles {t}" for t in args.triton_tiles.split(",") if t]
+        for kernel in ("triton", "csr", *sweep):
             row = AttentionRow(name, f"stormshard {kernel}", int(edge_index.shape[1]))
-            problem = graph_kernel_problem(kernel, device.type)
+            problem = graph_kernel_problem(kernel.split()[0], device.type)
             if problem:
                 row.note = f"skipped: {problem}"
             else:
@@ -498,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", default=None, help="tables in order, a comma list of model:SIZE and "
                         "attention:SIZE (SIZE one of " + ", ".join(SIZES) + "; default model:o96,attention:aifs,"
                         "model:aifs, and model:tiny,model:tiny-ckpt,attention:micro with --cpu-smoke)")
+    parser.add_argument("--triton-tiles", default="",
+                        help="a timed tile sweep of the Triton graph kernel: extra attention rows, a comma list of "
+                             "HPxBLOCK_ExWARPS (heads per program x edges per tile x warps), e.g. 16x8x8,4x8x8,2x8x4")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),
@@ -515,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     tables = [item.partition(":")[::2] for item in args.tables.split(",")]
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick or smoke else 2)
     args.steps = args.steps if args.steps is not None else (2 if smoke else 3 if args.quick else 5)
+    for text in filter(None, args.triton_tiles.split(",")):
+        try:
+            parse_tiles(text)
+        except ValueError as err:
+            parser.error(str(err))
     unknown = [f"{t}:{k}" for t, k in tables if t not in ("model", "attention") or k not in SIZES]
     if unknown:
         parser.error(f"--tables {unknown}: use model:SIZE or attention:SIZE with SIZE one of {', '.join(SIZES)}")

@@ -75,6 +75,8 @@ import math
 import os
 import sys
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +86,7 @@ from torch.autograd.function import once_differentiable
 from stormshard.kernels.reference import graph_operands
 
 __all__ = ["triton_graph_attention", "triton_graph_unavailable", "triton_graph_structure", "TritonGraphStructure",
-           "structure_builds", "tile_config", "weight_tile_config"]
+           "structure_builds", "tile_config", "weight_tile_config", "Tiles", "tile_override"]
 
 
 def triton_graph_unavailable(device_type: str) -> str | None:
@@ -215,7 +217,40 @@ def tile_config(heads: int, head_dim: int, features: int) -> dict[str, int]:
     hp = max(1, min(hp_all, 256 // dp))
     block_e = min(64, max(2, 2048 // (hp * dp)))
     warps = max(2, min(8, block_e * hp * dp // 256))
+    if _TILES is not None:  # a benchmark's sweep (tile_override)
+        hp, block_e, warps = min(_TILES.heads_per_program, hp_all), _TILES.block_e, _TILES.num_warps
     return dict(HP=hp, G=-(-heads // hp), DP=dp, FP=fp, BLOCK_E=block_e, num_warps=warps)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A launch configuration for :func:`tile_override`: heads per program, edges per tile, warps (powers of two)."""
+
+    heads_per_program: int
+    block_e: int
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        for name, value in (("heads_per_program", self.heads_per_program), ("block_e", self.block_e),
+                            ("num_warps", self.num_warps)):
+            if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
+                raise ValueError(f"Tiles.{name} = {value!r}: must be a power of two (1, 2, 4, ...)")
+
+
+_TILES: Tiles | None = None
+
+
+@contextmanager
+def tile_override(tiles: Tiles) -> Iterator[None]:
+    """Launch the kernels with ``tiles`` instead of :func:`tile_config`'s choice inside the block (the
+    timed tile sweep of ``benchmarks/bench_gpu_vs_anemoi.py --triton-tiles``). Every configuration
+    computes the same function; the sums run in another order, so results differ in rounding."""
+    global _TILES
+    previous, _TILES = _TILES, tiles
+    try:
+        yield
+    finally:
+        _TILES = previous
 
 
 def weight_tile_config(columns: int, head_dim: int) -> dict[str, int]:
