@@ -273,8 +273,9 @@ def test_init_weights_damaged_partial_or_frozen_stops_before_any_file(world, cap
     _refused(world, "train", _train(world, f"training.init_weights={world.bundle}", "model.processor.num_layers=3"),
              capsys, "matches 74 of the model's 86 parameters", "processor.processor.blocks.2.", "(not in the file)",
              "training.init_weights_partial=true")
-    _refused(world, "train", _train(world, f"training.init_weights={world.gt_bundle}"), capsys,  # a graph transformer
-             "matches 42 of the model's 74 parameters", "another architecture")
+    # a graph transformer of another grid: its node embeddings (O16 data, ico2 hidden) do not match this O8 run's
+    _refused(world, "train", _train(world, f"training.init_weights={world.gt_bundle}"), capsys,
+             "matches 40 of the model's 74 parameters", "another architecture")
     from safetensors.torch import load_file, save_file
 
     foreign = world.fresh("bundle-foreign")

@@ -192,3 +192,24 @@ def test_finetune_bad_inputs(setup, tmp_path):
     with pytest.raises(ConfigError, match="'nowhere'"):
         run_training(_cli(bundle, dataset, tmp_path / "c", 'training.freeze=["nowhere"]'))
     assert not any((tmp_path / d).exists() for d in "abc")  # all before any work
+
+
+def test_graph_dependent_init_weights_fail_with_nothing_written(setup, tmp_path):
+    """Without ``data.graph_file`` the graph is built by the run. Trainable node embeddings follow the
+    grids' node counts: a weights file of another grid is an error in the preflight, before any work.
+    Trainable edge features follow the edge counts, known once the graph is built: that error comes
+    before ``config.json``, and the graph cache the build wrote is removed; nothing stays behind."""
+    bundle, dataset = setup
+    other_grid = _cli(bundle, dataset, tmp_path / "a", "data.graph_file=null", "graph.hidden=ico1")
+    with pytest.raises(ConfigError, match=r"hidden_embedding \(file \[162, 4\], model \[(\d+), 4\]\)"):
+        run_training(other_grid)
+    assert not (tmp_path / "a").exists()
+    other_edges = _cli(bundle, dataset, tmp_path / "b", "data.graph_file=null", "graph.hidden=ico2")  # 1600 and 162 nodes
+    with pytest.raises(ConfigError, match=r"encoder_edges.trainable"):
+        run_training(other_edges)
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")  # an output directory that exists keeps what it held
+    with pytest.raises(ConfigError, match=r"encoder_edges.trainable"):
+        run_training(_cli(bundle, dataset, tmp_path / "c", "data.graph_file=null", "graph.hidden=ico2"))
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["notes.txt"]

@@ -47,7 +47,7 @@ from stormshard.graphs.edges import (
 )
 from stormshard.graphs.grids import grid_from_name
 from stormshard.graphs.hetero import HeteroGraph
-from stormshard.graphs.icosahedral import icosahedral_mesh, multimesh_edges
+from stormshard.graphs.icosahedral import icosahedral_mesh, icosahedral_num_nodes, multimesh_edges
 from stormshard.graphs.sphere import check_latlon_degrees, latlon_to_xyz
 from stormshard.progress import format_duration, note, phase, reporting
 
@@ -61,6 +61,7 @@ __all__ = [
     "save_graph",
     "load_graph",
     "load_or_build_graph",
+    "graph_node_counts",
     "ENCODER",
     "PROCESSOR",
     "DECODER",
@@ -163,6 +164,15 @@ def _build_graph(config: GraphConfig, data_latlon: tuple | None) -> HeteroGraph:
     graph.coverage_edges = {"encoder": enc_added, "decoder": dec_added}
     note(f"graph: built in {format_duration(time.perf_counter() - start)}")
     return graph
+
+
+def graph_node_counts(config: GraphConfig, data_latlon: tuple | None = None) -> dict[str, int]:
+    """``{"data": n, "hidden": m}``: the node counts :func:`build_graph` gives ``config`` (and
+    ``data_latlon``), from the grids alone (no edges searched: a fraction of a build's time)."""
+    lat, _lon = _data_coordinates(config, data_latlon)
+    level = config.icosahedral_level
+    hidden = icosahedral_num_nodes(level) if level is not None else grid_from_name(config.hidden)[0].size
+    return {"data": int(lat.size), "hidden": int(hidden)}
 
 
 def _hidden_nodes(config: GraphConfig, level: int | None) -> tuple:

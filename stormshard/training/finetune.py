@@ -150,25 +150,42 @@ def _meta_shapes(config: ExperimentConfig, variables: VariableIndex, graph: Any)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
-def _parameter_shapes(config: ExperimentConfig, variables: VariableIndex,
-                      graph: Any = None) -> tuple[dict[str, tuple[int, ...]], frozenset[str]] | None:
+def _parameter_shapes(config: ExperimentConfig, variables: VariableIndex, graph: Any = None,
+                      dataset: AnemoiDataset | None = None) -> tuple[dict[str, tuple[int, ...]], frozenset[str]] | None:
     """The model's parameters with their full shapes, from a build on the meta device, and the names
-    whose shape depends on the graph (trainable node and edge embeddings; unknown until the graph is
+    whose shape depends on the graph's edges (trainable edge embeddings; unknown until the graph is
     built). On ``graph`` (a fixed ``data.graph_file``) every shape is exact; otherwise two tiny
-    stand-in graphs tell the graph-dependent shapes apart (names do not depend on the grid). None when
-    such a build is not possible for this model (the trainer then checks on the real one)."""
-    from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+    stand-in graphs tell the graph-dependent shapes apart (names do not depend on the grid), and those
+    that follow a node count (trainable node embeddings) get the run's counts from its grids
+    (:func:`~stormshard.graphs.builder.graph_node_counts`, no edges searched). None when such a build
+    is not possible for this model (the trainer then checks on the real one)."""
+    from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph, graph_node_counts
 
     try:
         if graph is not None:
             return _meta_shapes(config, variables, graph), frozenset()
-        a = _meta_shapes(config, variables, build_graph(GraphConfig(data_grid="o4", hidden="o2",
-                                                                    processor=KNNEdges(num_neighbours=4))))
-        b = _meta_shapes(config, variables, build_graph(GraphConfig(data_grid="o6", hidden="o3",
-                                                                    processor=KNNEdges(num_neighbours=5))))
+        stand_ins = [build_graph(GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4))),
+                     build_graph(GraphConfig(data_grid="o6", hidden="o3", processor=KNNEdges(num_neighbours=5)))]
+        a, b = (_meta_shapes(config, variables, g) for g in stand_ins)
     except Exception:  # noqa: BLE001 - a model the stand-in cannot hold: checked later on the real one
         return None
-    return a, frozenset(n for n in a if b.get(n) != a[n])
+    dependent = {n for n in a if b.get(n) != a[n]}
+    counts = None
+    if dependent and dataset is not None:
+        latlon = (dataset.latitudes, dataset.longitudes) if config.graph.data_grid is None else None
+        try:
+            counts = graph_node_counts(config.graph, latlon)
+        except Exception:  # noqa: BLE001 - a graph config the builder refuses: its own error comes later
+            counts = None
+    shapes = dict(a)
+    for name in sorted(dependent):
+        for nodes in ("data", "hidden"):
+            if counts is not None and a[name][1:] == b[name][1:] and all(
+                    shape[0] == g[nodes].num_nodes for shape, g in ((a[name], stand_ins[0]), (b[name], stand_ins[1]))):
+                shapes[name] = (counts[nodes], *a[name][1:])  # a node embedding: its exact shape, now
+                dependent.discard(name)
+                break
+    return shapes, frozenset(dependent)
 
 
 class InitWeights:
@@ -233,7 +250,8 @@ def check_finetune_inputs(config: ExperimentConfig, dataset: AnemoiDataset, vari
     t = config.training
     graph = _check_graph_file(config, dataset, gpus_per_model) if config.data.graph_file else None
     init, notes = None, ()
-    found = _parameter_shapes(config, variables, graph) if (t.init_weights and not resume) or t.freeze else None
+    found = _parameter_shapes(config, variables, graph, dataset) if (t.init_weights and not resume) or t.freeze \
+        else None
     if t.init_weights and not resume:
         init_weights_kind(t.init_weights)
         try:

@@ -54,7 +54,7 @@ from stormshard.models.trust import check_model_code, stored_beside
 from stormshard.training.checkpoint import verify_resume_files
 from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
 from stormshard.training.hostlist import HostlistError, first_host
-from stormshard.training.loop import TrainResult, train
+from stormshard.training.loop import Trainer, TrainResult
 from stormshard.training.malloc_tuning import tune_malloc
 from stormshard.training.preflight import checkpoint_dir, preflight
 from stormshard.training.rank_zero import RankZeroFailed
@@ -319,6 +319,25 @@ def init_distributed(launch: LaunchEnvironment | None = None) -> tuple[int, int]
     return dist.get_rank(), dist.get_world_size()
 
 
+def build_trainer(config: ExperimentConfig, rank: int, resume: bool = False, inputs: Any = None) -> Trainer:
+    """The run's :class:`~stormshard.training.loop.Trainer` (graph, model, init weights, engine). A bad
+    input it finds (a ``training.init_weights`` shape that depends on the graph's edges, known once
+    the graph is built) leaves the output directory as it was: rank 0 removes the graph cache this
+    build wrote there, and the directory if the build made it; ``config.json`` is written after."""
+    out = Path(config.training.output_dir)
+    cache = None if config.data.graph_file else Path(config.data.graph_cache or out / "graph.pt")
+    had_out, had_cache = out.exists(), cache is not None and cache.exists()
+    try:
+        return Trainer(config, resume=resume, inputs=inputs)
+    except ConfigError:
+        if rank == 0:
+            if cache is not None and not had_cache:
+                cache.unlink(missing_ok=True)
+            if not had_out and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+        raise
+
+
 def save_resolved_config(config: ExperimentConfig) -> Path:
     """``<training.output_dir>/config.json``: the config this run resolved (file, command-line overrides
     and ``--deepspeed_config`` merged, defaults filled in), which ``--config`` reads back. Written
@@ -385,9 +404,10 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
             found = resume_target(checkpoint_dir(cfg))
             if found is not None:
                 verify_resume_files(found.path, rank, world)
-        if rank == 0:
+        trainer = build_trainer(cfg, rank, resume=resume, inputs=inputs)
+        if rank == 0:  # after the graph, model and init weights are built and checked
             save_resolved_config(cfg)
-        result = train(cfg, resume=resume, inputs=inputs)
+        result = trainer.fit()
         if monitor is not None:
             dist.barrier()  # every rank is done before any heartbeat stops
             monitor.stop()
