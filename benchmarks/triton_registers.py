@@ -78,6 +78,25 @@ def _signature(fn, constants: dict, dtype: str, nodes: frozenset[str] | set[str]
     return sig
 
 
+class UnsupportedTriton(RuntimeError):
+    """This Triton has no ahead-of-time compile API this script knows (``ASTSource(constexprs=...)``,
+    ``triton.backends.nvidia.compiler.get_ptxas``): Triton 3.3 or newer has both."""
+
+
+def _check_triton() -> None:
+    import inspect
+
+    import triton
+    from triton.compiler import ASTSource
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except ImportError as err:
+        raise UnsupportedTriton(f"triton {triton.__version__} has no get_ptxas ({err}): install triton>=3.3") from None
+    if "constexprs" not in inspect.signature(ASTSource).parameters:
+        raise UnsupportedTriton(f"triton {triton.__version__}'s ASTSource takes no constexprs: install triton>=3.3")
+
+
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     """``(registers, spill bytes)`` from ptxas -v on ``ptx``."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -109,6 +128,7 @@ def kernel_resources(heads: int, head_dim: int, features: int, dtype: str = "bf1
     from stormshard.kernels import graph_triton_kernels as kernels
     from stormshard.kernels.graph_triton import tile_config, weight_tile_config
 
+    _check_triton()
     if type(kernels.graph_attention_fwd).__name__ == "InterpretedFunction":
         raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1: run this in a process without it")
     cfg = dict(config or tile_config(heads, head_dim, features))
