@@ -624,6 +624,22 @@ def test_adamw_is_fused_on_cuda_parameters_only():
         _adamw_steps(model, o, range(3))
     for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # a saved state carries the kernel of the run that wrote it: loading keeps this optimizer's own
+    # (a GPU run's fused state resumed on a CPU takes the flat path, a CPU run's state on a GPU stays fused)
+    on_cpu = build_adamw(make_model(0).parameters(), **kwargs)
+    on_cpu.load_state_dict(fused.state_dict())
+    assert all(g["foreach"] is True and not g["fused"] for g in on_cpu.param_groups)
+    assert all(s["step"].device.type == "cpu" for s in on_cpu.state.values())
+    _adamw_steps(ours, opt, range(3, 4))
+    resumed = make_model(0)
+    resumed.load_state_dict(ref.state_dict())
+    on_cpu = build_adamw(resumed.parameters(), **kwargs)
+    on_cpu.load_state_dict(fused.state_dict())
+    _adamw_steps(resumed, on_cpu, range(3, 4))
+    assert all(on_cpu._flat[id(g)] is not None for g in on_cpu.param_groups)  # the flat CPU path
+    as_fused = build_adamw(make_model(0).parameters(), fused=True, **kwargs)
+    as_fused.load_state_dict(opt.state_dict())
+    assert all(g["fused"] is True and not g["foreach"] for g in as_fused.param_groups)
 
 
 def test_deepspeed_zero_steps_import_no_compiler():

@@ -54,6 +54,15 @@ def _train(rank: int, world: int, cfg) -> tuple[list[float], dict]:
     return result.losses, ({k: v.clone() for k, v in load_any(result.checkpoint).model.items()} if rank == 0 else {})
 
 
+def _refusal(rank: int, world: int, cfg) -> str:
+    """The class name of the ConfigError ``run_training(cfg)`` raised on this rank."""
+    try:
+        run_training(cfg)
+    except ConfigError as exc:
+        return type(exc).__name__
+    return "trained"
+
+
 def _step0(rank: int, world: int, cfg, x: torch.Tensor) -> torch.Tensor:
     """The fine-tune run's model before its first step, on normalised input (one process)."""
     import torch.distributed as dist
@@ -208,6 +217,10 @@ def test_graph_dependent_init_weights_fail_with_nothing_written(setup, tmp_path)
     with pytest.raises(ConfigError, match=r"encoder_edges.trainable"):
         run_training(other_edges)
     assert not (tmp_path / "b").exists()
+    # two ranks (one model each): every rank gets the error, the others have read the cache before it goes
+    two = run_distributed(_refusal, 2, _cli(bundle, dataset, tmp_path / "d", "data.graph_file=null", "graph.hidden=ico2",
+                                            "engine=ddp"))
+    assert two == ["GraphDependentMismatch", "GraphDependentMismatch"] and not (tmp_path / "d").exists()
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "notes.txt").write_text("mine")  # an output directory that exists keeps what it held
     with pytest.raises(ConfigError, match=r"encoder_edges.trainable"):

@@ -5,7 +5,8 @@ Layouts (all contiguous, row-major; ``N`` nodes, ``B`` batch entries, ``H`` head
 
 - ``q`` ``(Nd, B, H, D)``, ``k`` / ``v`` ``(Ns, B, H, D)``, ``out`` / ``go`` (output gradient) like ``q``;
 - ``attr`` ``(E, F)`` (shared by the batch: ``SHARED``) or ``(E, B, F)``, edges in the caller's order;
-  its gradient ``dattr`` ``(E, B, F)`` (summed over the batch outside when shared);
+  its gradient ``dattr`` ``(G, E, B, F)``, one part per head group (the groups, and the batch when
+  shared, summed outside);
 - ``w`` ``(F1, H, D)``: column ``f`` of every head's ``[W_e | b_e]`` as one contiguous ``H * D`` run;
 - per (node, batch entry, head) statistics ``lse`` / ``delta`` ``(Nd, B, H)`` and per (node, batch
   entry, head, column) ``u`` / ``gu`` / ``agg`` / ``de`` ``(Nd, B, H, F1)``, in the accumulation dtype;

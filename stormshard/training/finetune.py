@@ -43,7 +43,8 @@ from stormshard.parallel.partition import get_partition
 from stormshard.parallel.tensor import slice_partition
 from stormshard.training.config import ConfigError, ExperimentConfig
 
-__all__ = ["TransferReport", "FinetuneInputs", "InitWeights", "check_finetune_inputs", "init_weights_kind",
+__all__ = ["TransferReport", "FinetuneInputs", "InitWeights", "GraphDependentMismatch", "check_finetune_inputs",
+           "init_weights_kind",
            "read_init_weights", "match_init_weights", "load_init_weights", "check_transfer", "freeze_parameters",
            "statistics_from_file"]
 
@@ -334,12 +335,17 @@ def _check_freeze(prefixes: list[str], names: list[str]) -> None:
                           f"would train; freeze fewer (the model's top-level parts are {tops})")
 
 
+class GraphDependentMismatch(ConfigError):
+    """``training.init_weights`` does not match shapes known only once the graph is built: raised by
+    :func:`check_transfer` alike on every rank (the full shapes are the same everywhere)."""
+
+
 def check_transfer(report: TransferReport, partial: bool) -> None:
     """On the built model (the shapes that depend on the graph known): the :func:`match_init_weights` rule
-    for what the preflight could not compare; a :class:`ConfigError` when a parameter starts fresh and
-    ``training.init_weights_partial`` is not set."""
+    for what the preflight could not compare; a :class:`GraphDependentMismatch` when a parameter starts
+    fresh and ``training.init_weights_partial`` is not set."""
     if report.fresh and not partial:
-        raise ConfigError(f"training.init_weights={report.source!r} matches {len(report.loaded)} of the model's "
+        raise GraphDependentMismatch(f"training.init_weights={report.source!r} matches {len(report.loaded)} of the model's "
                           f"{len(report.loaded) + len(report.fresh)} parameters by name and shape; {len(report.fresh)} "
                           f"do not: {_few(list(report.fresh))}: set training.init_weights_partial=true to start them "
                           "fresh, or give the weights of this model")

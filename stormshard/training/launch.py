@@ -53,6 +53,7 @@ from stormshard.errors import ReportedByRank
 from stormshard.models.trust import check_model_code, stored_beside
 from stormshard.training.checkpoint import verify_resume_files
 from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
+from stormshard.training.finetune import GraphDependentMismatch
 from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import Trainer, TrainResult
 from stormshard.training.malloc_tuning import tune_malloc
@@ -320,16 +321,20 @@ def init_distributed(launch: LaunchEnvironment | None = None) -> tuple[int, int]
 
 
 def build_trainer(config: ExperimentConfig, rank: int, resume: bool = False, inputs: Any = None) -> Trainer:
-    """The run's :class:`~stormshard.training.loop.Trainer` (graph, model, init weights, engine). A bad
-    input it finds (a ``training.init_weights`` shape that depends on the graph's edges, known once
-    the graph is built) leaves the output directory as it was: rank 0 removes the graph cache this
-    build wrote there, and the directory if the build made it; ``config.json`` is written after."""
+    """The run's :class:`~stormshard.training.loop.Trainer` (graph, model, init weights, engine). A
+    ``training.init_weights`` shape that depends on the graph's edges, known once the graph is built
+    (:class:`~stormshard.training.finetune.GraphDependentMismatch`, raised on every rank alike), leaves
+    the output directory as it was: once every rank has it (a barrier: no rank still reads the graph
+    cache), rank 0 removes the cache this build wrote, and the directory if the build made it;
+    ``config.json`` is written after the Trainer exists."""
     out = Path(config.training.output_dir)
     cache = None if config.data.graph_file else Path(config.data.graph_cache or out / "graph.pt")
     had_out, had_cache = out.exists(), cache is not None and cache.exists()
     try:
         return Trainer(config, resume=resume, inputs=inputs)
-    except ConfigError:
+    except GraphDependentMismatch:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
         if rank == 0:
             if cache is not None and not had_cache:
                 cache.unlink(missing_ok=True)

@@ -95,3 +95,6 @@ def test_adamw_is_fused_on_cuda_and_resumes_on_a_cpu():
     resumed.param_groups[0]["params"][1].grad = torch.ones(5)
     resumed.step()
     assert float(resumed.state_dict()["state"][0]["step"]) == 5.0
+    assert resumed._flat[id(resumed.param_groups[0])] is not None  # the CPU's flat path, not torch's fused one
+    opt_gpu.load_state_dict(resumed.state_dict())  # and back: still fused, the step count on the device
+    assert opt_gpu.param_groups[0]["fused"] is True and opt_gpu.state[gpu[0]]["step"].is_cuda

@@ -30,6 +30,7 @@ from torch.optim.optimizer import _get_scalar_dtype as _scalar_dtype
 __all__ = ["LeanAdamW", "FlatAdamW", "build_adamw", "fused_capable"]
 
 _METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+_KERNEL_KEYS = ("fused", "foreach", "capturable")  # this optimizer's choice, kept across load_state_dict
 
 
 def _undecorated(cls: type, name: str) -> Callable | None:
@@ -53,7 +54,21 @@ class LeanAdamW(torch.optim.AdamW):
         return _BODIES["state_dict"](self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, keeping this optimizer's kernel choice: a saved group carries the ``fused`` /
+        ``foreach`` / ``capturable`` of the run that wrote it (a CPU run's ``foreach``, a GPU run's
+        ``fused``), and torch would take those over. The step counts go where the kept kernel reads them:
+        on the parameter's device for ``fused`` / ``capturable``, on the CPU otherwise."""
+        kept = [{k: group.get(k) for k in _KERNEL_KEYS} for group in self.param_groups]
         _BODIES["load_state_dict"](self, state_dict)
+        for group, flags in zip(self.param_groups, kept, strict=True):
+            group.update(flags)
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                step = state.get("step")
+                if isinstance(step, Tensor):
+                    state["step"] = step.to(device=p.device, dtype=torch.float32) if on_device else \
+                        step.to(device="cpu", dtype=_scalar_dtype())
 
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         with torch.no_grad():  # what torch's _use_grad_for_differentiable sets (differentiable=False)

@@ -60,6 +60,9 @@ class DeepSpeedEngine(TrainingEngine):
         schedule = settings.schedule
         zero = int(config.get("zero_optimization", {}).get("stage", 0))
         adamw = settings.adamw_kwargs()
+        offload = config.get("zero_optimization", {}).get("offload_optimizer") or {}
+        if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
+            adamw["foreach"] = True  # DeepSpeed hands the optimizer CPU partitions: not the GPU's fused kernel
         import_muon_without_compiling()
         import_triton_ops_without_triton()
         register_zero_optimizers()
@@ -249,7 +252,9 @@ def import_triton_ops_without_triton() -> None:
     (``_configure_expert_parallel`` imports ``auto_ep_layer`` before it reads the config). Their shared
     check imports Triton (~71 MiB resident per rank) and then finds no active GPU backend on a CPU, so
     DeepSpeed's Triton kernels are off there either way. Imported here with ``triton`` hidden, the check
-    takes its no-Triton branch: the same answer (``_TRITON_AVAILABLE`` False) without loading Triton.
+    takes its no-Triton branch: the same answer (``_TRITON_AVAILABLE`` False) without loading Triton
+    (on a machine with a GPU that runs DeepSpeed on its CPU accelerator anyway the check would have
+    said True; the CPU accelerator never runs those CUDA kernels).
     Nothing changes where Triton is imported already (stormshard's kernels under the interpreter), where
     the check was imported, or on a GPU accelerator."""
     if "triton" in sys.modules or _TRITON_OPS in sys.modules or not on_cpu_accelerator():
