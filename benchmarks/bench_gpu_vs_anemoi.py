@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu_vs_anemoi.py [--quick] [--budget-s S] [--json PATH]   # CUDA (make bench-gpu)
         [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--tables model:o96,attention:aifs,model:aifs]
-        [--triton-tiles HPxBLOCK_ExWARPS,...]
+        [--triton-tiles HPxBLOCK_ExWARPS,...]   # with --tables ...,tiles:aifs
     python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0.
@@ -66,10 +66,13 @@ one block's attention forward + backward (gradients of q, k, v and the edge proj
 :func:`stormshard.kernels.dispatch.graph_attention_kernel` with ``"triton"`` and ``"csr"`` (the edge term
 factored, never per edge). anemoi: as its block with ``graph_attention_backend: "triton"`` does it: the
 edge projection ``lin_edge(edge_attr)`` to ``(E, heads, 64)``, ``edge_index_to_csc`` and its Triton
-custom op. Time: median fwd + bwd; memory: peak above what the inputs hold. ``--triton-tiles
-16x8x8,2x8x4,...`` adds rows of stormshard's Triton kernel at other launch configurations (heads per
-program x edges per tile x warps, :func:`stormshard.kernels.graph_triton.tile_override`): the timed
-sweep behind :func:`~stormshard.kernels.graph_triton.tile_config`'s choice.
+custom op. Time: median fwd + bwd; memory: peak above what the inputs hold.
+
+**Tile table** (``--tables tiles:aifs --triton-tiles 16x8x8,2x8x4,...``): the same graphs, stormshard's
+Triton kernel at :func:`~stormshard.kernels.graph_triton.tile_config`'s tiles and at each launch
+configuration given (heads per program x edges per tile x warps,
+:func:`stormshard.kernels.graph_triton.tile_override`), measured side by side: the timed sweep behind
+the tile choice (``benchmarks/triton_registers.py`` reports their registers without a GPU).
 
 ``--cpu-smoke``: tiny grids (model: O16 -> O8, O12 -> O6; attention: O4 -> O2), fp32, a few steps on the CPU, compiled rows with
 ``STORMSHARD_COMPILE_BACKEND=aot_eager`` unless set; with ``TRITON_INTERPRET=1`` the Triton rows (both
@@ -454,13 +457,17 @@ def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype:
 
 
 def attention_table(args: argparse.Namespace, key: str, device: torch.device, dtype: torch.dtype, budget_end: float,
-                    workdir: Path, anemoi_ok: bool, report: dict) -> list[AttentionRow]:
-    """The graph-attention rows on the graphs of size ``key``: anemoi's Triton kernel, stormshard's triton and csr."""
+                    workdir: Path, anemoi_ok: bool, report: dict, tiles: bool = False) -> list[AttentionRow]:
+    """The graph-attention rows on the graphs of size ``key``: anemoi's Triton kernel, stormshard's triton and csr;
+    with ``tiles`` (the ``tiles:SIZE`` table) stormshard's triton at its own tiles and at each of ``--triton-tiles``."""
     from stormshard.kernels.dispatch import graph_kernel_problem
 
+    anemoi_ok = anemoi_ok and not tiles
+    kernels = ["triton", *(f"triton tiles {t}" for t in args.triton_tiles.split(",") if t)] if tiles \
+        else ["triton", "csr"]
     size = SIZES[key]
     graph, graph_path = size_graph(size)
-    print(f"\ngraph attention of one block, forward + backward ({'bf16' if dtype != torch.float32 else 'fp32'} "
+    print(f"\n{'tile table: stormshard triton at other tiles; ' if tiles else ''}graph attention of one block, forward + backward ({'bf16' if dtype != torch.float32 else 'fp32'} "
           f"q/k/v, {size.channels} channels, {size.heads} heads, 3 edge features), graphs of {size.key}: encoder "
           f"{size.data_grid.upper()} -> {size.hidden.upper()} (cutoff 0.6), processor {size.hidden.upper()} "
           f"KNN-{size.knn}, decoder {size.hidden.upper()} -> {size.data_grid.upper()} (3 nearest); median of "
@@ -479,9 +486,9 @@ def attention_table(args: argparse.Namespace, key: str, device: torch.device, dt
     for name, edge_index, num_src, num_dst in attention_graphs(graph):
         theirs = anemoi_rows.get(name) or AttentionRow(name, "anemoi triton", int(edge_index.shape[1]),
                                                       note="anemoi not available" if not anemoi_ok else "no result")
-        print(format_attention_row(theirs, theirs), flush=True)
-        sweep = [f"triton tiles {t}" for t in args.triton_tiles.split(",") if t]
-        for kernel in ("triton", "csr", *sweep):
+        if not tiles:
+            print(format_attention_row(theirs, theirs), flush=True)
+        for kernel in kernels:
             row = AttentionRow(name, f"stormshard {kernel}", int(edge_index.shape[1]))
             problem = graph_kernel_problem(kernel.split()[0], device.type)
             if problem:
@@ -491,7 +498,8 @@ def attention_table(args: argparse.Namespace, key: str, device: torch.device, dt
                     row, e, s, d, size, device, dtype, args.warmup, args.steps), budget_end)
             print(format_attention_row(row, theirs), flush=True)
             rows.append(row)
-        rows.append(theirs)
+        if not tiles:
+            rows.append(theirs)
     print()
     for row in rows:
         theirs = anemoi_rows.get(row.graph)
@@ -519,8 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                         "attention:SIZE (SIZE one of " + ", ".join(SIZES) + "; default model:o96,attention:aifs,"
                         "model:aifs, and model:tiny,model:tiny-ckpt,attention:micro with --cpu-smoke)")
     parser.add_argument("--triton-tiles", default="",
-                        help="a timed tile sweep of the Triton graph kernel: extra attention rows, a comma list of "
-                             "HPxBLOCK_ExWARPS (heads per program x edges per tile x warps), e.g. 16x8x8,4x8x8,2x8x4")
+                        help="the tile table's launch configurations of the Triton graph kernel (--tables tiles:SIZE), "
+                             "a comma list of HPxBLOCK_ExWARPS (heads per program x edges per tile x warps), e.g. "
+                             "16x8x8,8x8x8,2x8x4")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),
@@ -543,9 +552,12 @@ def main(argv: list[str] | None = None) -> int:
             parse_tiles(text)
         except ValueError as err:
             parser.error(str(err))
-    unknown = [f"{t}:{k}" for t, k in tables if t not in ("model", "attention") or k not in SIZES]
+    unknown = [f"{t}:{k}" for t, k in tables if t not in ("model", "attention", "tiles") or k not in SIZES]
     if unknown:
-        parser.error(f"--tables {unknown}: use model:SIZE or attention:SIZE with SIZE one of {', '.join(SIZES)}")
+        parser.error(f"--tables {unknown}: use model:SIZE, attention:SIZE or tiles:SIZE with SIZE one of "
+                     f"{', '.join(SIZES)}")
+    if any(t == "tiles" for t, _ in tables) and not args.triton_tiles:
+        parser.error("--tables tiles:SIZE times --triton-tiles: give them (e.g. --triton-tiles 16x8x8,2x8x4)")
     budget_end = time.perf_counter() + args.budget_s
     if smoke:
         device, dtype, peak = torch.device("cpu"), torch.float32, None
@@ -570,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                 model_rows += model_table(args, key, device, dtype, peak, budget_end, Path(tmp), problem is None, report)
             else:
                 attention_rows += attention_table(args, key, device, dtype, budget_end, Path(tmp), problem is None,
-                                                  report)
+                                                  report, tiles=table == "tiles")
     if args.json:
         report |= {"model_rows": [asdict(r) for r in model_rows], "attention_rows": [asdict(r) for r in attention_rows]}
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))

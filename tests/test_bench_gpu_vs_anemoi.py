@@ -158,3 +158,17 @@ def test_busy_fraction_helpers_on_cpu_events():
 def test_without_cuda_it_says_so_and_exits_0():
     done = _run(timeout=300)
     assert done.returncode == 0 and "no CUDA device here" in done.stdout
+
+
+def test_tile_sweep_arguments():
+    """``--triton-tiles`` parses as heads-per-program x edges x warps (powers of two); the tile table needs it."""
+    from stormshard.kernels.graph_triton import Tiles
+
+    assert h2h.parse_tiles("4x8x8") == Tiles(4, 8, 8) and h2h.parse_tiles("16X8X8") == Tiles(16, 8, 8)
+    for bad in ("4x8", "4x8x3", "axbxc"):
+        with pytest.raises(ValueError):
+            h2h.parse_tiles(bad)
+    run = _run("--cpu-smoke", "--tables", "tiles:micro", timeout=120)
+    assert run.returncode == 2 and "--triton-tiles" in run.stderr, run.stderr[-2000:]
+    run = _run("--cpu-smoke", "--tables", "attention:micro", "--triton-tiles", "4x8", timeout=120)
+    assert run.returncode == 2 and "heads-per-program x edges-per-tile x warps" in run.stderr, run.stderr[-2000:]
