@@ -340,3 +340,28 @@ def test_damaged_files_are_named_with_the_previous_checkpoint(tmp_path):
     assert f"{rank_file}: its contents differ from the sha256 recorded" in msg, msg
     assert "the previous complete checkpoint is" in msg and "step_00000001 (step 1)" in msg, msg
     assert "PytorchStreamReader" not in msg and "storages" not in msg
+
+
+def test_upgrade_checks_the_space_before_rewriting_anything(tmp_path, monkeypatch):
+    """The upgrade rewrites each checkpoint as a copy beside itself: without room for the largest one it is
+    an error naming the sizes, before any checkpoint changes."""
+    import shutil as shutil_module
+
+    from stormshard.checkpoint import upgrade as upgrade_module
+    from stormshard.checkpoint.errors import ConversionError
+
+    model = make_model(0)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"engine": {"module": model.state_dict()}}, {}, {"world_size": 1}, 0, 1,
+                        model=model)
+    for step_dir in list_checkpoints(tmp_path):
+        to_pickled_format(step_dir)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(upgrade_module.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=1 << 20))  # 1 MiB free
+    with pytest.raises(ConversionError, match=r"MiB while .* has 1 MiB free; nothing was changed"):
+        upgrade_checkpoints(tmp_path)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    monkeypatch.setattr(upgrade_module.shutil, "disk_usage", real)
+    assert [what for _, what in upgrade_checkpoints(tmp_path)] == ["upgraded from format 1 to 2"] * 2

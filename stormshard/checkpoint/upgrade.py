@@ -82,6 +82,26 @@ def _rewrite(step_dir: Path, meta: dict[str, Any], state_files: dict[str, Any], 
             os.close(fd)
 
 
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _check_space(targets: list[Path], given: str | os.PathLike) -> None:
+    """A :class:`ConversionError` before any rewrite when the file system cannot hold the largest checkpoint
+    to upgrade twice over for a moment: each is rewritten as a full copy beside itself (tensors and JSON:
+    about its size) before the old one is removed."""
+    if not targets:
+        return
+    need = max(_tree_bytes(t) for t in targets)
+    free = shutil.disk_usage(targets[0].parent).free
+    if free < need * 1.1 + (64 << 20):
+        raise ConversionError(
+            f"cannot upgrade {given}: each checkpoint is rewritten as a copy beside itself before the old one is "
+            f"removed, and the largest ({max(targets, key=_tree_bytes)}) takes {need / 2**20:,.0f} MiB while "
+            f"{targets[0].parent} has {free / 2**20:,.0f} MiB free; nothing was changed",
+            fix="free some space there (or upgrade a copy on a larger disk) and run the upgrade again")
+
+
 def _pickled_files(target: Path, meta: Any) -> list[Path]:
     """The pickled state files of a checkpoint of format 1 or consolidated version 1 (those present)."""
     fmt = meta.get("format") if isinstance(meta, dict) else None
@@ -152,6 +172,7 @@ def upgrade_checkpoints(path: str | os.PathLike, *, trust_pickles: bool = False)
                     fix=f"only if you wrote this checkpoint yourself, unpickle it unrestricted (that runs code from "
                         f"the file): python launch/convert_checkpoint.py upgrade {path} --trust-model-code "
                         "(Python: upgrade_checkpoints(..., trust_pickles=True))") from None
+    _check_space([t for t, m in targets if _pickled_files(t, m)], path)
     done = []
     for target, meta in targets:
         fmt = meta.get("format") if isinstance(meta, dict) else None
