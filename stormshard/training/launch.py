@@ -57,7 +57,7 @@ from stormshard.training.finetune import GraphDependentMismatch
 from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import Trainer, TrainResult
 from stormshard.training.malloc_tuning import tune_malloc
-from stormshard.training.preflight import checkpoint_dir, preflight
+from stormshard.training.preflight import RunInputs, checkpoint_dir, preflight
 from stormshard.training.rank_zero import RankZeroFailed
 from stormshard.training.watchdog import RankFailure, RankMonitor, monitor_settings
 
@@ -320,7 +320,7 @@ def init_distributed(launch: LaunchEnvironment | None = None) -> tuple[int, int]
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_trainer(config: ExperimentConfig, rank: int, resume: bool = False, inputs: Any = None) -> Trainer:
+def build_trainer(config: ExperimentConfig, rank: int, resume: bool = False, inputs: RunInputs | None = None) -> Trainer:
     """The run's :class:`~stormshard.training.loop.Trainer` (graph, model, init weights, engine). A
     ``training.init_weights`` shape that depends on the graph's edges, known once the graph is built
     (:class:`~stormshard.training.finetune.GraphDependentMismatch`, raised on every rank alike), leaves
