@@ -181,12 +181,17 @@ def _run_processor_row(row: Row, tokens: int, channels: int, heads: int, window:
 
 
 def mse_training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, target: torch.Tensor,
-                      autocast: torch.dtype | None) -> Callable[[], float]:
+                      autocast: torch.dtype | None, mark_steps: bool = False) -> Callable[[], float]:
     """One training step as a function: forward (under ``autocast`` when given), the fp32 MSE loss, backward,
-    the optimizer step; it returns the loss (a host sync: the benchmarks time whole steps)."""
+    the optimizer step; it returns the loss (a host sync: the benchmarks time whole steps). ``mark_steps``: each
+    step begins with :func:`stormshard.models.compile.begin_graphed_step` (blocks compiled with CUDA graphs)."""
+    from stormshard.models.compile import begin_graphed_step
+
     device = x.device
 
     def step() -> float:
+        if mark_steps:
+            begin_graphed_step()
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
             pred = model(x)
         loss = (pred.float() - target).square().mean()

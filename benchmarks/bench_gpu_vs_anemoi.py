@@ -246,6 +246,10 @@ def model_flops(config: ModelConfig, graph, variables: VariableIndex) -> ModelFl
 # --------------------------------------------------------------------------------------------
 
 
+#: the implementation label's suffix of the rows compiled with ``training.cuda_graphs``
+GRAPHED = "compiled + CUDA graphs"
+
+
 def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device: torch.device, warmup: int,  # noqa: ANN001
                          steps: int, flops: float, peak: float | None, dtype: torch.dtype) -> None:
     from stormshard.models.compile import compile_blocks
@@ -256,15 +260,20 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
     model = build_model(size_config(size), graph, variables)
     model.load_state_dict(weights)
     model.to(device)
-    if row.impl.endswith("compiled"):
+    graphed = row.impl.endswith(GRAPHED)
+    if graphed and device.type != "cuda":
+        row.note = "skipped: CUDA graphs need a CUDA device"
+        return
+    if "compiled" in row.impl:
         from torch import _dynamo
 
         _dynamo.reset()  # each compiled row compiles afresh (its compile time is its own)
-        compile_blocks(model)
+        compile_blocks(model, cuda_graphs=graphed)
     optimizer = build_adamw(model.parameters(), lr=1e-4)  # what training builds: fused on CUDA
     x, target = model_inputs(graph, variables, device)
 
-    step = mse_training_step(model, optimizer, x, target, None if dtype == torch.float32 else dtype)
+    step = mse_training_step(model, optimizer, x, target, None if dtype == torch.float32 else dtype,
+                             mark_steps=graphed)
     finish_model_row(row, step, device, warmup, steps, flops, peak)
 
 
@@ -372,7 +381,7 @@ def format_model_row(r: ModelRow) -> str:
     impl = f"{r.impl} ({r.extra['attention']})" if r.extra.get("attention") else r.impl
     if r.note:
         return f"| {r.size} | {impl} | {r.note} | | | | | |"
-    compile_s = _num(r.compile_s, ".1f") if r.impl.endswith("compiled") else "-"
+    compile_s = _num(r.compile_s, ".1f") if "compiled" in r.impl else "-"
     busy = "-" if math.isnan(r.busy) else f"{100 * r.busy:.0f}%"
     mfu = "-" if math.isnan(r.mfu) else f"{100 * r.mfu:.1f}%"
     return (f"| {r.size} | {impl} | {r.step_ms:.1f} | {_num(r.peak_gib, '.2f')} | {busy} | {r.tflops:.3g} | {mfu} | "
@@ -390,14 +399,15 @@ def format_attention_row(r: AttentionRow, anemoi: AttentionRow | None) -> str:
 
 def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype: torch.dtype, peak: float | None,
                 budget_end: float, workdir: Path, anemoi_ok: bool, report: dict) -> list[ModelRow]:
-    """The whole-model rows of size ``key``: anemoi's (after the same-weights check), stormshard eager, compiled."""
+    """The whole-model rows of size ``key``: anemoi's (after the same-weights check), stormshard eager, compiled,
+    and compiled with CUDA graphs (``training.cuda_graphs``; CUDA only)."""
     from stormshard.models.registry import build_model
 
     size, warmup, steps = SIZES[key], args.warmup, args.steps
     print(f"\nwhole model at {key} ({size.label}), one training step (forward "
           f"{'bf16 autocast' if dtype != torch.float32 else 'fp32'}, MSE, backward, AdamW), batch 1; median of {steps} "
           f"steps after {warmup}; MFU = 3 x forward model FLOPs (no recomputation) / step / peak", flush=True)
-    ours = [ModelRow(key, "stormshard eager"), ModelRow(key, "stormshard compiled")]
+    ours = [ModelRow(key, "stormshard eager"), ModelRow(key, "stormshard compiled"), ModelRow(key, f"stormshard {GRAPHED}")]
     theirs = ModelRow(key, "anemoi-models 0.19")
     if time.perf_counter() > budget_end:
         for r in [theirs, *ours]:

@@ -65,8 +65,10 @@ def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
     text = done.stdout
     assert "anemoi rows not asked for" in text
     lines = [line for line in text.splitlines() if line.startswith("| micro | stormshard")]
-    assert [line.split("|")[2].strip() for line in lines] == ["stormshard eager", "stormshard compiled"], text
-    for line in lines:
+    assert [line.split("|")[2].strip() for line in lines] == ["stormshard eager", "stormshard compiled",
+                                                               f"stormshard {h2h.GRAPHED}"], text
+    assert "skipped: CUDA graphs need a CUDA device" in lines[2]
+    for line in lines[:2]:
         assert float(line.split("|")[3]) > 0, line  # step ms
     for graph in ("encoder", "processor", "decoder"):
         csr = [line for line in text.splitlines() if line.startswith(f"| {graph} |") and "stormshard csr" in line]
@@ -75,6 +77,7 @@ def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
     report = json.loads(out.read_text())
     rows = {r["impl"]: r for r in report["model_rows"]}
     assert "anemoi not available" in rows["anemoi-models 0.19"]["note"]
+    assert "skipped" in rows[f"stormshard {h2h.GRAPHED}"]["note"]
     for impl in ("stormshard eager", "stormshard compiled"):
         r = rows[impl]
         assert r["note"] == "" and _finite(r["step_ms"], r["loss"], r["tflops"], r["compile_s"]), r

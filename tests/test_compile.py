@@ -265,3 +265,79 @@ def test_resume_between_compiled_and_eager(dataset, tmp_path):
         cfg = tiny_config(dataset, resumed_dir, **changes, **{"training.compile": not saved_by})
         resumed = run_distributed(_train, 2, cfg, True, "aot_eager", timeout=600)[0][0]
         _close(resumed, runs[saved_by][2:])
+
+
+# ------------------------------------------------------------------------------ training.cuda_graphs
+
+
+def test_cuda_graph_mode_reaches_inductor_and_equals_eager():
+    """``compile_blocks(cuda_graphs=True)`` compiles with inductor's ``reduce-overhead`` mode: on a CPU inductor
+    runs the blocks without graphs and counts each skip (which proves the mode reached it; the same blocks
+    compiled without it count none), and forward and gradients equal the eager model's."""
+    import torch._dynamo
+
+    from stormshard.models.compile import cuda_graph_skips
+
+    eager = _model("transformer", None)
+    graphed = _model("transformer", None)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    x = torch.randn(2, 2, eager.plan.data_sizes[0], len(eager.variables.input_names))
+    compile_blocks(graphed, backend="inductor", cuda_graphs=True)
+    outputs = []
+    for model in (eager, graphed):
+        out = model(x)
+        out.square().mean().backward()
+        outputs.append((out.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(outputs[1][1], outputs[0][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert cuda_graph_skips() > 0  # "skipping cudagraphs due to cpu device"
+    with pytest.raises(ValueError, match="training.cuda_graphs needs torch.compile's inductor backend, not 'eager'"):
+        compile_blocks(_model("transformer", None), backend="eager", cuda_graphs=True)
+
+
+def test_cuda_graphs_problems_name_the_field_and_the_fix():
+    from stormshard.models.compile import cuda_graphs_problem
+
+    assert cuda_graphs_problem("cuda", True, "inductor") is None
+    cpu = cuda_graphs_problem("cpu", True, "inductor")
+    assert "need a CUDA device and this run is on 'cpu'" in cpu and "training.cuda_graphs false" in cpu
+    assert "training.compile is false: set training.compile true" in cuda_graphs_problem("cuda", False, "inductor")
+    assert f"{BACKEND_VARIABLE} = 'aot_eager'" in cuda_graphs_problem("cuda", True, "aot_eager")
+
+
+def test_cuda_graphs_on_a_cpu_is_refused_before_any_work(dataset, tmp_path):
+    from stormshard.training.config import ConfigError
+    from stormshard.training.launch import run_training
+
+    out = tmp_path / "run"
+    cfg = tiny_config(dataset, out, **{"engine": "local", "deepspeed": {}, "training.cuda_graphs": True,
+                                       "training.compile": True})
+    with pytest.raises(ConfigError, match="CUDA graphs need a CUDA device and this run is on 'cpu'"):
+        run_training(cfg)
+    assert not out.exists()
+
+
+def test_graphed_training_marks_every_step_and_validation_batch(dataset, tmp_path, monkeypatch):
+    """The trainer's wiring, with the device check passed and compile_blocks recorded (the graphs themselves
+    are a GPU's: ``tests/gpu/test_cuda_compile.py``): blocks compiled with ``cuda_graphs=True``, one step mark
+    per training step (not per micro-batch: the gradients of a step's micro-batches live in one generation)
+    and one per validation batch."""
+    from stormshard.models import compile as compile_module
+    from stormshard.training import loop
+    from stormshard.training.launch import run_training
+
+    calls, marks = [], []
+    monkeypatch.setattr(compile_module, "cuda_graphs_problem", lambda *a: None)
+    monkeypatch.setattr(loop, "compile_blocks", lambda model, **kw: calls.append(kw))
+    monkeypatch.setattr(loop, "begin_graphed_step", lambda: marks.append(1))
+    cfg = tiny_config(dataset, tmp_path / "run", **{
+        "engine": "local", "deepspeed": {}, "training.cuda_graphs": True, "training.compile": True,
+        "training.max_steps": 3, "training.gradient_accumulation_steps": 2, "training.validation_interval": 3,
+        "data.validation_samples": 2})
+    run_training(cfg)
+    assert calls == [{"cuda_graphs": True}]
+    assert len(marks) == 3 + 2, marks

@@ -18,6 +18,15 @@ block trace as torch's functional collectives; the eager-only fused GNN kernels 
 autograd path, which inductor fuses). Shapes are static (``dynamic=False``): a block sees the same
 shapes every step, so it compiles once for training and once for validation (``no_grad``).
 
+``cuda_graphs=True`` (``training.cuda_graphs``) compiles the blocks with ``mode="reduce-overhead"``:
+inductor records each compiled block's forward and backward as CUDA graphs (torch's CUDA graph trees)
+and replays them, one launch per graph instead of one per kernel, for steps whose shapes are static
+(they are: the grids, graphs and batch do not change). The caller marks each step's start with
+:func:`begin_graphed_step` (training and every validation batch), which frees the previous step's
+graph outputs; a block inductor cannot graph (an op on the CPU, an unsupported operator) runs
+compiled without a graph and is counted in ``torch._dynamo.utils.counters["inductor"]
+["cudagraph_skips"]`` (:func:`cuda_graph_skips`). On a CPU inductor records no graph (it counts a skip).
+
 Nothing is communicated here; the compiled blocks communicate what the eager ones do.
 """
 
@@ -32,7 +41,7 @@ from stormshard.env import env_choice
 from stormshard.kernels.dispatch import prepare_attention_kernels
 
 __all__ = ["compile_blocks", "compiled_block_names", "compile_backend", "wants_compile", "COMPILED_TARGETS",
-           "BACKEND_VARIABLE"]
+           "BACKEND_VARIABLE", "CUDA_GRAPH_MODE", "begin_graphed_step", "cuda_graph_skips", "cuda_graphs_problem"]
 
 #: the environment variable that picks torch.compile's backend (default ``"inductor"``; ``"aot_eager"``
 #: traces and runs the same graphs without code generation: for debugging and quick tests)
@@ -40,6 +49,9 @@ BACKEND_VARIABLE = "STORMSHARD_COMPILE_BACKEND"
 
 #: the module attributes compiled besides the blocks of every ``blocks`` ModuleList
 COMPILED_TARGETS = ("encoder", "decoder")
+
+#: torch.compile's mode for ``cuda_graphs=True``: inductor with CUDA graph trees
+CUDA_GRAPH_MODE = "reduce-overhead"
 
 # recompiles a compiled block may take (per code object) beyond one per block kind: training and
 # validation (grad mode), a few shapes (e.g. a validation batch of another size)
@@ -74,7 +86,7 @@ def compiled_block_names(model: nn.Module) -> list[str]:
 
 
 def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: bool = True, dynamic: bool = False,
-                   options: dict[str, Any] | None = None) -> list[str]:
+                   options: dict[str, Any] | None = None, cuda_graphs: bool = False) -> list[str]:
     """Compile every processor block and the encoder and decoder of ``model`` in place; their names.
 
     ``model``: built and parallelized (tensor-parallel blocks swapped in, activation checkpointing
@@ -82,7 +94,9 @@ def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: b
     ``STORMSHARD_COMPILE_BACKEND`` environment variable, else ``"inductor"``). Compiles every block of every ``nn.ModuleList``
     named ``blocks`` and the top-level ``encoder`` / ``decoder`` with
     ``module.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, options=options)``;
-    a module already compiled is left as it is (a second call changes nothing). Raises
+    a module already compiled is left as it is (a second call changes nothing). ``cuda_graphs``: compile
+    with ``mode="reduce-overhead"`` (inductor's CUDA graph trees; not with ``options``, and only with the
+    ``inductor`` backend: a ValueError otherwise); mark each step with :func:`begin_graphed_step`. Raises
     ValueError, naming ``training.compile``, when the model has none of these (a custom builder's
     model without ``processor.blocks``, ``encoder`` or ``decoder``). Raises dynamo's error at a
     block's first call if it cannot compile without a graph break (``fullgraph=True``).
@@ -99,10 +113,16 @@ def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: b
             "stormshard compiles every block of an nn.ModuleList named 'blocks' (processor.blocks) and the "
             "top-level 'encoder' and 'decoder'; give the model such modules, or set training.compile false"
         )
+    backend = backend or compile_backend()
+    if cuda_graphs and backend != "inductor":
+        raise ValueError(f"training.cuda_graphs needs torch.compile's inductor backend, not {backend!r}: unset "
+                         f"{BACKEND_VARIABLE} or set training.cuda_graphs false")
+    if cuda_graphs and options:
+        raise ValueError("compile_blocks: cuda_graphs=True sets torch.compile's mode, which cannot be combined with "
+                         "options: pass {'triton.cudagraphs': True} in options instead")
     import torch._dynamo
 
     prepare_attention_kernels()  # probe flash-attn / flex once, eagerly: compiled blocks only read the answers
-    backend = backend or compile_backend()
     limit = _RECOMPILES_PER_BLOCK * len(targets)
     config = torch._dynamo.config
     config.cache_size_limit = max(config.cache_size_limit, limit)
@@ -110,7 +130,8 @@ def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: b
     names = []
     for name, module in targets:
         if getattr(module, "_compiled_call_impl", None) is None:
-            module.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, options=options)
+            module.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, options=options,
+                           mode=CUDA_GRAPH_MODE if cuda_graphs else None)
         names.append(name)
     return names
 
@@ -123,3 +144,35 @@ def wants_compile(setting: bool | str, device_type: str) -> bool:
     if setting == "auto":
         return device_type == "cuda"
     return bool(setting)
+
+
+def cuda_graphs_problem(device_type: str, compiles: bool, backend: str) -> str | None:
+    """Why ``training.cuda_graphs`` cannot run here (one sentence naming the fix), or None: it needs a
+    CUDA device, compiled blocks (``training.compile`` true, or ``"auto"`` on CUDA) and the inductor backend."""
+    if device_type != "cuda":
+        return (f"training.cuda_graphs = true: CUDA graphs need a CUDA device and this run is on {device_type!r}: "
+                "set training.cuda_graphs false")
+    if not compiles:
+        return ("training.cuda_graphs = true: CUDA graphs are recorded by the compiled blocks and training.compile "
+                "is false: set training.compile true (or \"auto\") or training.cuda_graphs false")
+    if backend != "inductor":
+        return (f"training.cuda_graphs = true: CUDA graphs need torch.compile's inductor backend, and "
+                f"{BACKEND_VARIABLE} = {backend!r}: unset it or set training.cuda_graphs false")
+    return None
+
+
+def begin_graphed_step() -> None:
+    """Mark the start of a training step or validation batch for blocks compiled with ``cuda_graphs``:
+    the graphs' outputs of the previous step may be overwritten from here on (torch's
+    ``cudagraph_mark_step_begin``; once called, steps begin only where it is called). Host-only: a counter."""
+    import torch
+
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def cuda_graph_skips() -> int:
+    """How many compiled graphs inductor could not record as CUDA graphs in this process (each such block
+    runs compiled without a graph; inductor's log says why: ``TORCH_LOGS=cudagraphs``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])

@@ -192,6 +192,12 @@ class TrainingSection(_Strict):
         "default: on CUDA, where it measured 1.3-1.6x faster per step; not on a CPU, where a step is mostly "
         "compile-free python)")
 
+    cuda_graphs: bool = Field(
+        False, strict=True, description="record the compiled blocks' forward and backward as CUDA graphs and "
+        "replay them (torch.compile mode 'reduce-overhead'; stormshard.models.compile): one launch per block "
+        "instead of one per kernel. Needs a CUDA device and compiled blocks (training.compile true or 'auto'); "
+        "off by default until measured on a GPU")
+
     @field_validator("compile", mode="before")
     @classmethod
     def _check_compile(cls, value: object) -> object:

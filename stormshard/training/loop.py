@@ -33,7 +33,7 @@ from stormshard.data.loader import BatchKey, PrefetchLoader, SliceBatchReader, f
 from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.data.sharded_read import ModelSliceReader, SliceReadPlan
 from stormshard.graphs.builder import load_graph, load_or_build_graph
-from stormshard.models.compile import compile_blocks, wants_compile
+from stormshard.models.compile import begin_graphed_step, compile_blocks, wants_compile
 from stormshard.models.registry import build_model
 from stormshard.parallel.comm import all_reduce_sum
 from stormshard.parallel.topology import ProcessGroups, build_process_groups
@@ -150,7 +150,8 @@ class Trainer:
         self.plan = model.plan
         if wants_compile(t.compile, self.device.type):  # per block, after parallelize and checkpointing, before
             # the engine wraps it (torchtitan's order)
-            compile_blocks(model)
+            compile_blocks(model, cuda_graphs=t.cuda_graphs)
+        self.graphed = t.cuda_graphs  # steps and validation batches are marked for the CUDA graph trees
         self.engine = build_engine(model, self.groups, self.settings)
         self.dtype = torch.float32  # data, targets, loss and ensemble noise at every training.precision
 
@@ -277,6 +278,8 @@ class Trainer:
         """One optimizer step; returns its loss, averaged over micro-batches and replicas, as a 0-dim
         float64 tensor on the device (reading it, ``float(...)``, waits for the step's kernels: :meth:`fit`
         reads it one step later on CUDA, so that the device never idles while the host catches up)."""
+        if self.graphed:  # the previous step's graph outputs may be overwritten from here (its gradients were freed)
+            begin_graphed_step()
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for micro in range(self.settings.accumulation):
             key, batch = self.next_batch()                                        # read (prefetched)
@@ -327,6 +330,8 @@ class Trainer:
                             pin_memory=self.device.type == "cuda") as loader:
             for key, block in loader:
                 batch = self._hand_out(samples, key, block)
+                if self.graphed:
+                    begin_graphed_step()
                 preds = self.task.predict_rollout(self.engine, batch, NoiseKey(step=-1, micro=key.indices[0]))
                 persist = self.output_normaliser.denormalise(batch[:, m - 1][..., v.output_idx].double())
                 for r, pred in enumerate(preds):

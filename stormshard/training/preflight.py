@@ -99,7 +99,8 @@ RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.
                      "data.graph_cache", "data.validation_samples", "logging", "data.num_workers", "data.prefetch",
                      "data.worker_type", "data.test", "training.validation_rollout",
                      "training.init_weights", "training.init_weights_partial",  # a resumed run continues its weights
-                     "training.compile", "model.graph_kernel")  # how the same model runs, not what it computes
+                     "training.compile", "training.cuda_graphs",
+                     "model.graph_kernel")  # how the same model runs, not what it computes
 
 
 def checkpoint_dir(config: ExperimentConfig) -> Path:
@@ -195,14 +196,20 @@ def preflight(config: ExperimentConfig, world: int, resume: bool = False) -> Run
 def check_environment_variables(config: ExperimentConfig) -> None:
     """Every ``STORMSHARD_*`` variable read once (:func:`stormshard.env.check_environment`: numbers finite
     and in range, switches 0 / 1), ``STORMSHARD_COMPILE_BACKEND`` when the run may compile
-    (:func:`~stormshard.models.compile.compile_backend`) and ``STORMSHARD_FLEX_KERNEL_OPTIONS``
+    (:func:`~stormshard.models.compile.compile_backend`; ``training.cuda_graphs`` needs it to be inductor, a CUDA
+    device and compiled blocks) and ``STORMSHARD_FLEX_KERNEL_OPTIONS``
     (:func:`~stormshard.kernels.flex.flex_options_from_env`); an
     :class:`~stormshard.env.EnvError` names the variable."""
     check_environment()
-    from stormshard.models.compile import compile_backend, wants_compile
+    from stormshard.models.compile import compile_backend, cuda_graphs_problem, wants_compile
 
-    if wants_compile(config.training.compile, "cuda" if torch.cuda.is_available() else "cpu"):
-        compile_backend()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    compiles = wants_compile(config.training.compile, device_type)
+    backend = compile_backend() if compiles else None
+    if config.training.cuda_graphs:
+        problem = cuda_graphs_problem(device_type, compiles, backend or "inductor")
+        if problem:
+            raise ConfigError(problem)
     from stormshard.kernels.flex import flex_options_from_env
 
     flex_options_from_env()
