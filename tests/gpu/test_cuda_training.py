@@ -98,3 +98,27 @@ def test_adamw_is_fused_on_cuda_and_resumes_on_a_cpu():
     assert resumed._flat[id(resumed.param_groups[0])] is not None  # the CPU's flat path, not torch's fused one
     opt_gpu.load_state_dict(resumed.state_dict())  # and back: still fused, the step count on the device
     assert opt_gpu.param_groups[0]["fused"] is True and opt_gpu.state[gpu[0]]["step"].is_cuda
+
+
+def test_multi_tensor_gradient_checks_on_cuda():
+    """DeepSpeed ZeRO's step checks as multi-tensor kernels (``zero_step_checks``) on CUDA tensors: float64 norms
+    of fp32 / bf16 gradients equal per-tensor norms of float64 copies (to float64 rounding: the CUDA kernel sums
+    in another order), and a NaN or an infinity in any tensor is found without a host sync."""
+    import torch
+
+    from stormshard.training.engine.zero_step_checks import any_non_finite, multi_tensor_norms
+
+    torch.manual_seed(0)
+    grads = [torch.randn(1 << 20, device="cuda"), torch.randn(513, 7, device="cuda").bfloat16(),
+             torch.randn(3, device="cuda")]
+    got = multi_tensor_norms(grads, 2.0, dtype=torch.float64)
+    for g, t in zip(got, grads, strict=True):
+        want = torch.linalg.vector_norm(t.double())
+        assert g.dtype == torch.float64 and abs(g.item() - want.item()) <= 1e-12 * want.item()
+    assert not any_non_finite(grads, "cuda").item()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in range(len(grads)):
+            broken = [t.clone() for t in grads]
+            broken[i].view(-1)[len(broken[i].view(-1)) // 2] = bad
+            flag = any_non_finite(broken, "cuda")
+            assert flag.is_cuda and flag.item(), (bad, i)
