@@ -60,7 +60,7 @@ def _finite(*values: float) -> bool:
 def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
     out = tmp_path / "smoke.json"
     done = _run("--cpu-smoke", "--tables", "model:micro,attention:micro", "--anemoi-python", "none", "--warmup", "1", "--steps", "1",
-                "--json", str(out))
+                "--cuda-graphs", "micro", "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = done.stdout
     assert "anemoi rows not asked for" in text
