@@ -34,6 +34,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REGISTERS_PER_SM = 65536
+#: shared memory per SM and the most one program may take, in bytes (sm_80: 164 KiB / 163 KiB; sm_90: 228 / 227 KiB)
+SHARED_PER_SM = {80: 167936, 90: 233472}
+MAX_SHARED_PER_PROGRAM = {80: 166912, 90: 232448}
 MAX_WARPS_PER_SM = 64
 MAX_PROGRAMS_PER_SM = 32
 _DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "fp64": "fp64"}
@@ -49,14 +52,23 @@ class Resources:
     registers: int
     spill_bytes: int  # stores + loads
     num_warps: int
+    shared_bytes: int = 0  # shared memory per program (Triton's reductions and layout conversions)
+    arch: int = 90
 
     @property
     def resident_warps(self) -> int:
-        """Warps one SM holds at once (registers, warps and programs per SM)."""
+        """Warps one SM holds at once (registers, shared memory, warps and programs per SM)."""
         per_thread = -(-self.registers // 8) * 8
         programs = min(MAX_PROGRAMS_PER_SM, REGISTERS_PER_SM // (per_thread * 32 * self.num_warps),
                        MAX_WARPS_PER_SM // self.num_warps)
+        if self.shared_bytes:
+            programs = min(programs, SHARED_PER_SM.get(self.arch, SHARED_PER_SM[80]) // self.shared_bytes)
         return programs * self.num_warps
+
+    @property
+    def launchable(self) -> bool:
+        """Whether one program fits the SM's shared memory (else the launch fails with OutOfResources)."""
+        return self.shared_bytes <= MAX_SHARED_PER_PROGRAM.get(self.arch, MAX_SHARED_PER_PROGRAM[80])
 
 
 def _signature(fn, constants: dict, dtype: str, nodes: frozenset[str] | set[str] = _NODE) -> dict[str, str]:  # noqa: ANN001
@@ -143,7 +155,7 @@ def kernel_resources(heads: int, head_dim: int, features: int, dtype: str = "bf1
                                             constexprs=constants),
                                   target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps))
         registers, spills = _ptxas_report(compiled.asm["ptx"], arch)
-        out.append(Resources(name, registers, spills, warps))
+        out.append(Resources(name, registers, spills, warps, compiled.metadata.shared, arch))
     wcfg = weight_tile_config(features + 1, head_dim)
     wwarps = wcfg.pop("num_warps")
     constants = dict(H=heads, D=head_dim, F1=features + 1, ACC=acc, **wcfg)
@@ -151,13 +163,14 @@ def kernel_resources(heads: int, head_dim: int, features: int, dtype: str = "bf1
     compiled = triton.compile(ASTSource(fn=fn, signature=_signature(fn, constants, _DTYPES[dtype], {"go_ptr", "q_ptr"}),
                                         constexprs=constants),
                               target=GPUTarget("cuda", arch, 32), options=dict(num_warps=wwarps))
-    out.append(Resources("bwd_weight", *_ptxas_report(compiled.asm["ptx"], arch), wwarps))
+    out.append(Resources("bwd_weight", *_ptxas_report(compiled.asm["ptx"], arch), wwarps, compiled.metadata.shared,
+                         arch))
     return out
 
 
 def _row(label: str, res: list[Resources]) -> str:
-    cells = "  ".join(f"{r.kernel} {r.registers:3d} regs {r.spill_bytes:4d} B spilled {r.resident_warps:2d} warps/SM"
-                      for r in res)
+    cells = "  ".join(f"{r.kernel} {r.registers:3d} regs {r.spill_bytes:4d} B spilled {r.shared_bytes // 1024:3d} KiB "
+                      f"shared {r.resident_warps:2d} warps/SM" for r in res)
     return f"{label:38s} {cells}"
 
 
