@@ -4,6 +4,7 @@
         [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--tables model:o96,attention:aifs,model:aifs]
         [--triton-tiles HPxBLOCK_ExWARPS,...]   # with --tables ...,tiles:aifs
         [--cuda-graphs o96,...]   # the sizes with a "compiled + CUDA graphs" row (default o96)
+        [--memory-census]   # what is alive at each stormshard row's peak, by source line (CUDA)
     python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0.
@@ -252,7 +253,8 @@ GRAPHED = "compiled + CUDA graphs"
 
 
 def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device: torch.device, warmup: int,  # noqa: ANN001
-                         steps: int, flops: float, peak: float | None, dtype: torch.dtype) -> None:
+                         steps: int, flops: float, peak: float | None, dtype: torch.dtype,
+                         memory_census: bool = False) -> None:
     from stormshard.models.compile import compile_blocks
     from stormshard.models.registry import build_model
     from stormshard.training.engine.adamw import build_adamw
@@ -276,6 +278,12 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
     step = mse_training_step(model, optimizer, x, target, None if dtype == torch.float32 else dtype,
                              mark_steps=graphed)
     finish_model_row(row, step, device, warmup, steps, flops, peak)
+    if memory_census and device.type == "cuda":  # one more step under the allocator's history
+        from memory_census import record_step_memory
+
+        census = record_step_memory(step)
+        row.extra["memory_census"] = census.table()
+        row.extra["memory_sources"] = census.sources[:30]
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,8 +457,11 @@ def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype:
     print(format_model_row(theirs), flush=True)
     for row in ours:
         guarded(row, lambda row=row: run_stormshard_model(row, size, graph, weights, device, warmup, steps, flops.step,
-                                                          peak, dtype), budget_end)
+                                                          peak, dtype, args.memory_census), budget_end)
         print(format_model_row(row), flush=True)
+        if row.extra.get("memory_census"):
+            print(f"{key}: {row.impl}: memory at the peak of one more step (benchmarks/memory_census.py):\n"
+                  + row.extra["memory_census"], flush=True)
     weights_path.unlink(missing_ok=True)
     check = report["anemoi"].get(key, {}).get("check")
     if check and "error" in check:
@@ -547,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sizes (a comma list) whose whole-model table has the 'compiled + CUDA graphs' row "
                              "(training.cuda_graphs; default o96, the host-bound size: at the AIFS size the row costs "
                              "another compile of a minute or two)")
+    parser.add_argument("--memory-census", action="store_true",
+                        help="after each stormshard whole-model row, one more step under the CUDA allocator's history: "
+                             "what is alive at the peak, by source line (benchmarks/memory_census.py)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "/tmp/anemoi-env/venv/bin/python"),

@@ -15,7 +15,8 @@
 # 300 s), then the rest of `make test-gpu` in what remains (a full make test-gpu takes 5-6 min: run it in a
 # second session if it is cut): bench_gpu.py's bf16 compiled flex processor rows (--budget-s 30, about 40 s) and
 # bench_gpu_vs_anemoi.py --quick with --budget-s = what is left - 170 (a row started before that runs to its end:
-# the AIFS-size compiled row compiles for a minute or two). Last, inside what is left, the tile table times the Triton
+# the AIFS-size compiled row compiles for a minute or two; O96 also gets a "compiled + CUDA graphs" row, and every
+# stormshard row one more step under the allocator's history: what holds memory at its peak). Last, inside what is left, the tile table times the Triton
 # graph kernel at three other tile shapes (--triton-tiles: all heads in one program, the first choice; 8 heads; 2 heads
 # on 4 warps) beside tile_config's (4 heads, 8 edges, 8 warps). Estimated on an H100: O96 rows ~100 s, the
 # attention table ~60 s, the AIFS rows ~200 s. Each step runs under `timeout`; a failed step is logged and the
@@ -79,11 +80,11 @@ run_step census 30 "$PY" benchmarks/step_census.py --device cuda
 VS_BUDGET=$(( $(left) - 170 ))
 TAIL=60 run_step bench_gpu $(( $(left) - 60 )) make bench-gpu PY="$PY" \
   BENCH_GPU_ARGS="--quick --tables processor --rows bf16/flex/on --budget-s 30 --json $LOG/bench_gpu.json" \
-  BENCH_VS_ANEMOI_ARGS="--quick ${ANEMOI[*]} --budget-s $VS_BUDGET --tables model:o96,attention:aifs,model:aifs,tiles:aifs --triton-tiles 16x8x8,8x8x8,2x8x4 --json $LOG/bench_gpu_vs_anemoi.json"
+  BENCH_VS_ANEMOI_ARGS="--quick ${ANEMOI[*]} --budget-s $VS_BUDGET --memory-census --tables model:o96,attention:aifs,model:aifs,tiles:aifs --triton-tiles 16x8x8,8x8x8,2x8x4 --json $LOG/bench_gpu_vs_anemoi.json"
 run_step test_gpu_rest $(( $(left) - 10 )) "$PY" -m pytest -m gpu tests/gpu -s -rs -q \
   --deselect tests/gpu/test_cuda_graph_triton.py --deselect tests/gpu/test_cuda_layers.py
 
 say "== the head-to-head (from $LOG/bench_gpu.log)"
-grep -E '^\| |^(o96|aifs|encoder|processor|decoder): |^device: |^anemoi' "$LOG/bench_gpu.log" | grep -v '^| case' \
+grep -E '^\| |^(o96|aifs|encoder|processor|decoder): |^device: |^anemoi|^peak |^  +[0-9.]+ GiB' "$LOG/bench_gpu.log" | grep -v '^| case' \
   | tee "$LOG/summary.txt"
 say "== done in $(( $(date +%s) - START )) s; logs in $LOG"
