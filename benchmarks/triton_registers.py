@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--features", type=int, nargs="+", default=[3, 11])
     parser.add_argument("--dtype", default="bf16", choices=list(_DTYPES))
+    parser.add_argument("--mean-degree", type=float, default=None,
+                        help="edges per node of the side a kernel walks (tile_config caps BLOCK_E at it; e.g. 3)")
     parser.add_argument("--survey", action="store_true", help="other tile shapes beside the chosen one")
     parser.add_argument("--quick", action="store_true", help="(the default is quick already)")
     args = parser.parse_args(argv)
@@ -189,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sm_{args.arch}, {args.heads} heads x {args.head_dim}, {args.dtype} nodes; resident warps per SM "
           f"of at most {MAX_WARPS_PER_SM}")
     for features in args.features:
-        chosen = tile_config(args.heads, args.head_dim, features)
+        chosen = tile_config(args.heads, args.head_dim, features, args.mean_degree)
         print(f"{features} edge features: chosen HP {chosen['HP']} (G {chosen['G']}), BLOCK_E {chosen['BLOCK_E']}, "
               f"{chosen['num_warps']} warps")
-        print(_row("  chosen", kernel_resources(args.heads, args.head_dim, features, args.dtype, args.arch)))
+        print(_row("  chosen", kernel_resources(args.heads, args.head_dim, features, args.dtype, args.arch, chosen)))
         if not args.survey:
             continue
         hp_all = 1 << max(args.heads - 1, 0).bit_length()

@@ -14,6 +14,7 @@ the input errors. Shapes are small: the interpreter runs every program in numpy.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -192,6 +193,13 @@ def test_tile_config_covers_the_heads_in_groups(heads, d, features):
     assert dp >= d > dp // 2 and fp >= features + 1 > fp // 2
     assert hp * dp <= max(256, dp) and (groups - 1) * hp < heads <= groups * hp
     assert 2 <= cfg["BLOCK_E"] <= 64 and cfg["BLOCK_E"] * hp * dp <= max(2048, 2 * hp * dp)
+    for degree in (0.5, 1, 3, 4.2, 16, 1000):  # a node's edges fill its tiles: the cap at the degree's power of two
+        capped = gt.tile_config(heads, d, features, degree)
+        assert capped["BLOCK_E"] == min(cfg["BLOCK_E"], max(2, 1 << (math.ceil(degree) - 1).bit_length())), degree
+        assert (capped["HP"], capped["G"]) == (hp, groups)  # the head groups (and the dattr layout) stay
+        assert 2 <= capped["num_warps"] <= cfg["num_warps"]
+    aifs_decoder = gt.tile_config(16, 64, 11, 543_088 * 3 / 543_088)
+    assert (aifs_decoder["BLOCK_E"], aifs_decoder["num_warps"]) == (4, 4)
 
 
 def test_every_tile_override_computes_the_same_function():

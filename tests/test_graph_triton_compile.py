@@ -32,15 +32,19 @@ except tr.UnsupportedTriton as err:
     print("UNSUPPORTED " + str(err))
     sys.exit(0)
 rows = []
+from stormshard.kernels.graph_triton import tile_config
 for arch, dtype, heads, d, features, shared in json.loads(sys.argv[1]):
-    for r in tr.kernel_resources(heads, d, features, dtype, arch, shared=shared):
-        rows.append(dict(arch=arch, dtype=dtype, heads=heads, d=d, features=features, kernel=r.kernel,
+    degree = 3 if features < 0 else None  # a negative count: -features edge features, 3 edges per node
+    config = tile_config(heads, d, abs(features), degree)
+    for r in tr.kernel_resources(heads, d, abs(features), dtype, arch, config=config, shared=shared):
+        rows.append(dict(arch=arch, dtype=dtype, heads=heads, d=d, features=features, degree=degree, kernel=r.kernel,
                          registers=r.registers, spills=r.spill_bytes, warps=r.resident_warps,
                          shared_bytes=r.shared_bytes, launchable=r.launchable))
 print("RESULT " + json.dumps(rows))
 """
 CASES = [(arch, dtype, 16, 64, 3, True) for arch in (80, 90) for dtype in ("bf16", "fp16", "fp32", "fp64")] + [
     (90, "bf16", 16, 64, 11, True),  # the AIFS model's edges: 3 geometric + 8 trainable features
+    (90, "bf16", 16, 64, -3, True),  # the same with 3 edges per node (the decoder): 4-edge tiles on 4 warps
     (90, "fp32", 3, 12, 3, False),  # a non-power-of-two head size, per-batch attributes
 ]
 

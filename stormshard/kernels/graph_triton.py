@@ -203,7 +203,7 @@ def triton_graph_structure(edge_index: Tensor, num_src: int, num_dst: int) -> Tr
 # --------------------------------------------------------------------------------------------
 
 
-def tile_config(heads: int, head_dim: int, features: int) -> dict[str, int]:
+def tile_config(heads: int, head_dim: int, features: int, mean_degree: float | None = None) -> dict[str, int]:
     """The launch configuration: ``HP`` heads per program (a power of two; ``G`` = ``ceil(heads / HP)``
     programs share a node, one head group each), ``DP`` / ``FP`` (``head_dim`` / ``features + 1``
     padded to powers of two), ``BLOCK_E`` (edges per ``[BLOCK_E, HP, DP]`` tile) and ``num_warps``.
@@ -212,10 +212,18 @@ def tile_config(heads: int, head_dim: int, features: int) -> dict[str, int]:
     lines), tiles of about 2K elements, 8 per thread. Chosen from what ptxas makes of the kernels for
     sm_90 (``benchmarks/triton_registers.py``), not yet from timings: at 16 heads of 64 the three
     kernels take 64-126 registers and 16-32 resident warps per SM, where one program per node (a
-    ``[8, 16, 64]`` tile on 8 warps, the first choice) took 177-254 registers and held 8 warps per SM."""
+    ``[8, 16, 64]`` tile on 8 warps, the first choice) took 177-254 registers and held 8 warps per SM.
+
+    ``mean_degree`` (edges per program's node: ``E / N`` of the side the kernel walks, known without a
+    look at the edges) caps ``BLOCK_E`` at the power of two at or above it, and the warps with it: a node
+    with 3 edges (the decoder's data nodes; the encoder's, walked by source in the backward) walks one
+    4-edge tile on 4 warps instead of an 8-edge tile five-eighths masked on 8 (ptxas: 64-127 registers, no
+    spill, 16-32 warps per SM)."""
     hp_all, dp, fp = (1 << max(n - 1, 0).bit_length() for n in (heads, head_dim, features + 1))
     hp = max(1, min(hp_all, 256 // dp))
     block_e = min(64, max(2, 2048 // (hp * dp)))
+    if mean_degree is not None and mean_degree > 0:
+        block_e = min(block_e, max(2, 1 << max(math.ceil(mean_degree) - 1, 0).bit_length()))
     warps = max(2, min(8, block_e * hp * dp // 256))
     if _TILES is not None:  # a benchmark's sweep (tile_override)
         hp, block_e, warps = min(_TILES.heads_per_program, hp_all), _TILES.block_e, _TILES.num_warps
@@ -287,7 +295,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: T
     out = torch.empty_like(q)
     lse = torch.empty((nd, batch, heads), dtype=acc, device=q.device)
     if nd * batch:
-        cfg = tile_config(heads, d, attr3.shape[-1])
+        cfg = tile_config(heads, d, attr3.shape[-1], st.num_edges / nd)
         _kernels().graph_attention_fwd[(nd * cfg["G"], batch)](
             q, k, v, attr3, _weights(w_e, b_e), out, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, batch,
             H=heads, D=d, F=attr3.shape[-1], SHARED=attr3.shape[1] == 1, ACC=_triton_dtype(acc), **cfg)
@@ -304,8 +312,9 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
     acc = _acc_dtype(q, k, v)
     go = go.contiguous()
     w = _weights(w_e, b_e)
-    cfg = tile_config(heads, d, fdim)
+    cfg = tile_config(heads, d, fdim, num_edges / max(nd, 1))  # the destination side's; the source side's below
     common = dict(H=heads, D=d, F=fdim, SHARED=attr_batch == 1, ACC=_triton_dtype(acc), **cfg)
+    src_common = {**common, **tile_config(heads, d, fdim, num_edges / max(ns, 1))}
     groups = cfg["G"]
     need_q, need_k, need_v, need_a, need_w, need_b = needs
     dq = torch.empty_like(q)
@@ -327,7 +336,7 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
         if ns * batch:
             kernels.graph_attention_bwd_src[(ns * groups, batch)](
                 q, k, v, attr3, go, lse, delta, u, gu, st.src_ptr, st.src_nbr, st.src_eid, dk, dv, da, batch,
-                da[0].numel(), NEED_DA=need_a, **common)
+                da[0].numel(), NEED_DA=need_a, **src_common)
         da = da[0] if groups == 1 else da.sum(0)
         if need_a and attr_batch != batch:
             da = da.sum(1, keepdim=True)
