@@ -101,12 +101,12 @@ def test_adamw_is_fused_on_cuda_and_resumes_on_a_cpu():
 
 
 def test_multi_tensor_gradient_checks_on_cuda():
-    """DeepSpeed ZeRO's step checks as multi-tensor kernels (``zero_step_checks``) on CUDA tensors: float64 norms
+    """DeepSpeed ZeRO's step checks as multi-tensor kernels (``deepspeed_multi_tensor``) on CUDA tensors: float64 norms
     of fp32 / bf16 gradients equal per-tensor norms of float64 copies (to float64 rounding: the CUDA kernel sums
     in another order), and a NaN or an infinity in any tensor is found without a host sync."""
     import torch
 
-    from stormshard.training.engine.zero_step_checks import any_non_finite, multi_tensor_norms
+    from stormshard.training.engine.deepspeed_multi_tensor import any_non_finite, multi_tensor_norms
 
     torch.manual_seed(0)
     grads = [torch.randn(1 << 20, device="cuda"), torch.randn(513, 7, device="cuda").bfloat16(),

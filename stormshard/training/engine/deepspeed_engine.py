@@ -35,11 +35,11 @@ from stormshard.parallel.topology import ProcessGroups
 from stormshard.training.engine.adamw import FlatAdamW, LeanAdamW, build_adamw
 from stormshard.training.engine.base import TrainingEngine, arg_names, check_state_keys
 from stormshard.training.engine.deepspeed_config import deepspeed_bf16
+from stormshard.training.engine.deepspeed_multi_tensor import install_multi_tensor_steps
 from stormshard.training.engine.grad_sum import Placement, model_group_sum_placement
 from stormshard.training.engine.precision import autocast_inside_forward, cast_floating, compute_device_type
 from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.engine.zero_grad_sum import ZeroPartitionGradSum, partition_sum_blocker
-from stormshard.training.engine.zero_step_checks import install_multi_tensor_checks
 from stormshard.training.schedule import build_scheduler
 
 __all__ = ["DeepSpeedEngine", "on_cpu_accelerator", "disable_cpu_shm_build", "import_muon_without_compiling",
@@ -73,8 +73,8 @@ class DeepSpeedEngine(TrainingEngine):
             optimizer=lambda ps: build_adamw(ps, flat=zero == 0, **adamw),
             lr_scheduler=lambda opt: build_scheduler(opt, schedule),
         )
-        # ZeRO 1/2's per-step gradient norm and bf16 non-finite check as multi-tensor kernels (same answers)
-        self.multi_tensor_checks = install_multi_tensor_checks(self.ds.optimizer)
+        # DeepSpeed's per-step gradient norms, clipping and bf16 non-finite check as multi-tensor kernels (same answers)
+        self.multi_tensor_steps = install_multi_tensor_steps(self.ds)
         self.module = self.ds.module
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self.grad_sum_placement, self._zero_sum = self._model_group_sum(params)

@@ -1,7 +1,8 @@
-"""DeepSpeed ZeRO 1/2's per-step gradient norm and non-finite check, done by multi-tensor kernels
-(``stormshard.training.engine.zero_step_checks``), give DeepSpeed's own answers: the same global norm to
-the bit on a CPU, the same overflow flag, at 2 and 4 ranks with model sharding and data parallelism, fp32 and
-bf16. (The engines' training equivalence with clipping, ``tests/test_engine.py``, runs with them installed.)"""
+"""DeepSpeed's per-step gradient norms, clipping and non-finite check, done by multi-tensor kernels
+(``stormshard.training.engine.deepspeed_multi_tensor``), give DeepSpeed's own answers: at ZeRO 1/2 the same
+global norm to the bit on a CPU and the same overflow flag, at ZeRO 0 the same clipped gradients to the bit,
+at 2 and 4 ranks with model sharding and data parallelism, fp32 and bf16. (The engines' training equivalence
+with clipping, ``tests/test_engine.py``, runs with them installed.)"""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from stormshard.training.engine import build_engine  # noqa: E402
-from stormshard.training.engine.zero_step_checks import (  # noqa: E402
+from stormshard.training.engine.deepspeed_multi_tensor import (  # noqa: E402
     any_non_finite,
-    install_multi_tensor_checks,
+    install_multi_tensor_steps,
     multi_tensor_norms,
 )
 from tests.distributed import run_distributed  # noqa: E402
@@ -55,7 +56,9 @@ def _check_against_deepspeed(rank: int, world: int, layouts: list[int]) -> list[
                 local = shard_model(make_model(7), gpus_per_model, groups.model_rank)
                 engine = build_engine(local, groups, settings)
                 opt = engine.ds.optimizer
-                assert engine.multi_tensor_checks and "get_grad_norm_direct" in vars(opt), (stage, precision)
+                assert set(engine.multi_tensor_steps) == {"clip_fp32_gradients", "get_grad_norm_direct",
+                                                          "has_overflow_partitioned_grads_serial"}, engine.multi_tensor_steps
+                assert "get_grad_norm_direct" in vars(opt), (stage, precision)
                 x, target = batch(0, 4 * groups.layout.data_parallel_size)
                 engine.backward(sharded_loss(engine, x, target, groups))
                 ours, theirs = opt.get_grad_norm_direct, type(opt).get_grad_norm_direct
@@ -80,12 +83,43 @@ def _check_against_deepspeed(rank: int, world: int, layouts: list[int]) -> list[
     return done
 
 
+def _check_zero0_clipping(rank: int, world: int, layouts: list[int]) -> list[str]:
+    """ZeRO 0, fp32 (where DeepSpeed's engine clips, ``clip_fp32_gradients``): the clipped gradients equal the
+    ones DeepSpeed's own method makes from the same gradients, bit for bit, clipping active."""
+    done = []
+    for gpus_per_model in layouts:
+        groups = groups_for(world, gpus_per_model)
+        settings = _settings("deepspeed", stage=0, accumulation=1, clip=0.01)
+        engine = build_engine(shard_model(make_model(7), gpus_per_model, groups.model_rank), groups, settings)
+        assert engine.multi_tensor_steps == ("clip_fp32_gradients",), engine.multi_tensor_steps
+        x, target = batch(0, 4 * groups.layout.data_parallel_size)
+        engine.backward(sharded_loss(engine, x, target, groups))
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        before = [p.grad.clone() for p in params]
+        type(engine.ds).clip_fp32_gradients(engine.ds)  # DeepSpeed's
+        theirs = [p.grad.clone() for p in params]
+        for p, g in zip(params, before, strict=True):
+            p.grad.copy_(g)
+        engine.ds.clip_fp32_gradients()  # the multi-tensor one
+        assert any(not torch.equal(a, b) for a, b in zip(theirs, before, strict=True))  # it clipped
+        for a, b in zip(params, theirs, strict=True):
+            assert torch.equal(a.grad, b), (a.grad, b)
+        engine.step()
+        done.append(str(gpus_per_model))
+    return done
+
+
+def test_zero0_clipping_equals_deepspeeds():
+    for done in run_distributed(_check_zero0_clipping, 2, [1, 2], timeout=600):
+        assert done == ["1", "2"]
+
+
 @pytest.mark.parametrize("world, layouts", [(2, [1, 2]), (4, [2])])
 def test_multi_tensor_checks_give_deepspeeds_answers(world, layouts):
     for done in run_distributed(_check_against_deepspeed, world, layouts, timeout=600):
         assert len(done) == 4 * len(layouts), done
 
 
-def test_other_optimizers_are_left_alone():
-    opt = torch.optim.AdamW(make_model(0).parameters())
-    assert install_multi_tensor_checks(opt) is False and "get_grad_norm_direct" not in vars(opt)
+def test_other_engines_are_left_alone():
+    model = make_model(0)
+    assert install_multi_tensor_steps(model) == () and "clip_fp32_gradients" not in vars(model)
