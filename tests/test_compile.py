@@ -299,6 +299,23 @@ def test_cuda_graph_mode_reaches_inductor_and_equals_eager():
         compile_blocks(_model("transformer", None), backend="eager", cuda_graphs=True)
 
 
+def test_cuda_graphs_mark_the_plans_tensors_as_static_addresses():
+    """A graph block's plan tensors (edge index, chunk indices, edge ids: attributes, not buffers) are marked
+    static, so CUDA graphs read them in place and the Triton kernel's structure cache (keyed by the
+    edge-index tensor) hits inside a capture; parameters and buffers are not marked (inductor knows them)."""
+    from stormshard.models.compile import mark_static_tensors
+
+    model = _model("graphtransformer", None)
+    compile_blocks(model, backend="inductor", cuda_graphs=True)  # lazy: nothing is compiled before a call
+    block = model.processor.processor.blocks[0] if hasattr(model.processor, "processor") else model.processor.blocks[0]
+    held = [block.plan.edge_index, *block.chunk_index.values(), *(ids for _, _, ids in block.edge_chunks)]
+    held += [model.encoder.plan.edge_index, model.decoder.plan.edge_index]
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in held)
+    assert not any(hasattr(p, "_dynamo_static_input_type") for p in model.parameters())
+    assert not any(hasattr(b, "_dynamo_static_input_type") for b in model.buffers())
+    assert mark_static_tensors(nn.Linear(2, 2)) == 0
+
+
 def test_cuda_graphs_problems_name_the_field_and_the_fix():
     from stormshard.models.compile import cuda_graphs_problem
 

@@ -18,7 +18,9 @@ block trace as torch's functional collectives; the eager-only fused GNN kernels 
 autograd path, which inductor fuses). Shapes are static (``dynamic=False``): a block sees the same
 shapes every step, so it compiles once for training and once for validation (``no_grad``).
 
-``cuda_graphs=True`` (``training.cuda_graphs``) compiles the blocks with ``mode="reduce-overhead"``:
+``cuda_graphs=True`` (``training.cuda_graphs``) marks the tensors the blocks hold outside their
+parameters and buffers (shard plans' edge and halo indices) as static addresses
+(:func:`mark_static_tensors`) and compiles the blocks with ``mode="reduce-overhead"``:
 inductor records each compiled block's forward and backward as CUDA graphs (torch's CUDA graph trees)
 and replays them, one launch per graph instead of one per kernel, for steps whose shapes are static
 (they are: the grids, graphs and batch do not change). The caller marks each step's start with
@@ -32,16 +34,18 @@ Nothing is communicated here; the compiled blocks communicate what the eager one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from stormshard.env import env_choice
 from stormshard.kernels.dispatch import prepare_attention_kernels
 
 __all__ = ["compile_blocks", "compiled_block_names", "compile_backend", "wants_compile", "COMPILED_TARGETS",
-           "BACKEND_VARIABLE", "CUDA_GRAPH_MODE", "begin_graphed_step", "cuda_graph_skips", "cuda_graphs_problem"]
+           "BACKEND_VARIABLE", "CUDA_GRAPH_MODE", "begin_graphed_step", "cuda_graph_skips", "cuda_graphs_problem",
+           "mark_static_tensors"]
 
 #: the environment variable that picks torch.compile's backend (default ``"inductor"``; ``"aot_eager"``
 #: traces and runs the same graphs without code generation: for debugging and quick tests)
@@ -129,6 +133,8 @@ def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: b
     config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 2 * limit)
     names = []
     for name, module in targets:
+        if cuda_graphs:
+            mark_static_tensors(module)
         if getattr(module, "_compiled_call_impl", None) is None:
             module.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic, options=options,
                            mode=CUDA_GRAPH_MODE if cuda_graphs else None)
@@ -144,6 +150,45 @@ def wants_compile(setting: bool | str, device_type: str) -> bool:
     if setting == "auto":
         return device_type == "cuda"
     return bool(setting)
+
+
+def _held_tensors(value: Any, depth: int = 0) -> Iterator[Tensor]:
+    """The tensors in ``value``: itself, or inside a dataclass, tuple, list or dict (a few levels deep)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif depth < 4 and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _held_tensors(getattr(value, f.name, None), depth + 1)
+    elif depth < 4 and isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _held_tensors(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _held_tensors(item, depth + 1)
+
+
+def mark_static_tensors(module: nn.Module) -> int:
+    """Mark every tensor the modules of ``module`` hold besides their parameters and buffers (a shard plan's
+    edge index and halo indices, the edge chunks' ids and indices: attributes set once at construction and
+    moved with the module) as a static address for CUDA graphs (``torch._dynamo.mark_static_address``).
+    A graph then reads them where they are: without the mark each replay would copy them into the graph's
+    own input buffers, and a kernel whose sorted structure is cached per edge-index tensor
+    (:mod:`~stormshard.kernels.graph_triton`) would see a new tensor, rebuild it and wait for the device
+    inside a capture. Returns how many tensors were marked."""
+    from torch._dynamo import mark_static_address
+
+    seen: set[int] = set()
+    for sub in module.modules():
+        owned = {id(t) for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))}
+        for key, value in vars(sub).items():
+            if key in ("_parameters", "_buffers", "_modules") or key.startswith("__"):
+                continue
+            for tensor in _held_tensors(value):
+                if id(tensor) in owned or id(tensor) in seen or isinstance(tensor, nn.Parameter):
+                    continue
+                seen.add(id(tensor))
+                mark_static_address(tensor)
+    return len(seen)
 
 
 def cuda_graphs_problem(device_type: str, compiles: bool, backend: str) -> str | None:
