@@ -284,6 +284,11 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
         census = record_step_memory(step)
         row.extra["memory_census"] = census.table()
         row.extra["memory_sources"] = census.sources[:30]
+    if graphed:  # the CUDA graph trees keep their memory pool until reset: not into the next row's memory
+        from torch import _dynamo
+
+        del step, optimizer, model
+        _dynamo.reset()
 
 
 # --------------------------------------------------------------------------------------------
