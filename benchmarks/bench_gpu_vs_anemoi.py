@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu_vs_anemoi.py [--quick] [--budget-s S] [--json PATH]   # CUDA (make bench-gpu)
         [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--tables model:o96,attention:aifs,model:aifs]
-        [--triton-tiles HPxBLOCK_ExWARPS,...]   # with --tables ...,tiles:aifs
+        [--triton-tiles HPxBLOCK_ExWARPS[xNODES],...]   # with --tables ...,tiles:aifs
         [--cuda-graphs o96,...]   # the sizes with a "compiled + CUDA graphs" row (default o96)
         [--memory-census]   # what is alive at each stormshard row's peak, by source line (CUDA)
     python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
@@ -318,12 +318,14 @@ def run_stormshard_attention(row: AttentionRow, edge_index: torch.Tensor, num_sr
 
 
 def parse_tiles(text: str):  # noqa: ANN201 - a stormshard.kernels.graph_triton.Tiles
-    """``"HPxBLOCK_ExWARPS"`` (e.g. ``4x8x8``) as :class:`~stormshard.kernels.graph_triton.Tiles`."""
+    """``"HPxBLOCK_ExWARPS"`` (e.g. ``4x8x8``) or ``"HPxBLOCK_ExWARPSxNODES"`` (nodes per program, e.g.
+    ``4x4x4x4``) as :class:`~stormshard.kernels.graph_triton.Tiles`."""
     from stormshard.kernels.graph_triton import Tiles
 
     parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"--triton-tiles {text!r}: write heads-per-program x edges-per-tile x warps, e.g. 4x8x8")
+    if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts):
+        raise ValueError(f"--triton-tiles {text!r}: write heads-per-program x edges-per-tile x warps [x nodes per "
+                         "program], e.g. 4x8x8 or 4x4x4x4")
     return Tiles(*(int(p) for p in parts))
 
 
@@ -557,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                         "model:aifs, and model:tiny,model:tiny-ckpt,attention:micro with --cpu-smoke)")
     parser.add_argument("--triton-tiles", default="",
                         help="the tile table's launch configurations of the Triton graph kernel (--tables tiles:SIZE), "
-                             "a comma list of HPxBLOCK_ExWARPS (heads per program x edges per tile x warps), e.g. "
-                             "16x8x8,8x8x8,2x8x4")
+                             "a comma list of HPxBLOCK_ExWARPS[xNODES] (heads per program x edges per tile x warps "
+                             "[x nodes per program]), e.g. 16x8x8,8x8x8,4x4x4x4")
     parser.add_argument("--cuda-graphs", default="o96",
                         help="the sizes (a comma list) whose whole-model table has the 'compiled + CUDA graphs' row "
                              "(training.cuda_graphs; default o96, the host-bound size: at the AIFS size the row costs "

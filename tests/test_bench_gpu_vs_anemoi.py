@@ -164,11 +164,13 @@ def test_without_cuda_it_says_so_and_exits_0():
 
 
 def test_tile_sweep_arguments():
-    """``--triton-tiles`` parses as heads-per-program x edges x warps (powers of two); the tile table needs it."""
+    """``--triton-tiles`` parses as heads-per-program x edges x warps [x nodes per program] (powers of two); the tile
+    table needs it."""
     from stormshard.kernels.graph_triton import Tiles
 
     assert h2h.parse_tiles("4x8x8") == Tiles(4, 8, 8) and h2h.parse_tiles("16X8X8") == Tiles(16, 8, 8)
-    for bad in ("4x8", "4x8x3", "axbxc"):
+    assert h2h.parse_tiles("4x4x4x4") == Tiles(4, 4, 4, 4)
+    for bad in ("4x8", "4x8x3", "axbxc", "4x4x4x3", "4x4x4x4x4"):
         with pytest.raises(ValueError):
             h2h.parse_tiles(bad)
     run = _run("--cpu-smoke", "--tables", "tiles:micro", timeout=120)

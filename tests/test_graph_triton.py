@@ -203,12 +203,14 @@ def test_tile_config_covers_the_heads_in_groups(heads, d, features):
 
 
 def test_every_tile_override_computes_the_same_function():
-    """The benchmark's tile sweep (``tile_override``): one head per program with 2-edge tiles, and all
-    heads in one program, equal the float64 reference like the default tiles; bad tiles are an error."""
+    """The benchmark's tile sweep (``tile_override``): one head per program with 2-edge tiles, all heads in one
+    program, and 2 or 4 nodes per program equal the float64 reference like the default tiles; bad tiles are an
+    error."""
     inputs, edge_index, grad_out = make_inputs(num_src=6, num_dst=7, heads=6, d=24, fdim=2, batch=(2,), hub_edges=9,
                                                seed=8)
     ref_out, ref_grads = run(reference, inputs, edge_index, grad_out)
-    for tiles in (gt.Tiles(1, 2, 2), gt.Tiles(8, 4, 4)):
+    # several nodes per program, the last block partly past the 7 destinations and 6 sources
+    for tiles in (gt.Tiles(1, 2, 2), gt.Tiles(8, 4, 4), gt.Tiles(4, 2, 2, 4), gt.Tiles(2, 4, 2, 2)):
         with gt.tile_override(tiles):
             assert gt.tile_config(6, 24, 2)["HP"] == tiles.heads_per_program
             out, grads = run(gt.triton_graph_attention, inputs, edge_index, grad_out)
@@ -217,6 +219,8 @@ def test_every_tile_override_computes_the_same_function():
     assert gt.tile_config(6, 24, 2)["HP"] == 8  # the override ends with its block
     with pytest.raises(ValueError, match="block_e = 3: must be a power of two"):
         gt.Tiles(2, 3, 4)
+    with pytest.raises(ValueError, match="nodes_per_program = 3: must be a power of two"):
+        gt.Tiles(2, 2, 4, 3)
 
 
 def test_gradients_of_some_inputs_only():

@@ -45,6 +45,7 @@ print("RESULT " + json.dumps(rows))
 CASES = [(arch, dtype, 16, 64, 3, True) for arch in (80, 90) for dtype in ("bf16", "fp16", "fp32", "fp64")] + [
     (90, "bf16", 16, 64, 11, True),  # the AIFS model's edges: 3 geometric + 8 trainable features
     (90, "bf16", 16, 64, -3, True),  # the same with 3 edges per node (the decoder): 4-edge tiles on 4 warps
+    (90, "bf16", 16, 64, -11, True),  # the AIFS decoder: 3 edges per data node, 11 edge features
     (90, "fp32", 3, 12, 3, False),  # a non-power-of-two head size, per-batch attributes
 ]
 

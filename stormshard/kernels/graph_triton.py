@@ -15,6 +15,8 @@ node's heads are split into ``G`` groups of ``HP`` (:func:`tile_config`: ``HP * 
 ``node * G + group`` (a node's groups run side by side and share its edge ids and attributes in the
 cache). Kernels (:mod:`~stormshard.kernels.graph_triton_kernels`):
 
+- every kernel's grid is ``(ceil(N / NPP) G, B)``: a program owns ``NPP`` nodes (1 unless a tile sweep asks
+  for more, :class:`Tiles`), one after the other; below, one node;
 - forward, grid ``(Nd G, B)``: a program loads its heads of ``q[i, b]`` ``[HP, DP]`` (``DP`` the
   power of two at or above ``d``, padding masked), computes ``u = W^T q`` in registers, walks the
   node's CSR range ``BLOCK_E`` edges at a time as ``[BLOCK_E, HP, DP]`` tiles with an online softmax
@@ -206,12 +208,13 @@ def triton_graph_structure(edge_index: Tensor, num_src: int, num_dst: int) -> Tr
 def tile_config(heads: int, head_dim: int, features: int, mean_degree: float | None = None) -> dict[str, int]:
     """The launch configuration: ``HP`` heads per program (a power of two; ``G`` = ``ceil(heads / HP)``
     programs share a node, one head group each), ``DP`` / ``FP`` (``head_dim`` / ``features + 1``
-    padded to powers of two), ``BLOCK_E`` (edges per ``[BLOCK_E, HP, DP]`` tile) and ``num_warps``.
+    padded to powers of two), ``BLOCK_E`` (edges per ``[BLOCK_E, HP, DP]`` tile), ``num_warps`` and ``NPP``
+    (nodes per program, one after the other: 1 here; :func:`tile_override` sweeps more).
 
     ``HP * DP`` at most 256 (a 512-byte bf16 run of each neighbour row per program: four 128-byte
     lines), tiles of about 2K elements, 8 per thread. Chosen from what ptxas makes of the kernels for
     sm_90 (``benchmarks/triton_registers.py``), not yet from timings: at 16 heads of 64 the three
-    kernels take 64-126 registers and 16-32 resident warps per SM, where one program per node (a
+    kernels take 64-123 registers and 16-32 resident warps per SM, where one program per node (a
     ``[8, 16, 64]`` tile on 8 warps, the first choice) took 177-254 registers and held 8 warps per SM.
 
     ``mean_degree`` (edges per program's node: ``E / N`` of the side the kernel walks, known without a
@@ -225,22 +228,26 @@ def tile_config(heads: int, head_dim: int, features: int, mean_degree: float | N
     if mean_degree is not None and mean_degree > 0:
         block_e = min(block_e, max(2, 1 << max(math.ceil(mean_degree) - 1, 0).bit_length()))
     warps = max(2, min(8, block_e * hp * dp // 256))
+    npp = 1
     if _TILES is not None:  # a benchmark's sweep (tile_override)
         hp, block_e, warps = min(_TILES.heads_per_program, hp_all), _TILES.block_e, _TILES.num_warps
-    return dict(HP=hp, G=-(-heads // hp), DP=dp, FP=fp, BLOCK_E=block_e, num_warps=warps)
+        npp = _TILES.nodes_per_program
+    return dict(HP=hp, G=-(-heads // hp), DP=dp, FP=fp, BLOCK_E=block_e, num_warps=warps, NPP=npp)
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """A launch configuration for :func:`tile_override`: heads per program, edges per tile, warps (powers of two)."""
+    """A launch configuration for :func:`tile_override`: heads per program, edges per tile, warps and nodes per
+    program (powers of two)."""
 
     heads_per_program: int
     block_e: int
     num_warps: int
+    nodes_per_program: int = 1  # a program's nodes, one after the other (its slice of W loaded once for all)
 
     def __post_init__(self) -> None:
         for name, value in (("heads_per_program", self.heads_per_program), ("block_e", self.block_e),
-                            ("num_warps", self.num_warps)):
+                            ("num_warps", self.num_warps), ("nodes_per_program", self.nodes_per_program)):
             if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
                 raise ValueError(f"Tiles.{name} = {value!r}: must be a power of two (1, 2, 4, ...)")
 
@@ -270,6 +277,11 @@ def weight_tile_config(columns: int, head_dim: int) -> dict[str, int]:
     return dict(FP=fp, DP=dp, BLOCK_R=min(128, max(2, 4096 // (fp * dp))), num_warps=8)
 
 
+def _programs(nodes: int, cfg: dict[str, int]) -> int:
+    """The launch grid's first axis: ``G`` head groups for every block of ``NPP`` nodes."""
+    return -(-nodes // cfg["NPP"]) * cfg["G"]
+
+
 def _acc_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
@@ -296,8 +308,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tensor, b_e: T
     lse = torch.empty((nd, batch, heads), dtype=acc, device=q.device)
     if nd * batch:
         cfg = tile_config(heads, d, attr3.shape[-1], st.num_edges / nd)
-        _kernels().graph_attention_fwd[(nd * cfg["G"], batch)](
-            q, k, v, attr3, _weights(w_e, b_e), out, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, batch,
+        _kernels().graph_attention_fwd[(_programs(nd, cfg), batch)](
+            q, k, v, attr3, _weights(w_e, b_e), out, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, nd, batch,
             H=heads, D=d, F=attr3.shape[-1], SHARED=attr3.shape[1] == 1, ACC=_triton_dtype(acc), **cfg)
     return out, lse
 
@@ -322,8 +334,8 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
     delta = torch.empty((nd, batch, heads), dtype=acc, device=q.device)
     kernels = _kernels()
     if nd * batch:
-        kernels.graph_attention_bwd_dst[(nd * groups, batch)](
-            q, k, v, attr3, w, go, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, dq, u, gu, agg, de, delta, batch,
+        kernels.graph_attention_bwd_dst[(_programs(nd, common), batch)](
+            q, k, v, attr3, w, go, lse, st.dst_ptr, st.dst_nbr, st.dst_eid, dq, u, gu, agg, de, delta, nd, batch,
             **common)
     dk = dv = da = None
     if need_k or need_v or need_a:
@@ -334,8 +346,8 @@ def _backward(go: Tensor, q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: T
         da = torch.empty((groups, num_edges if need_a else 0, batch, fdim), dtype=attr3.dtype if direct else acc,
                          device=q.device)
         if ns * batch:
-            kernels.graph_attention_bwd_src[(ns * groups, batch)](
-                q, k, v, attr3, go, lse, delta, u, gu, st.src_ptr, st.src_nbr, st.src_eid, dk, dv, da, batch,
+            kernels.graph_attention_bwd_src[(_programs(ns, src_common), batch)](
+                q, k, v, attr3, go, lse, delta, u, gu, st.src_ptr, st.src_nbr, st.src_eid, dk, dv, da, ns, batch,
                 da[0].numel(), NEED_DA=need_a, **src_common)
         da = da[0] if groups == 1 else da.sum(0)
         if need_a and attr_batch != batch:

@@ -13,8 +13,8 @@ Layouts (all contiguous, row-major; ``N`` nodes, ``B`` batch entries, ``H`` head
 - the destination CSR ``ptr`` ``(Nd + 1)``, ``nbr`` (source of each edge, ``(E,)``), ``eid`` (the
   edge's position in the caller's order, ``(E,)``); the source CSR likewise with destinations.
 
-Every program owns one (node, head group, batch entry): ``program_id(0) = node * G + group``,
-``program_id(1)`` the batch entry; the group's heads ``group * HP ...`` of the node's row are one
+Every program owns ``NPP`` nodes (one after the other; 1 by default) of one head group and batch entry:
+``program_id(0) = (node // NPP) * G + group``, ``program_id(1)`` the batch entry; the group's heads ``group * HP ...`` of the node's row are one
 ``[HP, DP]`` tile (``HP`` a power of two, ``DP`` / ``FP`` the powers of two at or above ``D`` /
 ``F1``; heads past ``H`` and padding masked), its edges are walked ``BLOCK_E`` at a time from the
 CSR range as ``[BLOCK_E, HP, DP]`` tiles (each neighbour row segment one contiguous ``HP * D`` run).
@@ -47,19 +47,18 @@ __all__ = ["graph_attention_fwd", "graph_attention_bwd_dst", "graph_attention_bw
 @triton.jit
 def graph_attention_fwd(
     q_ptr, k_ptr, v_ptr, attr_ptr, w_ptr, out_ptr, lse_ptr, ptr_ptr, nbr_ptr, eid_ptr,
-    B,
+    N, B,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
-    DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr,
+    DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr, NPP: tl.constexpr,
 ):
     """Forward for destination ``program_id(0) // G`` (its head group ``program_id(0) % G``), batch entry
     ``program_id(1)``: ``out`` (``sum_j
     alpha_j v_j + W agg``) and ``lse`` (``max + log(sum)`` of the logits per head; 0 without edges)."""
-    # program: node n, head group pid % G, batch entry b, their row node; the [HP, DP] tile of the group's
-    # heads; the node's CSR range
+    # program: nodes NPP * (pid // G) ... (below N), head group pid % G, batch entry b; the [HP, DP] tile of
+    # the group's heads and its [HP, FP, DP] slice of W (w[f, h, :]), loaded once for the program's nodes
     pid = tl.program_id(0).to(tl.int64)
-    n = pid // G
+    first = (pid // G) * NPP
     b = tl.program_id(1).to(tl.int64)
-    node = n * B + b
     offs_h = (pid % G) * HP + tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     offs_f = tl.arange(0, FP)
@@ -67,69 +66,71 @@ def graph_attention_fwd(
     hd = offs_h[:, None] * D + offs_d[None, :]
     hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
-    start = tl.load(ptr_ptr + n)
-    end = tl.load(ptr_ptr + n + 1)
-    q = tl.load(q_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-    # project: u = W^T q per head [HP, FP] (column f = sum_d q[h, d] w[f, h, d])
-    u = tl.full((HP, FP), 0, ACC)
-    for f in tl.static_range(F + 1):
-        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-        u += tl.where(offs_f[None, :] == f, tl.reduce(q * wf, 1, _sum)[:, None], 0.0)
+    hfd = offs_f[None, :, None] * (H * D) + hd[:, None, :]
+    w = tl.load(w_ptr + hfd, mask=(offs_f[None, :, None] < F + 1) & hd_mask[:, None, :], other=0.0).to(ACC)
+    for i in range(NPP):
+        # node n (none past N: its range is empty and nothing is stored), its row node, its CSR range
+        n = first + i
+        node_hd = hd_mask & (hd * 0 + n < N)  # [HP, DP]: the node's tile, none past N
+        node_h = (offs_h < H) & (offs_h * 0 + n < N)  # [HP]
+        valid = n < N
+        node = n * B + b
+        start = tl.load(ptr_ptr + n, mask=valid, other=0)
+        end = tl.load(ptr_ptr + n + 1, mask=valid, other=0)
+        q = tl.load(q_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
+        # project: u = W^T q per head [HP, FP] (u[h, f] = sum_d q[h, d] w[f, h, d])
+        u = tl.reduce(w * q[:, None, :], 2, _sum)
 
-    m_i = tl.full((HP,), float("-inf"), ACC)
-    l_i = tl.full((HP,), 0, ACC)
-    acc = tl.full((HP, DP), 0, ACC)
-    agg = tl.full((HP, FP), 0, ACC)
-    for e0 in range(start, end, BLOCK_E):
-        # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
-        idx = e0 + offs_e
-        emask = idx < end
-        nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
-        eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
-        nbr_node = nbr * B + b
-        rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
-        rmask = emask[:, None, None] & hd_mask[None, :, :]
-        # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
-        if SHARED:
-            row = eid
-        else:
-            row = eid * B + b
-        ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
-        a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
-        a = tl.where(offs_f[None, :] == F, 1.0, a)
-        k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        # scores: scale * (k . q + a . u) per (edge, head) [BLOCK_E, HP]
-        s = (tl.reduce(k * q[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * u[None, :, :], 2, _sum)) * scale
-        s = tl.where(emask[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        corr = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[None, :])
-        l_i = l_i * corr + tl.reduce(p, 0, _sum)
-        v = tl.load(v_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        acc = acc * corr[:, None] + tl.reduce(p[:, :, None] * v, 0, _sum)
-        agg = agg * corr[:, None] + tl.reduce(p[:, :, None] * a[:, None, :], 0, _sum)
-        m_i = m_new
+        m_i = tl.full((HP,), float("-inf"), ACC)
+        l_i = tl.full((HP,), 0, ACC)
+        acc = tl.full((HP, DP), 0, ACC)
+        agg = tl.full((HP, FP), 0, ACC)
+        for e0 in range(start, end, BLOCK_E):
+            # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
+            idx = e0 + offs_e
+            emask = idx < end
+            nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
+            eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
+            nbr_node = nbr * B + b
+            rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
+            rmask = emask[:, None, None] & hd_mask[None, :, :]
+            # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
+            if SHARED:
+                row = eid
+            else:
+                row = eid * B + b
+            ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
+            a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
+            a = tl.where(offs_f[None, :] == F, 1.0, a)
+            k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
+            # scores: scale * (k . q + a . u) per (edge, head) [BLOCK_E, HP]
+            s = (tl.reduce(k * q[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * u[None, :, :], 2, _sum)) * scale
+            s = tl.where(emask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            corr = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[None, :])
+            l_i = l_i * corr + tl.reduce(p, 0, _sum)
+            v = tl.load(v_ptr + rows, mask=rmask, other=0.0).to(ACC)
+            acc = acc * corr[:, None] + tl.reduce(p[:, :, None] * v, 0, _sum)
+            agg = agg * corr[:, None] + tl.reduce(p[:, :, None] * a[:, None, :], 0, _sum)
+            m_i = m_new
 
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    inv = tl.where(has, 1.0 / l_safe, 0.0)
-    # expand: out = acc / l + W (agg / l) per head (out[h, :] += sum_f y[h, f] w[f, h, :])
-    out = acc * inv[:, None]
-    y = agg * inv[:, None]
-    for f in tl.static_range(F + 1):
-        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-        out += tl.reduce(tl.where(offs_f[None, :] == f, y, 0.0), 1, _sum)[:, None] * wf
-    tl.store(out_ptr + node * (H * D) + hd, out, mask=hd_mask)
-    tl.store(lse_ptr + node * H + offs_h, tl.where(has, m_i + tl.log(l_safe), 0.0), mask=offs_h < H)
+        has = l_i > 0
+        l_safe = tl.where(has, l_i, 1.0)
+        inv = tl.where(has, 1.0 / l_safe, 0.0)
+        # expand: out = acc / l + W (agg / l) per head (out[h, :] += sum_f y[h, f] w[f, h, :])
+        out = acc * inv[:, None] + tl.reduce((agg * inv[:, None])[:, :, None] * w, 1, _sum)
+        tl.store(out_ptr + node * (H * D) + hd, out, mask=node_hd)
+        tl.store(lse_ptr + node * H + offs_h, tl.where(has, m_i + tl.log(l_safe), 0.0), mask=node_h)
 
 
 @triton.jit
 def graph_attention_bwd_dst(
     q_ptr, k_ptr, v_ptr, attr_ptr, w_ptr, go_ptr, lse_ptr, ptr_ptr, nbr_ptr, eid_ptr,
     dq_ptr, u_ptr, gu_ptr, agg_ptr, de_ptr, delta_ptr,
-    B,
+    N, B,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
-    DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr,
+    DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr, NPP: tl.constexpr,
 ):
     """Backward, destination side, for destination ``program_id(0) // G`` (head group ``program_id(0) % G``),
     batch entry ``program_id(1)``.
@@ -140,12 +141,12 @@ def graph_attention_bwd_dst(
     (sum_j alpha_j dalpha_j x_j - delta sum_j alpha_j x_j)``. Writes ``dq = sum_j ds_j k_j + W de``
     and what the source side and the weight gradient read: ``u = W^T q``, ``gu``, ``agg = sum_j
     alpha_j a_j``, ``de = sum_j ds_j a_j``, ``delta``."""
-    # program: node n, head group pid % G, batch entry b, their row node; the [HP, DP] tile of the group's
-    # heads; the node's CSR range
+    # program: nodes NPP * (pid // G) ... (below N), head group pid % G, batch entry b; the [HP, DP] tile of
+    # the group's heads (W is read a column at a time, [HP, DP] per column: a whole [HP, FP, DP] slice held
+    # across the edge loop took 188 registers at 11 edge features on 4 warps, against 103)
     pid = tl.program_id(0).to(tl.int64)
-    n = pid // G
+    first = (pid // G) * NPP
     b = tl.program_id(1).to(tl.int64)
-    node = n * B + b
     offs_h = (pid % G) * HP + tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     offs_f = tl.arange(0, FP)
@@ -153,79 +154,87 @@ def graph_attention_bwd_dst(
     hd = offs_h[:, None] * D + offs_d[None, :]
     hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
-    start = tl.load(ptr_ptr + n)
-    end = tl.load(ptr_ptr + n + 1)
     hmask = offs_h < H
-    q = tl.load(q_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-    go = tl.load(go_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-    lse = tl.load(lse_ptr + node * H + offs_h, mask=hmask, other=0.0).to(ACC)
-    # project: u = W^T q and gu = W^T go per head [HP, FP], one column f of W at a time
-    u = tl.full((HP, FP), 0, ACC)
-    gu = tl.full((HP, FP), 0, ACC)
-    for f in tl.static_range(F + 1):
-        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-        u += tl.where(offs_f[None, :] == f, tl.reduce(q * wf, 1, _sum)[:, None], 0.0)
-        gu += tl.where(offs_f[None, :] == f, tl.reduce(go * wf, 1, _sum)[:, None], 0.0)
+    for i in range(NPP):
+        # node n (none past N: its range is empty and nothing is stored), its row node, its CSR range
+        n = first + i
+        node_hd = hd_mask & (hd * 0 + n < N)  # [HP, DP]: the node's tile, none past N
+        node_h = (offs_h < H) & (offs_h * 0 + n < N)  # [HP]
+        valid = n < N
+        node = n * B + b
+        start = tl.load(ptr_ptr + n, mask=valid, other=0)
+        end = tl.load(ptr_ptr + n + 1, mask=valid, other=0)
+        q = tl.load(q_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
+        go = tl.load(go_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
+        lse = tl.load(lse_ptr + node * H + offs_h, mask=node_h, other=0.0).to(ACC)
+        # project: u = W^T q and gu = W^T go per head [HP, FP], one column f of W at a time
+        u = tl.full((HP, FP), 0, ACC)
+        gu = tl.full((HP, FP), 0, ACC)
+        for f in tl.static_range(F + 1):
+            wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
+            u += tl.where(offs_f[None, :] == f, tl.reduce(q * wf, 1, _sum)[:, None], 0.0)
+            gu += tl.where(offs_f[None, :] == f, tl.reduce(go * wf, 1, _sum)[:, None], 0.0)
 
-    delta = tl.full((HP,), 0, ACC)
-    k_dal = tl.full((HP, DP), 0, ACC)  # sum_j alpha_j dalpha_j k_j
-    k_sum = tl.full((HP, DP), 0, ACC)  # sum_j alpha_j k_j
-    a_dal = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j dalpha_j a_j
-    agg = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j a_j
-    for e0 in range(start, end, BLOCK_E):
-        # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
-        idx = e0 + offs_e
-        emask = idx < end
-        nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
-        eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
-        nbr_node = nbr * B + b
-        rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
-        rmask = emask[:, None, None] & hd_mask[None, :, :]
-        # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
-        if SHARED:
-            row = eid
-        else:
-            row = eid * B + b
-        ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
-        a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
-        a = tl.where(offs_f[None, :] == F, 1.0, a)
-        k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        v = tl.load(v_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        # scores: scale * (k . q + a . u) and dalpha = v . go + a . gu per (edge, head) [BLOCK_E, HP]
-        s = (tl.reduce(k * q[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * u[None, :, :], 2, _sum)) * scale
-        alpha = tl.where(emask[:, None] & hmask[None, :], tl.exp(s - lse[None, :]), 0.0)
-        dalpha = tl.reduce(v * go[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * gu[None, :, :], 2, _sum)
-        weighted = alpha * dalpha
-        delta += tl.reduce(weighted, 0, _sum)
-        k_dal += tl.reduce(weighted[:, :, None] * k, 0, _sum)
-        k_sum += tl.reduce(alpha[:, :, None] * k, 0, _sum)
-        a_dal += tl.reduce(weighted[:, :, None] * a[:, None, :], 0, _sum)
-        agg += tl.reduce(alpha[:, :, None] * a[:, None, :], 0, _sum)
+        delta = tl.full((HP,), 0, ACC)
+        k_dal = tl.full((HP, DP), 0, ACC)  # sum_j alpha_j dalpha_j k_j
+        k_sum = tl.full((HP, DP), 0, ACC)  # sum_j alpha_j k_j
+        a_dal = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j dalpha_j a_j
+        agg = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j a_j
+        for e0 in range(start, end, BLOCK_E):
+            # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
+            idx = e0 + offs_e
+            emask = idx < end
+            nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
+            eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
+            nbr_node = nbr * B + b
+            rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
+            rmask = emask[:, None, None] & hd_mask[None, :, :]
+            # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
+            if SHARED:
+                row = eid
+            else:
+                row = eid * B + b
+            ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
+            a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
+            a = tl.where(offs_f[None, :] == F, 1.0, a)
+            k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
+            v = tl.load(v_ptr + rows, mask=rmask, other=0.0).to(ACC)
+            # scores: scale * (k . q + a . u) and dalpha = v . go + a . gu per (edge, head) [BLOCK_E, HP]
+            s = (tl.reduce(k * q[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * u[None, :, :], 2, _sum)) * scale
+            alpha = tl.where(emask[:, None] & hmask[None, :], tl.exp(s - lse[None, :]), 0.0)
+            dalpha = tl.reduce(v * go[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * gu[None, :, :], 2, _sum)
+            weighted = alpha * dalpha
+            delta += tl.reduce(weighted, 0, _sum)
+            k_dal += tl.reduce(weighted[:, :, None] * k, 0, _sum)
+            k_sum += tl.reduce(alpha[:, :, None] * k, 0, _sum)
+            a_dal += tl.reduce(weighted[:, :, None] * a[:, None, :], 0, _sum)
+            agg += tl.reduce(alpha[:, :, None] * a[:, None, :], 0, _sum)
 
-    de = (a_dal - delta[:, None] * agg) * scale
-    # expand: dq = (k_dal - delta k_sum) scale + W de per head (dq[h, :] += sum_f de[h, f] w[f, h, :])
-    dq = (k_dal - delta[:, None] * k_sum) * scale
-    for f in tl.static_range(F + 1):
-        wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-        dq += tl.reduce(tl.where(offs_f[None, :] == f, de, 0.0), 1, _sum)[:, None] * wf
-    tl.store(dq_ptr + node * (H * D) + hd, dq, mask=hd_mask)
-    hf = offs_h[:, None] * (F + 1) + offs_f[None, :]  # the [HP, FP] column tile
-    hf_mask = (offs_h[:, None] < H) & (offs_f[None, :] < F + 1)
-    cols = node * (H * (F + 1)) + hf
-    tl.store(u_ptr + cols, u, mask=hf_mask)
-    tl.store(gu_ptr + cols, gu, mask=hf_mask)
-    tl.store(agg_ptr + cols, agg, mask=hf_mask)
-    tl.store(de_ptr + cols, de, mask=hf_mask)
-    tl.store(delta_ptr + node * H + offs_h, delta, mask=hmask)
+        de = (a_dal - delta[:, None] * agg) * scale
+        # expand: dq = (k_dal - delta k_sum) scale + W de per head (dq[h, :] += sum_f de[h, f] w[f, h, :])
+        dq = (k_dal - delta[:, None] * k_sum) * scale
+        for f in tl.static_range(F + 1):
+            wf = tl.load(w_ptr + f * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
+            dq += tl.reduce(tl.where(offs_f[None, :] == f, de, 0.0), 1, _sum)[:, None] * wf
+        tl.store(dq_ptr + node * (H * D) + hd, dq, mask=node_hd)
+        hf = offs_h[:, None] * (F + 1) + offs_f[None, :]  # the [HP, FP] column tile
+        hf_mask = (offs_h[:, None] < H) & (offs_f[None, :] < F + 1) & (hf * 0 + n < N)
+        cols = node * (H * (F + 1)) + hf
+        tl.store(u_ptr + cols, u, mask=hf_mask)
+        tl.store(gu_ptr + cols, gu, mask=hf_mask)
+        tl.store(agg_ptr + cols, agg, mask=hf_mask)
+        tl.store(de_ptr + cols, de, mask=hf_mask)
+        tl.store(delta_ptr + node * H + offs_h, delta, mask=node_h)
 
 
 @triton.jit
 def graph_attention_bwd_src(
     q_ptr, k_ptr, v_ptr, attr_ptr, go_ptr, lse_ptr, delta_ptr, u_ptr, gu_ptr, ptr_ptr, nbr_ptr, eid_ptr,
     dk_ptr, dv_ptr, dattr_ptr,
-    B, DA_GROUP_STRIDE,
+    N, B, DA_GROUP_STRIDE,
     H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, HP: tl.constexpr, G: tl.constexpr,
     DP: tl.constexpr, FP: tl.constexpr, BLOCK_E: tl.constexpr, ACC: tl.constexpr, NEED_DA: tl.constexpr,
+    NPP: tl.constexpr,
 ):
     """Backward, source side, for source ``program_id(0) // G`` (head group ``program_id(0) % G``), batch
     entry ``program_id(1)``, over its out-edges (source CSR: ``nbr`` are destinations): ``dk = sum_j
@@ -234,12 +243,11 @@ def graph_attention_bwd_src(
     gradient over the group's heads ``sum_h alpha gu + ds u`` (columns ``< F``) into ``dattr``
     ``(G, E, B, F)`` at ``(group, eid, b)`` (every (edge, batch entry, head group) has one source
     program: no two programs write one element)."""
-    # program: node n, head group pid % G, batch entry b, their row node; the [HP, DP] tile of the group's
-    # heads; the node's CSR range
+    # program: nodes NPP * (pid // G) ... (below N), head group pid % G, batch entry b; the [HP, DP] tile of
+    # the group's heads
     pid = tl.program_id(0).to(tl.int64)
-    n = pid // G
+    first = (pid // G) * NPP
     b = tl.program_id(1).to(tl.int64)
-    node = n * B + b
     offs_h = (pid % G) * HP + tl.arange(0, HP)
     offs_d = tl.arange(0, DP)
     offs_f = tl.arange(0, FP)
@@ -247,57 +255,63 @@ def graph_attention_bwd_src(
     hd = offs_h[:, None] * D + offs_d[None, :]
     hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
-    start = tl.load(ptr_ptr + n)
-    end = tl.load(ptr_ptr + n + 1)
     hmask = offs_h < H
     hf = offs_h[:, None] * (F + 1) + offs_f[None, :]  # the [HP, FP] column tile
     hf_mask = (offs_h[:, None] < H) & (offs_f[None, :] < F + 1)
-    k = tl.load(k_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
-    v = tl.load(v_ptr + node * (H * D) + hd, mask=hd_mask, other=0.0).to(ACC)
+    for i in range(NPP):
+        # node n (none past N: its range is empty and nothing is stored), its row node, its CSR range
+        n = first + i
+        node_hd = hd_mask & (hd * 0 + n < N)  # [HP, DP]: the node's tile, none past N
+        valid = n < N
+        node = n * B + b
+        start = tl.load(ptr_ptr + n, mask=valid, other=0)
+        end = tl.load(ptr_ptr + n + 1, mask=valid, other=0)
+        k = tl.load(k_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
+        v = tl.load(v_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
 
-    dk = tl.full((HP, DP), 0, ACC)
-    dv = tl.full((HP, DP), 0, ACC)
-    for e0 in range(start, end, BLOCK_E):
-        # edge block: CSR positions e0 .. e0 + BLOCK_E below end; destination rows [BLOCK_E, HP, DP]
-        idx = e0 + offs_e
-        emask = idx < end
-        nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
-        eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
-        dnode = nbr * B + b
-        rows = (dnode * (H * D))[:, None, None] + hd[None, :, :]
-        rmask = emask[:, None, None] & hd_mask[None, :, :]
-        # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
-        if SHARED:
-            row = eid
-        else:
-            row = eid * B + b
-        ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
-        a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
-        a = tl.where(offs_f[None, :] == F, 1.0, a)
-        q = tl.load(q_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        go = tl.load(go_ptr + rows, mask=rmask, other=0.0).to(ACC)
-        cols = (dnode * (H * (F + 1)))[:, None, None] + hf[None, :, :]
-        cmask = emask[:, None, None] & hf_mask[None, :, :]
-        u = tl.load(u_ptr + cols, mask=cmask, other=0.0).to(ACC)
-        gu = tl.load(gu_ptr + cols, mask=cmask, other=0.0).to(ACC)
-        stats = dnode[:, None] * H + offs_h[None, :]
-        smask = emask[:, None] & hmask[None, :]
-        lse = tl.load(lse_ptr + stats, mask=smask, other=0.0).to(ACC)
-        delta = tl.load(delta_ptr + stats, mask=smask, other=0.0).to(ACC)
-        # scores: scale * (q . k + u . a) and dalpha = go . v + gu . a per (edge, head) [BLOCK_E, HP]
-        s = (tl.reduce(q * k[None, :, :], 2, _sum) + tl.reduce(u * a[:, None, :], 2, _sum)) * scale
-        alpha = tl.where(smask, tl.exp(s - lse), 0.0)
-        dalpha = tl.reduce(go * v[None, :, :], 2, _sum) + tl.reduce(gu * a[:, None, :], 2, _sum)
-        ds = alpha * (dalpha - delta) * scale
-        dk += tl.reduce(ds[:, :, None] * q, 0, _sum)
-        dv += tl.reduce(alpha[:, :, None] * go, 0, _sum)
-        if NEED_DA:
-            da = tl.reduce(alpha[:, :, None] * gu + ds[:, :, None] * u, 1, _sum)  # [BLOCK_E, FP]
-            dptrs = dattr_ptr + (pid % G) * DA_GROUP_STRIDE + (eid * B + b)[:, None] * F + offs_f[None, :]
-            tl.store(dptrs, da, mask=emask[:, None] & (offs_f[None, :] < F))
+        dk = tl.full((HP, DP), 0, ACC)
+        dv = tl.full((HP, DP), 0, ACC)
+        for e0 in range(start, end, BLOCK_E):
+            # edge block: CSR positions e0 .. e0 + BLOCK_E below end; destination rows [BLOCK_E, HP, DP]
+            idx = e0 + offs_e
+            emask = idx < end
+            nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
+            eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
+            dnode = nbr * B + b
+            rows = (dnode * (H * D))[:, None, None] + hd[None, :, :]
+            rmask = emask[:, None, None] & hd_mask[None, :, :]
+            # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
+            if SHARED:
+                row = eid
+            else:
+                row = eid * B + b
+            ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
+            a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
+            a = tl.where(offs_f[None, :] == F, 1.0, a)
+            q = tl.load(q_ptr + rows, mask=rmask, other=0.0).to(ACC)
+            go = tl.load(go_ptr + rows, mask=rmask, other=0.0).to(ACC)
+            cols = (dnode * (H * (F + 1)))[:, None, None] + hf[None, :, :]
+            cmask = emask[:, None, None] & hf_mask[None, :, :]
+            u = tl.load(u_ptr + cols, mask=cmask, other=0.0).to(ACC)
+            gu = tl.load(gu_ptr + cols, mask=cmask, other=0.0).to(ACC)
+            stats = dnode[:, None] * H + offs_h[None, :]
+            smask = emask[:, None] & hmask[None, :]
+            lse = tl.load(lse_ptr + stats, mask=smask, other=0.0).to(ACC)
+            delta = tl.load(delta_ptr + stats, mask=smask, other=0.0).to(ACC)
+            # scores: scale * (q . k + u . a) and dalpha = go . v + gu . a per (edge, head) [BLOCK_E, HP]
+            s = (tl.reduce(q * k[None, :, :], 2, _sum) + tl.reduce(u * a[:, None, :], 2, _sum)) * scale
+            alpha = tl.where(smask, tl.exp(s - lse), 0.0)
+            dalpha = tl.reduce(go * v[None, :, :], 2, _sum) + tl.reduce(gu * a[:, None, :], 2, _sum)
+            ds = alpha * (dalpha - delta) * scale
+            dk += tl.reduce(ds[:, :, None] * q, 0, _sum)
+            dv += tl.reduce(alpha[:, :, None] * go, 0, _sum)
+            if NEED_DA:
+                da = tl.reduce(alpha[:, :, None] * gu + ds[:, :, None] * u, 1, _sum)  # [BLOCK_E, FP]
+                dptrs = dattr_ptr + (pid % G) * DA_GROUP_STRIDE + (eid * B + b)[:, None] * F + offs_f[None, :]
+                tl.store(dptrs, da, mask=emask[:, None] & (offs_f[None, :] < F))
 
-    tl.store(dk_ptr + node * (H * D) + hd, dk, mask=hd_mask)
-    tl.store(dv_ptr + node * (H * D) + hd, dv, mask=hd_mask)
+        tl.store(dk_ptr + node * (H * D) + hd, dk, mask=node_hd)
+        tl.store(dv_ptr + node * (H * D) + hd, dv, mask=node_hd)
 
 
 @triton.jit
