@@ -215,3 +215,49 @@ def test_forecast_attention_kernel_errors(setup, tmp_path):
     with pytest.raises(ValueError, match=r"attention_kernel 'flash' cannot run this forecast \(cpu.*flash-attn needs CUDA, this runs on cpu"):
         run_forecast(setup["bundle"], setup["dataset"], DATES[0], 2, tmp_path / "x", attention_kernel="flash")
     assert not (tmp_path / "x").exists()
+
+
+def test_attention_kernel_for_a_model_without_window_attention_is_refused_before_the_build(setup, tmp_path,
+                                                                                          monkeypatch):
+    """A model of the user's own builder is looked at on the meta device before any work: without a
+    sliding-window attention layer ``--attention-kernel banded`` is one error, before the model is built
+    (here a build would fail the test) and before anything is written. Built on meta: a builder's model with
+    window attention, one without, one whose meta build fails (left to the real build), and a loaded model."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from stormshard.inference import forecast
+    from stormshard.inference.loader import open_model_source
+    from stormshard.layers.attention import SlidingWindowAttention
+    from stormshard.models.registry import MODEL_REGISTRY
+
+    def plain(config, graph, variables, plan):  # noqa: ANN001, ANN202
+        return nn.Linear(3, 3)
+
+    def windowed(config, graph, variables, plan):  # noqa: ANN001, ANN202
+        return nn.Sequential(nn.Linear(8, 8), SlidingWindowAttention(8, num_heads=2, window_size=2))
+
+    def broken(config, graph, variables, plan):  # noqa: ANN001, ANN202
+        raise RuntimeError("this builder needs real tensors")
+
+    source = open_model_source(setup["bundle"])
+    for name, builder, lacks in (("t_plain", plain, True), ("t_windowed", windowed, False), ("t_broken", broken, False)):
+        monkeypatch.setitem(MODEL_REGISTRY, name, builder)
+        custom = SimpleNamespace(prebuilt=None, source=SimpleNamespace(
+            config=source.config.model_copy(update={"name": name}), graph=source.graph, variables=source.variables,
+            shard_strategy=source.shard_strategy))
+        assert forecast._lacks_window_attention(custom) is lacks, name
+    loaded = SimpleNamespace(prebuilt=SimpleNamespace(model=plain(None, None, None, None)), source=None)
+    assert forecast._lacks_window_attention(loaded) is True
+    assert forecast._lacks_window_attention(SimpleNamespace(prebuilt=None, source=source)) is False  # built-in
+
+    def no_build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was built before the refusal")
+
+    monkeypatch.setattr(forecast, "build_forecaster", no_build)
+    monkeypatch.setattr(forecast, "_lacks_window_attention", lambda info: True)
+    with pytest.raises(ValueError, match=r"--attention-kernel 'banded': the model \(.*\) has no sliding-window "
+                                         r"attention layer to run it: leave --attention-kernel out"):
+        run_forecast(setup["bundle"], setup["dataset"], DATES[0], 2, tmp_path / "y", attention_kernel="banded")
+    assert not (tmp_path / "y").exists()

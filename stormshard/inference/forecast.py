@@ -60,9 +60,10 @@ from stormshard.inference.request import (
 from stormshard.inference.runner import member_generator, member_noise, replica_tasks, rollout_steps
 from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
 from stormshard.kernels.flex import flex_options_from_env
-from stormshard.layers.attention import set_attention_kernel
+from stormshard.layers.attention import set_attention_kernel, window_attention_layers
 from stormshard.layers.graph_transformer import set_graph_kernel
 from stormshard.models.parallelize import check_graph_kernel_for_device, check_parallel_strategy
+from stormshard.models.registry import build_model
 from stormshard.parallel.topology import ParallelLayout, build_process_groups
 from stormshard.progress import format_duration, note, phase, reporting
 
@@ -157,6 +158,25 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                              graph_kernel=graph_kernel, trust_model_code=trust_model_code)
 
 
+def _lacks_window_attention(info: Any) -> bool:
+    """Whether the model of ``info`` has no sliding-window attention layer, known before any work: a loaded
+    model is looked at; a model of the user's own builder is built on the meta device (no memory, no
+    weights; if that build fails, False: the real build reports it). A built-in model's config says it
+    (:func:`~stormshard.inference.request.check_forecast_attention_kernel`)."""
+    if info.prebuilt is not None:
+        return not window_attention_layers(info.prebuilt.model)
+    source = info.source
+    if source is None or source.config.is_builtin:
+        return False
+    try:
+        with torch.device("meta"):
+            probe = build_model(source.config, source.graph, source.variables, None,
+                                shard_strategy=source.shard_strategy)
+    except Exception:  # noqa: BLE001 - the real build, later, raises it with its context
+        return False
+    return not window_attention_layers(probe)
+
+
 def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.PathLike,
                   dates: Any | Sequence[Any], steps: int, out: str | os.PathLike, *, gpus_per_model: int,
                   members: int | None, seed: int, precision: str | None, formats: Sequence[str],
@@ -203,6 +223,9 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         except ValueError as exc:
             raise ValueError(f"--gpus-per-model {req.gpus_per_model}: {exc} (here the forecast's --gpus-per-model; "
                              f"the model keeps its strategy {info.source.shard_strategy!r})") from None
+    if attention_kernel not in (None, "auto") and _lacks_window_attention(info):
+        raise ValueError(f"--attention-kernel {attention_kernel!r}: the model ({info.name}) has no sliding-window "
+                         "attention layer to run it: leave --attention-kernel out")
     if verbose and rank == 0:
         for warning in req.warnings:  # e.g. in-sample scores
             print(warning, file=sys.stderr, flush=True)

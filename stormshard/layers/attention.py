@@ -116,6 +116,12 @@ class SlidingWindowAttention(nn.Module):
         return self._out(shard_sequence(out, shard.sizes, shard.group))
 
 
+def window_attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The sliding-window attention layers of ``model`` (tensor-parallel ones too): the modules with an
+    ``attention_kernel`` and a ``window_size``."""
+    return [m for m in model.modules() if hasattr(m, "attention_kernel") and hasattr(m, "window_size")]
+
+
 def set_attention_kernel(model: nn.Module, kernel: AttentionKernel) -> int:
     """Switch every sliding-window attention in ``model`` (tensor-parallel ones too) to ``kernel``.
 
@@ -123,7 +129,7 @@ def set_attention_kernel(model: nn.Module, kernel: AttentionKernel) -> int:
     agree to round-off; parameters are untouched). Returns how many attention layers changed kernel.
     """
     check_attention_kernel(kernel)
-    layers = [m for m in model.modules() if hasattr(m, "attention_kernel") and hasattr(m, "window_size")]
+    layers = window_attention_layers(model)
     for layer in layers:
         layer.attention_kernel = kernel
     return len(layers)
