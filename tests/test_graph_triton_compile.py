@@ -33,9 +33,9 @@ except tr.UnsupportedTriton as err:
     sys.exit(0)
 rows = []
 from stormshard.kernels.graph_triton import tile_config
-for arch, dtype, heads, d, features, shared in json.loads(sys.argv[1]):
+for arch, dtype, heads, d, features, shared, *npp in json.loads(sys.argv[1]):
     degree = 3 if features < 0 else None  # a negative count: -features edge features, 3 edges per node
-    config = tile_config(heads, d, abs(features), degree)
+    config = {**tile_config(heads, d, abs(features), degree), "NPP": npp[0] if npp else 1}
     for r in tr.kernel_resources(heads, d, abs(features), dtype, arch, config=config, shared=shared):
         rows.append(dict(arch=arch, dtype=dtype, heads=heads, d=d, features=features, degree=degree, kernel=r.kernel,
                          registers=r.registers, spills=r.spill_bytes, warps=r.resident_warps,
@@ -46,6 +46,7 @@ CASES = [(arch, dtype, 16, 64, 3, True) for arch in (80, 90) for dtype in ("bf16
     (90, "bf16", 16, 64, 11, True),  # the AIFS model's edges: 3 geometric + 8 trainable features
     (90, "bf16", 16, 64, -3, True),  # the same with 3 edges per node (the decoder): 4-edge tiles on 4 warps
     (90, "bf16", 16, 64, -11, True),  # the AIFS decoder: 3 edges per data node, 11 edge features
+    (90, "bf16", 16, 64, -11, True, 4),  # the same, 4 nodes per program (the tile sweep's 4x4x4x4)
     (90, "fp32", 3, 12, 3, False),  # a non-power-of-two head size, per-batch attributes
 ]
 
@@ -67,7 +68,7 @@ def compiled() -> list[dict]:
 
 def test_every_kernel_compiles_for_a100_and_h100_in_every_dtype(compiled):
     kernels = {"fwd", "bwd_dst", "bwd_src", "bwd_weight"}
-    for arch, dtype, heads, d, features, _shared in CASES:
+    for arch, dtype, heads, d, features, *_ in CASES:
         got = {r["kernel"] for r in compiled if (r["arch"], r["dtype"], r["heads"], r["d"], r["features"])
                == (arch, dtype, heads, d, features)}
         assert got == kernels, (arch, dtype, heads, d, features, got)
