@@ -24,12 +24,14 @@ accumulated in ``ACC`` (fp32, or fp64 for fp64 inputs) whatever the input dtypes
 load); results are converted to the output pointer's dtype on store. No atomics: every output
 element is written by exactly one program, sums run in a fixed order (deterministic).
 
-The kernels call no ``@triton.jit`` helper: the program prologue, an edge block (CSR positions,
-neighbour rows, attributes), the scores and ``W^T x`` / ``W y`` are written out in each kernel, each
-piece marked by a comment, and sums are ``tl.reduce(x, axis, _sum)`` (``tl.sum``'s own reduction)
-and zeros ``tl.full``. A GPU compiler inlines such calls anyway, but under ``TRITON_INTERPRET=1``
+The kernels call one ``@triton.jit`` helper, :func:`_edge_block` (an edge block's CSR positions,
+neighbour rows and attributes, the same in the three node kernels); the program prologue, the scores and
+``W^T x`` / ``W y`` are written out in each kernel, each piece marked by a comment, and sums are
+``tl.reduce(x, axis, _sum)`` (``tl.sum``'s own reduction) and zeros ``tl.full``. A GPU compiler inlines
+calls (ptxas reports the same registers with the helper as without), but under ``TRITON_INTERPRET=1``
 every nested ``@triton.jit`` call (``tl.sum`` and ``tl.zeros`` included) re-patches ``triton.language``:
-about half the interpreted time before (one ``tl.max`` per forward edge block is left).
+small helpers everywhere took about half the interpreted time before; the one per edge block costs
+nothing measurable (one ``tl.max`` per forward edge block is left too).
 """
 
 from __future__ import annotations
@@ -42,6 +44,30 @@ import triton.language as tl
 _sum = tl.standard._sum_combine
 
 __all__ = ["graph_attention_fwd", "graph_attention_bwd_dst", "graph_attention_bwd_src", "graph_attention_bwd_weight"]
+
+
+@triton.jit
+def _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, hd, hd_mask, offs_e, offs_f,
+                H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, ACC: tl.constexpr):
+    """The edge block at CSR positions ``e0 .. e0 + BLOCK_E`` below ``end`` of batch entry ``b``: its mask
+    ``[BLOCK_E]``, edge ids, neighbours' row nodes, the offsets and mask of the neighbours' ``[BLOCK_E, HP, DP]``
+    rows, and the attributes ``[BLOCK_E, FP]`` (row ``eid``, or ``(eid, b)`` unless ``SHARED``) with the ones
+    column ``F``, in ``ACC``."""
+    idx = e0 + offs_e
+    emask = idx < end
+    nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
+    eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
+    nbr_node = nbr * B + b
+    rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
+    rmask = emask[:, None, None] & hd_mask[None, :, :]
+    if SHARED:
+        row = eid
+    else:
+        row = eid * B + b
+    a = tl.load(attr_ptr + row[:, None] * F + offs_f[None, :], mask=emask[:, None] & (offs_f[None, :] < F),
+                other=0.0).to(ACC)
+    a = tl.where(offs_f[None, :] == F, 1.0, a)
+    return emask, eid, nbr_node, rows, rmask, a
 
 
 @triton.jit
@@ -86,22 +112,9 @@ def graph_attention_fwd(
         acc = tl.full((HP, DP), 0, ACC)
         agg = tl.full((HP, FP), 0, ACC)
         for e0 in range(start, end, BLOCK_E):
-            # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
-            idx = e0 + offs_e
-            emask = idx < end
-            nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
-            eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
-            nbr_node = nbr * B + b
-            rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
-            rmask = emask[:, None, None] & hd_mask[None, :, :]
-            # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
-            if SHARED:
-                row = eid
-            else:
-                row = eid * B + b
-            ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
-            a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
-            a = tl.where(offs_f[None, :] == F, 1.0, a)
+            # edge block: its mask, ids, source rows [BLOCK_E, HP, DP] and attributes [BLOCK_E, FP]
+            emask, eid, nbr_node, rows, rmask, a = _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, hd, hd_mask,
+                                                               offs_e, offs_f, H, D, F, SHARED, ACC)
             k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
             # scores: scale * (k . q + a . u) per (edge, head) [BLOCK_E, HP]
             s = (tl.reduce(k * q[None, :, :], 2, _sum) + tl.reduce(a[:, None, :] * u[None, :, :], 2, _sum)) * scale
@@ -181,22 +194,9 @@ def graph_attention_bwd_dst(
         a_dal = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j dalpha_j a_j
         agg = tl.full((HP, FP), 0, ACC)  # sum_j alpha_j a_j
         for e0 in range(start, end, BLOCK_E):
-            # edge block: CSR positions e0 .. e0 + BLOCK_E below end; source rows [BLOCK_E, HP, DP]
-            idx = e0 + offs_e
-            emask = idx < end
-            nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
-            eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
-            nbr_node = nbr * B + b
-            rows = (nbr_node * (H * D))[:, None, None] + hd[None, :, :]
-            rmask = emask[:, None, None] & hd_mask[None, :, :]
-            # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
-            if SHARED:
-                row = eid
-            else:
-                row = eid * B + b
-            ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
-            a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
-            a = tl.where(offs_f[None, :] == F, 1.0, a)
+            # edge block: its mask, ids, source rows [BLOCK_E, HP, DP] and attributes [BLOCK_E, FP]
+            emask, eid, nbr_node, rows, rmask, a = _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, hd, hd_mask,
+                                                               offs_e, offs_f, H, D, F, SHARED, ACC)
             k = tl.load(k_ptr + rows, mask=rmask, other=0.0).to(ACC)
             v = tl.load(v_ptr + rows, mask=rmask, other=0.0).to(ACC)
             # scores: scale * (k . q + a . u) and dalpha = v . go + a . gu per (edge, head) [BLOCK_E, HP]
@@ -272,22 +272,9 @@ def graph_attention_bwd_src(
         dk = tl.full((HP, DP), 0, ACC)
         dv = tl.full((HP, DP), 0, ACC)
         for e0 in range(start, end, BLOCK_E):
-            # edge block: CSR positions e0 .. e0 + BLOCK_E below end; destination rows [BLOCK_E, HP, DP]
-            idx = e0 + offs_e
-            emask = idx < end
-            nbr = tl.load(nbr_ptr + idx, mask=emask, other=0).to(tl.int64)
-            eid = tl.load(eid_ptr + idx, mask=emask, other=0).to(tl.int64)
-            dnode = nbr * B + b
-            rows = (dnode * (H * D))[:, None, None] + hd[None, :, :]
-            rmask = emask[:, None, None] & hd_mask[None, :, :]
-            # edge attributes [BLOCK_E, FP]: row eid (SHARED) or (eid, b) of attr, then the ones column F
-            if SHARED:
-                row = eid
-            else:
-                row = eid * B + b
-            ptrs = attr_ptr + row[:, None] * F + offs_f[None, :]
-            a = tl.load(ptrs, mask=emask[:, None] & (offs_f[None, :] < F), other=0.0).to(ACC)
-            a = tl.where(offs_f[None, :] == F, 1.0, a)
+            # edge block: its mask, ids, destination rows [BLOCK_E, HP, DP] and attributes [BLOCK_E, FP]
+            emask, eid, dnode, rows, rmask, a = _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, hd, hd_mask,
+                                                            offs_e, offs_f, H, D, F, SHARED, ACC)
             q = tl.load(q_ptr + rows, mask=rmask, other=0.0).to(ACC)
             go = tl.load(go_ptr + rows, mask=rmask, other=0.0).to(ACC)
             cols = (dnode * (H * (F + 1)))[:, None, None] + hf[None, :, :]
