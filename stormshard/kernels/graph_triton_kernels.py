@@ -47,6 +47,18 @@ __all__ = ["graph_attention_fwd", "graph_attention_bwd_dst", "graph_attention_bw
 
 
 @triton.jit
+def _node(ptr_ptr, n, N, B, b, hd, hd_mask, offs_h, H: tl.constexpr):
+    """Node ``n`` of a program (past ``N`` when the last block of nodes is short): ``n``, its row node (batch
+    entry ``b``), the masks of its ``[HP, DP]`` tile and ``[HP]`` heads (empty past ``N``) and its CSR range
+    ``start, end`` (empty past ``N``)."""
+    valid = n < N
+    start = tl.load(ptr_ptr + n, mask=valid, other=0)
+    end = tl.load(ptr_ptr + n + 1, mask=valid, other=0)
+    # block masks from block comparisons: Triton's interpreter cannot and a block mask with a 0-d one
+    return n, n * B + b, hd_mask & (hd * 0 + n < N), (offs_h < H) & (offs_h * 0 + n < N), start, end
+
+
+@triton.jit
 def _edge_block(nbr_ptr, eid_ptr, attr_ptr, e0, end, b, B, hd, hd_mask, offs_e, offs_f,
                 H: tl.constexpr, D: tl.constexpr, F: tl.constexpr, SHARED: tl.constexpr, ACC: tl.constexpr):
     """The edge block at CSR positions ``e0 .. e0 + BLOCK_E`` below ``end`` of batch entry ``b``: its mask
@@ -95,14 +107,8 @@ def graph_attention_fwd(
     hfd = offs_f[None, :, None] * (H * D) + hd[:, None, :]
     w = tl.load(w_ptr + hfd, mask=(offs_f[None, :, None] < F + 1) & hd_mask[:, None, :], other=0.0).to(ACC)
     for i in range(NPP):
-        # node n (none past N: its range is empty and nothing is stored), its row node, its CSR range
-        n = first + i
-        node_hd = hd_mask & (hd * 0 + n < N)  # [HP, DP]: the node's tile, none past N
-        node_h = (offs_h < H) & (offs_h * 0 + n < N)  # [HP]
-        valid = n < N
-        node = n * B + b
-        start = tl.load(ptr_ptr + n, mask=valid, other=0)
-        end = tl.load(ptr_ptr + n + 1, mask=valid, other=0)
+        # node first + i (none past N: its range is empty and nothing is stored)
+        n, node, node_hd, node_h, start, end = _node(ptr_ptr, first + i, N, B, b, hd, hd_mask, offs_h, H)
         q = tl.load(q_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
         # project: u = W^T q per head [HP, FP] (u[h, f] = sum_d q[h, d] w[f, h, d])
         u = tl.reduce(w * q[:, None, :], 2, _sum)
@@ -169,14 +175,8 @@ def graph_attention_bwd_dst(
     scale = 1.0 / tl.sqrt(tl.full([1], D, ACC))
     hmask = offs_h < H
     for i in range(NPP):
-        # node n (none past N: its range is empty and nothing is stored), its row node, its CSR range
-        n = first + i
-        node_hd = hd_mask & (hd * 0 + n < N)  # [HP, DP]: the node's tile, none past N
-        node_h = (offs_h < H) & (offs_h * 0 + n < N)  # [HP]
-        valid = n < N
-        node = n * B + b
-        start = tl.load(ptr_ptr + n, mask=valid, other=0)
-        end = tl.load(ptr_ptr + n + 1, mask=valid, other=0)
+        # node first + i (none past N: its range is empty and nothing is stored)
+        n, node, node_hd, node_h, start, end = _node(ptr_ptr, first + i, N, B, b, hd, hd_mask, offs_h, H)
         q = tl.load(q_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
         go = tl.load(go_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
         lse = tl.load(lse_ptr + node * H + offs_h, mask=node_h, other=0.0).to(ACC)
@@ -259,13 +259,8 @@ def graph_attention_bwd_src(
     hf = offs_h[:, None] * (F + 1) + offs_f[None, :]  # the [HP, FP] column tile
     hf_mask = (offs_h[:, None] < H) & (offs_f[None, :] < F + 1)
     for i in range(NPP):
-        # node n (none past N: its range is empty and nothing is stored), its row node, its CSR range
-        n = first + i
-        node_hd = hd_mask & (hd * 0 + n < N)  # [HP, DP]: the node's tile, none past N
-        valid = n < N
-        node = n * B + b
-        start = tl.load(ptr_ptr + n, mask=valid, other=0)
-        end = tl.load(ptr_ptr + n + 1, mask=valid, other=0)
+        # node first + i (none past N: its range is empty and nothing is stored)
+        n, node, node_hd, _node_h, start, end = _node(ptr_ptr, first + i, N, B, b, hd, hd_mask, offs_h, H)
         k = tl.load(k_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
         v = tl.load(v_ptr + node * (H * D) + hd, mask=node_hd, other=0.0).to(ACC)
 
