@@ -13,11 +13,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from stormshard.parallel.grads import multi_tensor_norms  # noqa: E402
 from stormshard.training.engine import build_engine  # noqa: E402
 from stormshard.training.engine.deepspeed_multi_tensor import (  # noqa: E402
     any_non_finite,
     install_multi_tensor_steps,
-    multi_tensor_norms,
 )
 from tests.distributed import run_distributed  # noqa: E402
 from tests.test_engine import _settings, batch, groups_for, make_model, shard_model, sharded_loss  # noqa: E402

@@ -42,6 +42,7 @@ __all__ = [
     "register_model_parallel_grad_hooks",
     "grad_norm",
     "clip_grad_norm_",
+    "multi_tensor_norms",
 ]
 
 
@@ -188,19 +189,25 @@ def grad_norm(params: Iterable[Tensor], model_group: object | None, multi_tensor
     return (local + replicated).sqrt()
 
 
-def _multi_tensor_squares(grads: list[Tensor], acc: torch.dtype) -> list[Tensor]:
-    """``|g|^2`` in ``acc`` of every gradient, in order: ``torch._foreach_norm`` over the gradients of
-    one device and dtype (a multi-tensor kernel per chunk), squared by one ``_foreach_mul``."""
-    out: list[Tensor | None] = [None] * len(grads)
+def multi_tensor_norms(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """The ``ord``-norm of each tensor (0-dim, in ``dtype``, else the tensor's dtype), in order: one
+    ``torch._foreach_norm`` per (device, dtype) group (a multi-tensor kernel per chunk on a GPU; accumulated
+    in ``dtype``, no copy of a tensor). On a CPU torch runs the per-tensor norm: the same bits."""
+    out: list[Tensor | None] = [None] * len(tensors)
     kinds: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, g in enumerate(grads):
-        kinds.setdefault((g.device, g.dtype), []).append(i)
+    for i, t in enumerate(tensors):
+        kinds.setdefault((t.device, t.dtype), []).append(i)
     for index in kinds.values():
-        tensors = [grads[i] for i in index]
-        norms = torch._foreach_norm(tensors, 2, dtype=acc)  # accumulated in acc, no copy of a gradient
-        for i, sq in zip(index, torch._foreach_mul(norms, norms), strict=True):
-            out[i] = sq
+        for i, norm in zip(index, torch._foreach_norm([tensors[i] for i in index], ord, dtype=dtype), strict=True):
+            out[i] = norm
     return out  # type: ignore[return-value]
+
+
+def _multi_tensor_squares(grads: list[Tensor], acc: torch.dtype) -> list[Tensor]:
+    """``|g|^2`` in ``acc`` of every gradient, in order (:func:`multi_tensor_norms`, squared by one
+    ``_foreach_mul``)."""
+    norms = multi_tensor_norms(grads, 2.0, dtype=acc)
+    return list(torch._foreach_mul(norms, norms))
 
 
 def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, model_group: object | None) -> Tensor:

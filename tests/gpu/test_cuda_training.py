@@ -106,7 +106,8 @@ def test_multi_tensor_gradient_checks_on_cuda():
     in another order), and a NaN or an infinity in any tensor is found without a host sync."""
     import torch
 
-    from stormshard.training.engine.deepspeed_multi_tensor import any_non_finite, multi_tensor_norms
+    from stormshard.parallel.grads import multi_tensor_norms
+    from stormshard.training.engine.deepspeed_multi_tensor import any_non_finite
 
     torch.manual_seed(0)
     grads = [torch.randn(1 << 20, device="cuda"), torch.randn(513, 7, device="cuda").bfloat16(),

@@ -14,7 +14,8 @@ On a GPU that is one to two thousand small launches per step of an AIFS-class mo
 gradient tensors) and, at ZeRO 1/2, a float64 copy of every gradient (the "dtype copies" of the
 profile); on a CPU the same loops are about 900 operator calls of a 74-tensor model.
 :func:`install_multi_tensor_steps` replaces these methods on one engine and its optimizer instance
-with the same computations done per (device, dtype) group by torch's multi-tensor kernels:
+with the same computations done per (device, dtype) group by torch's multi-tensor kernels
+(:func:`stormshard.parallel.grads.multi_tensor_norms`, which the torch engines' clipping uses too):
 
 - the norms: ``torch._foreach_norm`` (ZeRO 1/2: ``dtype=float64``, each norm accumulated in float64 from
   the gradient as it is, no float64 copy; ZeRO 0: float32, as ``.float().norm()``), then DeepSpeed's own
@@ -39,30 +40,18 @@ from __future__ import annotations
 
 import types
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["install_multi_tensor_steps", "multi_tensor_norms", "any_non_finite", "clip_grad_norm_like_deepspeed"]
+from stormshard.parallel.grads import multi_tensor_norms
+
+__all__ = ["install_multi_tensor_steps", "any_non_finite", "clip_grad_norm_like_deepspeed"]
 
 #: the DeepSpeedZeroOptimizer methods replaced
 _METHODS = ("get_grad_norm_direct", "has_overflow_partitioned_grads_serial")
-
-
-def multi_tensor_norms(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype | None = None) -> list[Tensor]:
-    """The ``ord``-norm of each tensor (0-dim, in ``dtype`` or the tensor's dtype), in order, by one
-    ``torch._foreach_norm`` per (device, dtype) group."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        groups[(t.device, t.dtype)].append(i)
-    out: list[Tensor | None] = [None] * len(tensors)
-    for indices in groups.values():
-        norms = torch._foreach_norm([tensors[i] for i in indices], ord, dtype=dtype)
-        for i, n in zip(indices, norms, strict=True):
-            out[i] = n
-    return out  # type: ignore[return-value]
 
 
 def any_non_finite(tensors: Iterable[Tensor], device: torch.device | str) -> Tensor:
