@@ -45,10 +45,21 @@ def union_seconds(spans: list[tuple[int, int]]) -> float:
 BUSY_ACTIVITIES = {"cuda": frozenset({"kernel", "gpu_memcpy", "gpu_memset"}), "cpu": frozenset({"cpu_op"})}
 
 
+def _fallback_kind(event, device_type: str) -> str:  # noqa: ANN001
+    """The activity type of a kineto event without ``activity_type()`` (torch 2.11 has none): user annotations
+    (on the host or mirrored onto the GPU) and sync waits by name; any other event is a host operator on the
+    CPU and counted as a kernel on the GPU (copies and memsets are busy time too)."""
+    if event.is_user_annotation() or "annotation" in event.name():
+        return "user_annotation"
+    if "Sync" in event.name():
+        return "cuda_sync"
+    return "cpu_op" if device_type == "cpu" else "kernel"
+
+
 def device_spans(prof, device_type: str, kinds: Counter | None = None) -> list[tuple[int, int]]:  # noqa: ANN001
     """``(start_ns, end_ns)`` of the profiler's events of :data:`BUSY_ACTIVITIES` on ``device_type`` ("cuda":
-    kernels, copies, memsets; "cpu": host operators). Where the event has no activity type (an older
-    torch), device events other than user annotations and sync waits. ``kinds`` counts every event on the
+    kernels, copies, memsets; "cpu": host operators). Where the event has no activity type (torch 2.11),
+    :func:`_fallback_kind` names it. ``kinds`` counts every event on the
     device by activity type (kept or not)."""
     from torch.autograd import DeviceType
 
@@ -58,12 +69,10 @@ def device_spans(prof, device_type: str, kinds: Counter | None = None) -> list[t
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != want or e.duration_ns() <= 0:
             continue
-        kind = str(e.activity_type()) if hasattr(e, "activity_type") else None
+        kind = str(e.activity_type()) if hasattr(e, "activity_type") else _fallback_kind(e, device_type)
         if kinds is not None:
-            kinds[kind or "?"] += 1
-        if kind is not None and kind not in keep:
-            continue
-        if kind is None and (e.is_user_annotation() or "Sync" in e.name() or "annotation" in e.name()):
+            kinds[kind] += 1
+        if kind not in keep:
             continue
         spans.append((e.start_ns(), e.start_ns() + e.duration_ns()))
     return spans

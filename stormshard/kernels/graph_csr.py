@@ -545,6 +545,10 @@ class _SegmentSum(torch.autograd.Function):
 def segment_sum(x: Tensor, index: Tensor, num_rows: int) -> Tensor:
     """``out[index[e]] += x[e]``: ``(num_rows, ...)`` from edge rows ``x`` ``(E, ...)``.
 
-    ``index_add_`` forward, a gather backward; autograd keeps only ``index`` (no copy of ``x``).
+    ``index_add_`` forward, a gather backward; autograd keeps only ``index`` (no copy of ``x``). Under
+    torch.compile the out-of-place ``index_add`` (whose own backward is the same gather): dynamo in torch
+    2.11 gave wrong gradients for a Function whose forward adds into a tensor it made.
     """
+    if torch.compiler.is_compiling():
+        return x.new_zeros((num_rows,) + tuple(x.shape[1:])).index_add(0, index, x)
     return _SegmentSum.apply(x, index, num_rows)

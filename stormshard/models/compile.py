@@ -35,17 +35,20 @@ Nothing is communicated here; the compiled blocks communicate what the eager one
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from stormshard.env import env_choice
 from stormshard.kernels.dispatch import prepare_attention_kernels
+from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["compile_blocks", "compiled_block_names", "compile_backend", "wants_compile", "COMPILED_TARGETS",
            "BACKEND_VARIABLE", "CUDA_GRAPH_MODE", "begin_graphed_step", "cuda_graph_skips", "cuda_graphs_problem",
-           "mark_static_tensors"]
+           "mark_static_tensors", "HALO_TRACE_TORCH", "traces_halo_exchange"]
 
 #: the environment variable that picks torch.compile's backend (default ``"inductor"``; ``"aot_eager"``
 #: traces and runs the same graphs without code generation: for debugging and quick tests)
@@ -56,6 +59,11 @@ COMPILED_TARGETS = ("encoder", "decoder")
 
 #: torch.compile's mode for ``cuda_graphs=True``: inductor with CUDA graph trees
 CUDA_GRAPH_MODE = "reduce-overhead"
+
+#: the oldest torch whose dynamo traces a sharded graph block's halo exchange right: under torch 2.11 a compiled
+#: graph block with halos (GNN or graph transformer, ``parallel.gpus_per_model`` > 1) took gradients 1e-5 - 1e-4
+#: (relative) off the eager block's, where torch 2.13 gives the eager numbers
+HALO_TRACE_TORCH = "2.13"
 
 # recompiles a compiled block may take (per code object) beyond one per block kind: training and
 # validation (grad mode), a few shapes (e.g. a validation batch of another size)
@@ -133,6 +141,11 @@ def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: b
     config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 2 * limit)
     names = []
     for name, module in targets:
+        if not traces_halo_exchange(module):
+            warnings.warn(f"training.compile: {name} exchanges graph halos, which torch {torch.__version__} does not "
+                          f"trace right (wrong gradients): it runs eagerly; torch {HALO_TRACE_TORCH} or newer compiles "
+                          "it", stacklevel=2)
+            continue
         if cuda_graphs:
             mark_static_tensors(module)
         if getattr(module, "_compiled_call_impl", None) is None:
@@ -140,6 +153,18 @@ def compile_blocks(model: nn.Module, *, backend: str | None = None, fullgraph: b
                            mode=CUDA_GRAPH_MODE if cuda_graphs else None)
         names.append(name)
     return names
+
+
+def traces_halo_exchange(module: nn.Module, version: str | None = None) -> bool:
+    """Whether torch (``version``; None: the one installed) compiles ``module`` right: False when ``module`` holds a
+    graph block whose shard plan exchanges halos (``gpus_per_model`` > 1) and torch is older than
+    :data:`HALO_TRACE_TORCH`; :func:`compile_blocks` leaves such a block eager."""
+    from torch.torch_version import TorchVersion
+
+    if TorchVersion(version or torch.__version__) >= HALO_TRACE_TORCH:
+        return True
+    return not any(isinstance(plan := getattr(m, "plan", None), GraphShardPlan) and sum(plan.halo_per_rank) > 0
+                   for m in module.modules())
 
 
 def wants_compile(setting: bool | str, device_type: str) -> bool:

@@ -113,8 +113,8 @@ def halo_linear(
     weight: this rank's rows then its halo rows, in the plan's order (``plan.edge_index[0]``
     indexes them). Communicates exactly what :meth:`GraphShardPlan.exchange_halo` does (one
     ``all_to_all_single`` of the raw rows forward, one of their gradients backward), each
-    overlapped with the local rows' products. Under autocast the products run in the autocast
-    dtype, as ``F.linear`` would.
+    overlapped with the local rows' products (under torch.compile: the exchange, then the products). Under
+    autocast the products run in the autocast dtype, as ``F.linear`` would.
     """
     if len(weights) != len(biases) or not weights:
         raise ValueError(f"halo_linear needs one bias (or None) per weight, got {len(weights)} weights "
@@ -126,6 +126,12 @@ def halo_linear(
     plan.check_source_rows(x_src)
     if sum(plan.halo_per_rank) == 0:  # one rank, or no rank needs a halo: nothing to exchange
         return [F.linear(x_src, w, b) for w, b in zip(weights, biases, strict=True)]
+    if torch.compiler.is_compiling():
+        # dynamo misread _HaloLinear's arguments on the GNN's split weight (its plan taken for a tensor), and
+        # inside a compiled graph the exchange is issued synchronously anyway (comm.start_all_to_all_rows): the
+        # same exchange and products, composed
+        x_all = plan.exchange_halo(x_src)
+        return [F.linear(x_all, w, b) for w, b in zip(weights, biases, strict=True)]
     device_type = x_src.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
