@@ -235,8 +235,6 @@ def begin_graphed_step() -> None:
     """Mark the start of a training step or validation batch for blocks compiled with ``cuda_graphs``:
     the graphs' outputs of the previous step may be overwritten from here on (torch's
     ``cudagraph_mark_step_begin``; once called, steps begin only where it is called). Host-only: a counter."""
-    import torch
-
     torch.compiler.cudagraph_mark_step_begin()
 
 
