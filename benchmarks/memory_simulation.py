@@ -1,0 +1,324 @@
+"""What one eager training step holds in device memory at its peak, simulated on a CPU with fake tensors.
+
+    python benchmarks/memory_simulation.py [--size aifs|o96|tiny] [--precision bf16|fp32] [--top 20] [--json PATH]
+        [--decoder-chunks N] [--encoder-chunks N]
+
+``benchmarks/memory_census.py`` answers the question on a GPU (the CUDA allocator's history); this script answers
+it without one, at any size, in seconds: the model of ``bench_gpu_vs_anemoi.py``'s size (the same config, graph and
+optimizer) with every parameter, input and activation a ``FakeTensor`` (shapes, dtypes and storages, no data), one
+step run twice (the first makes AdamW's state) and the second recorded by :class:`AllocationRecorder`: every
+storage an operator makes, with the stormshard line that asked for it, and the moment that storage dies (its last
+reference gone: autograd's saved tensors included). The events go through ``memory_census.live_at_peak``, the
+same analysis as the GPU census, so the two tables read the same.
+
+The kernels are the ones a CUDA step runs (:func:`cuda_kernels_on_fake_tensors`): the Triton graph kernel's own
+Python (its outputs, saved tensors and fp32 work buffers, exactly) with its launches skipped, and flex attention's
+memory contract (it keeps q, k, v, the output and the fp32 log-sum-exp; its backward makes dq, dk, dv and an fp32
+row term) in place of the compiled flex call. Autocast is the CPU's (bf16), whose op lists match CUDA's for what
+this model runs (linear and matmul in bf16; layer_norm and softmax are called by stormshard in the compute dtype).
+
+What it does not see: the caching allocator's rounding and fragmentation (``max_memory_allocated`` counts whole
+512-byte blocks; the difference is small for large tensors), a kernel's scratch space inside one launch, the CUDA
+context and library workspaces (cuBLAS: tens of MiB), and compiled blocks (``training.compile``): inductor decides
+what a compiled block saves (it recomputes pointwise operators such as the MLP's GELU in the backward), so this is
+the eager step's memory, an upper bound for the compiled step's.
+
+``simulate_step_memory(step, ...)`` is importable; ``tests/test_memory_simulation.py`` checks it against the
+tensors a real CPU step keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "anemoi_side"))
+
+from memory_census import PeakCensus, live_at_peak  # noqa: E402
+
+__all__ = ["AllocationRecorder", "SimulatedStep", "simulate_step_memory", "fake_parameters",
+           "cuda_kernels_on_fake_tensors", "main"]
+
+GIB = 1024 ** 3
+
+
+def _frames() -> list[dict[str, object]]:
+    """The Python stack, innermost first, in the allocator trace's frame format."""
+    stack = traceback.extract_stack()[:-3]
+    return [{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(stack)]
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Records, in the CUDA allocator trace's format (``alloc`` / ``free_completed`` with ``addr``, ``size`` and
+    ``frames``), every new storage an operator returns and the moment it dies. A result that shares an input's
+    storage (a view, an in-place result) is not an allocation; a storage is identified by its C++ object while
+    it lives."""
+
+    def __init__(self, fake_mode=None) -> None:  # noqa: ANN001 - a FakeTensorMode
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.events: list[dict[str, object]] = []
+        self.live: dict[int, int] = {}  # storage id -> bytes
+
+    def _as_fake(self, t: object) -> object:
+        """A real tensor under the fake mode as the mode sees it (its memoized fake copy), so that a view of a
+        real constant (a graph buffer) shares that copy's storage, as a view of the constant does for real."""
+        if (isinstance(t, torch.Tensor) and not isinstance(t, self._fake_type) and t.layout == torch.strided
+                and t.dim() > 0):  # scalars stay real: the fake mode reads their values (an optimizer's step)
+            return self.fake_mode.from_tensor(t)
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if self.fake_mode is not None and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            args, kwargs = pytree.tree_map(self._as_fake, (args, kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        # views and in-place results share an input's storage: not an allocation (a sparse tensor's parts are
+        # recorded when they are made)
+        inputs = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.untyped_storage()._cdata not in inputs:
+                self.record(t, str(func.overloadpacket.__name__))
+        return out
+
+    @property
+    def _fake_type(self) -> type:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return FakeTensor
+
+    def record(self, t: torch.Tensor, op: str = "") -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        size = storage.nbytes()
+        self.live[key] = size
+        self.events.append({"action": "alloc", "addr": key, "size": size, "frames": _frames(),
+                            "tensor": f"{op} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"})
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        if self.live.pop(key, None) is not None:
+            self.events.append({"action": "free_completed", "addr": key, "size": size, "frames": []})
+
+    def live_bytes(self) -> int:
+        return sum(self.live.values())
+
+
+def largest_at_peak(events: list[dict[str, object]], top: int = 15) -> list[tuple[int, str, str]]:
+    """The ``top`` largest allocations alive at the peak of ``events`` (replayed as ``live_at_peak`` does):
+    ``(bytes, tensor, source)``, the tensor as ``op (shape) dtype``."""
+    from memory_census import source_of
+
+    live: dict[int, dict[str, object]] = {}
+    current = peak = 0
+    at_peak: list[dict[str, object]] = []
+    for event in events:
+        if event["action"] == "alloc":
+            live[int(event["addr"])] = event
+            current += int(event["size"])
+            if current > peak:
+                peak, at_peak = current, list(live.values())
+        else:
+            if live.pop(int(event["addr"]), None) is not None:
+                current -= int(event["size"])
+    at_peak.sort(key=lambda e: -int(e["size"]))
+    return [(int(e["size"]), str(e.get("tensor", "")), source_of(e.get("frames", []))) for e in at_peak[:top]]
+
+
+@dataclass(frozen=True)
+class SimulatedStep:
+    """The recorded step's :class:`~memory_census.PeakCensus` and what was alive before it: ``parameters``
+    (weights), ``state`` (what earlier steps left: AdamW's moments, kept gradients, cached kernel structures)."""
+
+    census: PeakCensus
+    parameters: int
+    state: int
+    largest: list[tuple[int, str, str]]
+
+    def table(self, top: int = 20) -> str:
+        lines = [f"simulated eager step (fake tensors): weights {self.parameters / GIB:.2f} GiB, state kept between "
+                 f"steps {self.state / GIB:.2f} GiB (optimizer moments, caches)", self.census.table(top),
+                 "the largest tensors alive at the peak (the operator that made each; a source outside stormshard "
+                 "is autograd's backward):"]
+        lines += [f"  {size / GIB:7.3f} GiB  {tensor:48s} {source}" for size, tensor, source in self.largest[:top]]
+        return "\n".join(lines)
+
+
+def simulate_step_memory(step: Callable[[], object], parameters: list[torch.Tensor], warmup: int = 1,
+                         fake_mode=None) -> SimulatedStep:  # noqa: ANN001 - a FakeTensorMode
+    """Run ``step`` ``warmup`` times and once more, recording every storage (:class:`AllocationRecorder`);
+    the census of the last run, its baseline the weights (``parameters``' storages) plus what the warm-up
+    runs left alive. ``step`` runs fake tensors (:func:`fake_parameters`, under ``fake_mode``, entered by the
+    caller) or real ones (a test's reference)."""
+    weights = sum({p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in parameters}.values())
+    recorder = AllocationRecorder(fake_mode)
+    with recorder:
+        for _ in range(warmup):
+            step()
+        state = recorder.live_bytes()
+        first = len(recorder.events)
+        step()
+    events = recorder.events[first:]
+    return SimulatedStep(live_at_peak(events, weights + state), weights, state, largest_at_peak(events, 30))
+
+
+def fake_parameters(module: torch.nn.Module, mode) -> list[torch.Tensor]:  # noqa: ANN001 - a FakeTensorMode
+    """Replace every parameter of ``module`` by a fake one of its shape, dtype and ``requires_grad`` (buffers
+    and the graph structures stay real: the fake mode reads them as constants); returns the new parameters."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+            sub._parameters[name] = made[id(p)]
+    return list(made.values())
+
+
+class _FlexMemory(torch.autograd.Function):
+    """Flex attention's memory contract, no arithmetic: forward ``(batch, heads, L, d)`` out in q's dtype, keeps
+    q, k, v, out and the fp32 log-sum-exp ``(batch, heads, L)``; backward makes dq, dk, dv and an fp32
+    ``(batch, heads, L)`` row term."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        delta = torch.empty_like(lse)
+        del delta
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flex_memory(q, k, v, block_mask=None, scale=None, kernel_options=None):  # noqa: ANN001, ANN202
+    return _FlexMemory.apply(q, k, v)
+
+
+class _NoLaunch:
+    """A Triton kernel whose launches do nothing: ``kernel[grid](*args)``."""
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        return lambda *args, **kwargs: None
+
+
+class _NoLaunchKernels:
+    def __getattr__(self, name: str) -> _NoLaunch:
+        return _NoLaunch()
+
+
+@contextlib.contextmanager
+def cuda_kernels_on_fake_tensors() -> Iterator[None]:
+    """The kernels a CUDA step runs, on fake CPU tensors (module docstring): the Triton graph kernel's Python
+    with its launches skipped and its sorted structures built from the real edge indices outside the fake
+    mode (cached, as on a GPU); flex attention by its memory contract (:class:`_FlexMemory`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from stormshard.kernels import flex, graph_triton
+
+    build = graph_triton.triton_graph_structure
+
+    def structure(edge_index: torch.Tensor, num_src: int, num_dst: int):  # noqa: ANN202
+        with unset_fake_temporarily():
+            return build(edge_index, num_src, num_dst)
+
+    saved = (graph_triton._kernels, graph_triton.triton_graph_structure, flex.flex_unusable, flex._flex_attention)
+    graph_triton._kernels = lambda: _NoLaunchKernels()
+    graph_triton.triton_graph_structure = structure
+    flex.flex_unusable = lambda *args, **kwargs: None
+    flex._flex_attention = lambda: _flex_memory
+    try:
+        yield
+    finally:
+        (graph_triton._kernels, graph_triton.triton_graph_structure, flex.flex_unusable,
+         flex._flex_attention) = saved
+
+
+def _size_step(size_name: str, precision: str, encoder_chunks: int | None, decoder_chunks: int | None):
+    """``(step, parameters, mode, label)``: ``bench_gpu_vs_anemoi``'s model at ``size_name`` with the kernels a
+    CUDA step runs (graph kernel "triton", attention kernel "flex"), its parameters, inputs and AdamW fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import bench_gpu_vs_anemoi as bench
+    from stormshard.models.registry import build_model
+
+    size = bench.SIZES[size_name]
+    graph, _path = bench.size_graph(size)
+    variables = bench.size_variables(size)
+    config = bench.size_config(size)
+    updates: dict[str, object] = {"graph_kernel": "triton",
+                                  "processor": config.processor.model_copy(update={"attention_kernel": "flex"})}
+    for section, chunks in (("encoder", encoder_chunks), ("decoder", decoder_chunks)):
+        if chunks is not None:
+            updates[section] = getattr(config, section).model_copy(update={"num_chunks": chunks})
+    config = config.model_copy(update=updates)
+    torch.manual_seed(0)
+    model = build_model(config, graph, variables)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    parameters = fake_parameters(model, mode)
+    cells = graph["data"].num_nodes
+    with mode:
+        x = torch.empty(1, config.multistep_input, cells, len(variables.input_names))
+        target = torch.empty(1, cells, len(variables.output_names))
+    # what build_adamw makes on CUDA: torch's fused AdamW, its moments made at the first step (on a CPU it makes
+    # flat moments at construction)
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=True)
+    autocast = precision == "bf16"
+
+    def step() -> None:  # bench_gpu.mse_training_step without its loss readout (no values here)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            pred = model(x)
+        loss = (pred.float() - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, parameters, mode, f"{size.label}, {precision}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="aifs", help="a size of bench_gpu_vs_anemoi.py (aifs, o96, tiny, ...)")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--encoder-chunks", type=int, default=None, help="the encoder's num_chunks (default: the size's)")
+    parser.add_argument("--decoder-chunks", type=int, default=None, help="the decoder's num_chunks (default: the size's)")
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton graph kernel is allowed on a CPU (never launched)
+    step, parameters, mode, label = _size_step(args.size, args.precision, args.encoder_chunks, args.decoder_chunks)
+    with cuda_kernels_on_fake_tensors(), mode:
+        result = simulate_step_memory(step, parameters, fake_mode=mode)
+    print(f"{label}: peak {result.census.peak / GIB:.2f} GiB")
+    print(result.table(args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": args.size, "precision": args.precision, "peak": result.census.peak,
+                       "parameters": result.parameters, "state": result.state,
+                       "sources": result.census.sources[:50]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

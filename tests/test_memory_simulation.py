@@ -1,0 +1,111 @@
+"""``benchmarks/memory_simulation.py``: a training step's memory on fake tensors, by the storages it makes and
+frees, equal to the same step on real tensors; the CUDA kernels' stand-ins run a small model end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+_BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):  # noqa: ANN202
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+memory_simulation = _load("memory_simulation")
+
+
+def test_recorder_counts_saved_tensors_until_the_backward_frees_them():
+    x = torch.ones(1000, requires_grad=True)  # 4,000 bytes, made before the recording (not counted)
+
+    def step() -> None:
+        y = x.exp()  # 4,000: kept by exp's backward
+        z = (y * 2).sum()  # y * 2: 4,000, freed after sum (not saved: mul by a constant keeps nothing)
+        del y
+        z.backward()  # the gradient of y (4,000) and of x (4,000, kept in x.grad)
+        x.grad = None
+
+    result = memory_simulation.simulate_step_memory(step, [x], warmup=0)
+    assert result.parameters == 4000 and result.state == 0
+    # the peak is inside the backward: x + y (saved) + z and its seed gradient (4 bytes each) + the gradient
+    # of y + exp's gradient of x
+    assert result.census.peak == 4000 + 4000 + 2 * 4 + 4000 + 4000
+    sizes = sorted(size for size, _tensor, _source in result.largest)
+    assert sizes[-3:] == [4000, 4000, 4000]
+
+
+def _tiny_step(fake: bool):  # noqa: ANN202
+    """A two-block GNN model (fp32) and one AdamW step on real or fake tensors."""
+    from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+    from stormshard.models.config import ModelConfig
+    from stormshard.models.registry import build_model
+    from stormshard.models.variables import VariableIndex
+
+    names = [f"v{i}" for i in range(5)]
+    variables = VariableIndex.build(names, forcing=names[-1:], diagnostic=[])
+    graph = build_graph(GraphConfig(data_grid="o8", hidden="o4", processor=KNNEdges(num_neighbours=4)))
+    config = ModelConfig(name="gnn", num_channels=16, multistep_input=2, trainable_size=2,
+                         processor=dict(num_layers=2))
+    torch.manual_seed(0)
+    model = build_model(config, graph, variables)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    if fake:
+        parameters = memory_simulation.fake_parameters(model, mode)
+    else:
+        parameters = list(model.parameters())
+    cells = graph["data"].num_nodes
+    make = (lambda *shape: mode.from_tensor(torch.zeros(*shape))) if fake else torch.zeros
+    x, target = make(1, 2, cells, 5), make(1, cells, 4)
+    optimizer = torch.optim.AdamW(parameters, lr=1e-3, foreach=False)
+
+    def step() -> None:
+        loss = (model(x) - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, parameters, mode
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fake_step_holds_what_the_real_step_holds():
+    real_step, real_parameters, _ = _tiny_step(fake=False)
+    real = memory_simulation.simulate_step_memory(real_step, real_parameters)
+    fake_step, fake_parameters, mode = _tiny_step(fake=True)
+    with mode:
+        fake = memory_simulation.simulate_step_memory(fake_step, fake_parameters, fake_mode=mode)
+    assert real.parameters == fake.parameters > 0
+    # AdamW's two moments and its step counts: a real step count is made by torch.tensor (no operator), a fake
+    # one by lifting that tensor into the fake mode (4 bytes per parameter more)
+    assert real.state >= 2 * real.parameters
+    assert 0 <= fake.state - real.state <= 4 * len(real_parameters)
+    assert fake.census.peak - fake.state == real.census.peak - real.state > real.parameters + real.state
+    assert fake.census.sources == real.census.sources
+
+
+def test_cuda_kernels_run_a_model_on_fake_tensors(monkeypatch: pytest.MonkeyPatch):
+    """The Triton graph kernel (launches skipped) and flex's stand-in carry a bf16 step of the benchmark's tiny
+    size; the kernels' own buffers appear at the peak and the patches are undone afterwards."""
+    from stormshard.kernels import flex, graph_triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    before = (graph_triton._kernels, graph_triton.triton_graph_structure, flex._flex_attention)
+    step, parameters, mode, _label = memory_simulation._size_step("tiny", "bf16", None, None)
+    with memory_simulation.cuda_kernels_on_fake_tensors(), mode:
+        result = memory_simulation.simulate_step_memory(step, parameters, fake_mode=mode)
+    assert (graph_triton._kernels, graph_triton.triton_graph_structure, flex._flex_attention) == before
+    assert result.census.peak > result.parameters + result.state > result.parameters > 0
+    sources = " ".join(source for source, _bytes, _count in result.census.sources)
+    assert "graph_triton.py" in sources or "graph_transformer.py" in sources
+    assert any("bfloat16" in tensor for _size, tensor, _source in result.largest)
