@@ -37,6 +37,13 @@ def make_plan(kind: str, edge_index: torch.Tensor, num_src: int, num_dst: int, g
     return GraphShardPlan.build(edge_index, num_nodes, group)
 
 
+def row_chunk(block: torch.nn.Module, rows: int = 7) -> torch.nn.Module:
+    """``block``'s graph-transformer MLP on its row-chunked path at any size, ``rows`` rows per chunk
+    (:mod:`stormshard.layers.row_chunked_mlp`; the default takes it from 2**27 hidden entries on)."""
+    block.mlp.min_elements, block.mlp.chunk_elements = 0, rows * block.mlp[0].out_features
+    return block
+
+
 def make_block(kind: str, plan: GraphShardPlan, num_chunks: int, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     self_projection = "_self_" in kind
@@ -110,6 +117,8 @@ def _check_sharded_blocks(rank, world, num_chunks_list):
             assert plan.edges_per_rank[-1] == 0  # the case really has a rank without edges
         for num_chunks in num_chunks_list:
             block = make_block(kind, plan, num_chunks)
+            if kind.startswith("transformer") and num_chunks == 1 and world > 1:
+                row_chunk(block)  # the MLP in 7-row chunks (uneven), against the plain single-process block
             xs = plan.shard_src(x_src).clone().requires_grad_()
             xd = xs if processor else plan.shard_dst(x_dst).clone().requires_grad_()
             ea_full = edge_attr.clone().requires_grad_()

@@ -61,15 +61,16 @@ from stormshard.layers.graph_inputs import (
     check_positive_int,
 )
 from stormshard.layers.norm import LayerNorm
+from stormshard.layers.row_chunked_mlp import RowChunkedMLP
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
 
 __all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "set_graph_kernel"]
 
 
-def _mlp(channels: int, ratio: float) -> nn.Sequential:
-    hidden = max(1, int(round(channels * ratio)))
-    return nn.Sequential(nn.Linear(channels, hidden), nn.GELU(), nn.Linear(hidden, channels))
+def _mlp(channels: int, ratio: float) -> RowChunkedMLP:
+    # Linear, GELU, Linear (nn.Sequential's keys); on very many rows it keeps one hidden activation, not four
+    return RowChunkedMLP(channels, max(1, int(round(channels * ratio))))
 
 
 class _GraphTransformerBase(PlanFollowsModule):
