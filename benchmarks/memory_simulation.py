@@ -258,9 +258,9 @@ def cuda_kernels_on_fake_tensors() -> Iterator[None]:
 def _size_step(size_name: str, precision: str, encoder_chunks: int | None, decoder_chunks: int | None):
     """``(step, parameters, mode, label)``: ``bench_gpu_vs_anemoi``'s model at ``size_name`` with the kernels a
     CUDA step runs (graph kernel "triton", attention kernel "flex"), its parameters, inputs and AdamW fake."""
+    import bench_gpu_vs_anemoi as bench
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import bench_gpu_vs_anemoi as bench
     from stormshard.models.registry import build_model
 
     size = bench.SIZES[size_name]
