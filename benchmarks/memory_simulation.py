@@ -2,6 +2,7 @@
 
     python benchmarks/memory_simulation.py [--size aifs|o96|tiny] [--precision bf16|fp32] [--top 20] [--json PATH]
         [--decoder-chunks N] [--encoder-chunks N]
+        [--anemoi-python PY [--anemoi-attention flash|sdpa] [--anemoi-mapper-checkpointing]]
 
 ``benchmarks/memory_census.py`` answers the question on a GPU (the CUDA allocator's history); this script answers
 it without one, at any size, in seconds: the model of ``bench_gpu_vs_anemoi.py``'s size (the same config, graph and
@@ -56,9 +57,12 @@ __all__ = ["AllocationRecorder", "SimulatedStep", "simulate_step_memory", "fake_
 GIB = 1024 ** 3
 
 
+_RECORDER_FRAMES = {"__torch_dispatch__", "_record_outputs", "record", "_frames"}
+
+
 def _frames() -> list[dict[str, object]]:
-    """The Python stack, innermost first, in the allocator trace's frame format."""
-    stack = traceback.extract_stack()[:-3]
+    """The Python stack, innermost first, in the allocator trace's frame format (the recorder's own left out)."""
+    stack = [f for f in traceback.extract_stack() if not (f.filename == __file__ and f.name in _RECORDER_FRAMES)]
     return [{"filename": f.filename, "line": f.lineno, "name": f.name} for f in reversed(stack)]
 
 
@@ -83,17 +87,44 @@ class AllocationRecorder(TorchDispatchMode):
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if self.fake_mode is not None and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-            args, kwargs = pytree.tree_map(self._as_fake, (args, kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+            if (tensors and not any(isinstance(t, self._fake_type) for t in tensors)) or (
+                    not tensors and self._makes_indices(func, args, kwargs)):
+                # real tensors only (graph structures, buffers), or a new integer tensor (an index: a degree count,
+                # a CSR pointer): computed for real, as on a GPU (a model may read their values)
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                with unset_fake_temporarily():
+                    out = func(*args, **kwargs)
+                self._record_outputs(func, tensors, out)
+                return out
+            # a real constant meeting a fake tensor: converted here as the fake mode would, so that a view of
+            # it shares its fake copy's storage
+            args, kwargs = pytree.tree_map(self._as_fake, (args, kwargs))
+            tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        self._record_outputs(func, tensors, out)
+        return out
+
+    @staticmethod
+    def _makes_indices(func, args: tuple, kwargs: dict) -> bool:  # noqa: ANN001
+        """Whether an operator without tensor inputs (a factory) makes an integer or bool tensor."""
+        try:
+            out = func(*args, **kwargs)  # under the fake mode: no memory, no values
+        except Exception:  # noqa: BLE001 - then it runs as it would have
+            return False
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return bool(leaves) and not any(t.dtype.is_floating_point or t.dtype.is_complex for t in leaves)
+
+    def _record_outputs(self, func, inputs: list[torch.Tensor], out: object) -> None:  # noqa: ANN001
         # views and in-place results share an input's storage: not an allocation (a sparse tensor's parts are
         # recorded when they are made)
-        inputs = {t.untyped_storage()._cdata for t in pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        storages = {t.untyped_storage()._cdata for t in inputs if t.layout == torch.strided}
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.untyped_storage()._cdata not in inputs:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.untyped_storage()._cdata not in storages:
                 self.record(t, str(func.overloadpacket.__name__))
-        return out
 
     @property
     def _fake_type(self) -> type:
@@ -305,19 +336,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoder-chunks", type=int, default=None, help="the decoder's num_chunks (default: the size's)")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "none"),
+                        help="an interpreter with anemoi-models 0.19 (../shared/anemoi-bench/setup_env.sh builds one): "
+                             "anemoi's model of the size simulated too (anemoi_side/memory_vs_stormshard.py), and the "
+                             "ratio")
+    parser.add_argument("--anemoi-attention", default="flash", choices=("flash", "sdpa"),
+                        help="anemoi's processor attention: flash-attn (its GPU default) or SDPA with its band mask")
+    parser.add_argument("--anemoi-mapper-checkpointing", action="store_true",
+                        help="anemoi's mappers checkpointed (its default; the head-to-head's matched setting is off)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton graph kernel is allowed on a CPU (never launched)
     step, parameters, mode, label = _size_step(args.size, args.precision, args.encoder_chunks, args.decoder_chunks)
     with cuda_kernels_on_fake_tensors(), mode:
         result = simulate_step_memory(step, parameters, fake_mode=mode)
-    print(f"{label}: peak {result.census.peak / GIB:.2f} GiB")
+    print(f"stormshard, {label}: peak {result.census.peak / GIB:.2f} GiB")
     print(result.table(args.top))
+    record = {"size": args.size, "precision": args.precision, "peak": result.census.peak,
+              "parameters": result.parameters, "state": result.state, "sources": result.census.sources[:50]}
+    if args.anemoi_python not in ("", "none"):
+        record["anemoi"] = _anemoi_peak(args)
+        if "peak" in record["anemoi"]:
+            print(f"\nstormshard / anemoi peak (simulated, same model and weights): "
+                  f"{result.census.peak / GIB:.2f} / {record['anemoi']['peak'] / GIB:.2f} GiB = "
+                  f"{result.census.peak / record['anemoi']['peak']:.2f}x ({record['anemoi']['label']})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": args.size, "precision": args.precision, "peak": result.census.peak,
-                       "parameters": result.parameters, "state": result.state,
-                       "sources": result.census.sources[:50]}, f, indent=1)
+            json.dump(record, f, indent=1)
     return 0
+
+
+def _anemoi_peak(args: argparse.Namespace) -> dict:
+    """anemoi's side (``anemoi_side/memory_vs_stormshard.py`` in ``args.anemoi_python``, stormshard on its path):
+    its JSON result, its table printed; ``{"error": ...}`` when it fails."""
+    import subprocess
+    import tempfile
+
+    side = os.path.join(HERE, "anemoi_side", "memory_vs_stormshard.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "anemoi.json")
+        cmd = [args.anemoi_python, side, "--size", args.size, "--attention", args.anemoi_attention,
+               "--top", str(args.top), "--json", out]
+        if args.anemoi_mapper_checkpointing:
+            cmd.append("--mapper-checkpointing")
+        print(f"\nanemoi side: {' '.join(cmd)}", flush=True)
+        done = subprocess.run(cmd, env=env)
+        if done.returncode or not os.path.exists(out):
+            return {"error": f"the anemoi side exited {done.returncode} (its output is above)"}
+        with open(out) as f:
+            return json.load(f)
 
 
 if __name__ == "__main__":

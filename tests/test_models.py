@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import stormshard.layers.norm_linear as norm_linear_module
 from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+from stormshard.layers.row_chunked_mlp import RowChunkedMLP
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
@@ -49,6 +51,11 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
                                     encoder=dict(num_chunks=2, trainable_edge_size=3),
                                     decoder=dict(trainable_edge_size=2)),
 }
+# the memory-lean paths (stormshard.layers.norm_linear, row_chunked_mlp) forced on at these small sizes in the
+# sharded model, against the plain single-process model: the norms inside the projections (the decoder's and the
+# head's), the MLPs in 5-row chunks with their norm inside
+LEAN = {"graphtransformer-lean": "graphtransformer", "transformer-anemoi-lean": "transformer-anemoi"}
+CASES.update({lean: CASES[base] for lean, base in LEAN.items()})
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -118,6 +125,20 @@ def _head_groups(config: ModelConfig):  # noqa: ANN202 - a context manager
     return tile_override(Tiles(heads_per_program=4, block_e=8, num_warps=2))
 
 
+DEFAULT_MIN_ELEMENTS = norm_linear_module.MIN_ELEMENTS
+
+
+def force_lean_paths(model: torch.nn.Module, rows: int = 5) -> int:
+    """Every norm-then-projection of ``model`` through ``norm_linear`` and every row-chunked MLP on its chunked
+    path (``rows`` rows per chunk), whatever the size (until ``norm_linear_module.MIN_ELEMENTS`` is reset);
+    returns how many MLPs."""
+    norm_linear_module.MIN_ELEMENTS = 0
+    mlps = [m for m in model.modules() if isinstance(m, RowChunkedMLP)]
+    for m in mlps:
+        m.min_elements, m.chunk_elements = 0, rows * m[0].out_features
+    return len(mlps)
+
+
 def _check_model(rank, world, case):
     config, strategy = _config(case)
     graph = _graph(config.uses_graph_processor, small=config.graph_kernel == "triton")
@@ -150,10 +171,16 @@ def _check_model(rank, world, case):
     loss_of(ref_out, target, area, None).backward()
 
     noise = None if noise_full is None else noise_full[:, sharded.plan.hidden_slice]
-    with _head_groups(config):
-        out = _run(sharded, x[:, :, ds], noise)
-        loss = loss_of(out, target[:, ds], area[ds], group)
-        loss.backward()
+    lean = case in LEAN
+    if lean:
+        force_lean_paths(sharded)
+    try:
+        with _head_groups(config):
+            out = _run(sharded, x[:, :, ds], noise)
+            loss = loss_of(out, target[:, ds], area[ds], group)
+            loss.backward()
+    finally:
+        norm_linear_module.MIN_ELEMENTS = DEFAULT_MIN_ELEMENTS
 
     torch.testing.assert_close(out, ref_out[:, ds].detach(), rtol=1e-10, atol=1e-10)
     ref_params = dict(reference.named_parameters())

@@ -61,6 +61,7 @@ from stormshard.layers.graph_inputs import (
     check_positive_int,
 )
 from stormshard.layers.norm import LayerNorm
+from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
 from stormshard.layers.row_chunked_mlp import RowChunkedMLP
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
@@ -118,22 +119,33 @@ class _GraphTransformerBase(PlanFollowsModule):
     def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
         check_node_and_edge_shapes(x_src, x_dst, edge_attr, self.src_channels, self.dst_channels, self.edge_channels)
 
-    def _attend(self, h_src: Tensor, h_dst: Tensor, x_dst: Tensor, edge_attr: Tensor, plan: GraphShardPlan) -> Tensor:
-        """Attention + residual + MLP. ``h_src`` ``(num_src_local, C_src)`` (this rank's rows) and
-        ``h_dst`` are normed.
+    def _attend(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor, plan: GraphShardPlan, norm_src: LayerNorm,
+                norm_dst: LayerNorm) -> Tensor:
+        """Norms, attention + residual + MLP. ``x_src`` ``(num_src_local, C_src)`` (this rank's rows) and
+        ``x_dst`` are the block's inputs, ``norm_src`` / ``norm_dst`` their pre-norms.
 
         Keys and values are projected once per source node, the halo rows' exchange overlapped
         with the local rows' projection (:func:`~stormshard.parallel.halo_projection.halo_linear`);
         everything per destination (query, attention over its edges, output projection,
         residuals, MLP) runs inside the chunk of its destination range, so with checkpointing only
-        the chunk outputs stay alive.
+        the chunk outputs stay alive. On inputs of at least :data:`~stormshard.layers.norm_linear.MIN_ELEMENTS`
+        entries (while gradients are recorded) the projections that follow a norm keep the norm's input, not its
+        output, for the backward (:func:`~stormshard.layers.norm_linear.norm_linear`; keys and values so where no
+        halo is exchanged), and the MLP its input (:class:`~stormshard.layers.row_chunked_mlp.RowChunkedMLP`).
         """
         heads = self.num_heads
         split = "n ... (h d) -> n ... h d"
-        k, v = halo_linear(plan, h_src, (self.to_k.weight, self.to_v.weight), (self.to_k.bias, self.to_v.bias))
+        if keeps_norm_input(x_src) and sum(plan.halo_per_rank) == 0:
+            k, v = norm_linear(x_src, norm_src, (self.to_k, self.to_v))
+        else:
+            k, v = halo_linear(plan, norm_src(x_src), (self.to_k.weight, self.to_v.weight),
+                               (self.to_k.bias, self.to_v.bias))
         k, v = rearrange(k, split, h=heads), rearrange(v, split, h=heads)
         edge_index = plan.edge_index
         w_e, b_e = self.to_e.weight, self.to_e.bias
+        fused_dst = keeps_norm_input(x_dst)
+        h_dst = None if fused_dst else norm_dst(x_dst)
+        dst_linears = (self.to_q,) if self.to_self is None else (self.to_q, self.to_self)
 
         def rows(x: Tensor, first: int, end: int) -> Tensor:
             # all rows: the tensor itself (a full slice would add a backward that zero-fills and copies)
@@ -142,17 +154,21 @@ class _GraphTransformerBase(PlanFollowsModule):
         def chunk(ids: Tensor | None, first: int, end: int) -> tuple[Tensor]:
             # a chunk's destination-local edge index was built once (its kernel structures are cached on it)
             index, attr = (edge_index, edge_attr) if ids is None else (self.chunk_index[first], edge_attr[ids])
-            q_in = rows(h_dst, first, end)
-            q = rearrange(self.to_q(q_in), split, h=heads)
+            if fused_dst:
+                projected = norm_linear(rows(x_dst, first, end), norm_dst, dst_linears)
+            else:
+                q_in = rows(h_dst, first, end)
+                projected = [linear(q_in) for linear in dst_linears]
+            q = rearrange(projected[0], split, h=heads)
             # the edge embedding to_e(attr) added to keys and values, never formed as an (E, heads, d)
             # tensor; logits, softmax statistics and sums in fp32 whatever the compute dtype (bf16);
             # the kernel (csr or triton) chosen by stormshard.kernels.dispatch
             attn = graph_attention_kernel(self.graph_kernel, q, k, v, attr, w_e, b_e, index, end - first)
             attn = rearrange(attn, "n ... h d -> n ... (h d)")
             if self.to_self is not None:
-                attn = attn + self.to_self(q_in)
+                attn = attn + projected[1]
             x = rows(x_dst, first, end) + self.proj(attn)
-            return (x + self.mlp(self.norm_mlp(x)),)
+            return (x + self.mlp(x, self.norm_mlp),)
 
         outs, _ = map_destination_chunks(chunk, edge_index, x_dst.shape[0], self.num_chunks, chunks=self.edge_chunks)
         return outs[0][0] if len(outs) == 1 else torch.cat([o[0] for o in outs], dim=0)
@@ -193,7 +209,7 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
     def forward(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> Tensor:
         self._check_channels(x_src, x_dst, edge_attr)
         check_local_rows(self.plan, x_src.shape[0], x_dst.shape[0], edge_attr)
-        return self._attend(self.norm_src(x_src), self.norm_dst(x_dst), x_dst, edge_attr, self.plan)
+        return self._attend(x_src, x_dst, edge_attr, self.plan, self.norm_src, self.norm_dst)
 
 
 class GraphTransformerProcessorBlock(_GraphTransformerBase):
@@ -228,8 +244,7 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
     def forward(self, x: Tensor, edge_attr: Tensor) -> tuple[Tensor, Tensor]:
         self._check_channels(x, x, edge_attr)
         check_local_rows(self.plan, x.shape[0], x.shape[0], edge_attr)
-        h = self.norm(x)
-        return self._attend(h, h, x, edge_attr, self.plan), edge_attr
+        return self._attend(x, x, edge_attr, self.plan, self.norm, self.norm), edge_attr
 
 
 def set_graph_kernel(model: nn.Module, kernel: GraphKernel) -> int:

@@ -52,37 +52,67 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 # they keep (traced as plain operators, its partitioner would save every chunk's GELU output).
 
 
+def _like(t: Tensor | None, x: Tensor) -> Tensor | None:
+    """``t`` in ``x``'s dtype (None stays None)."""
+    return None if t is None else t.to(x.dtype)
+
+
+def _normed(x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps: float,
+            dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(layer_norm(x) in dtype, mean, rstd)`` where ``eps >= 0`` (the norm in ``x``'s dtype, its parameters cast
+    to it, as :class:`~stormshard.layers.norm.LayerNorm`), else ``(x in dtype, None, None)``."""
+    if eps < 0:
+        return x.to(dtype), None, None
+    xn, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], _like(norm_w, x), _like(norm_b, x), eps)
+    return xn.to(dtype), mean, rstd
+
+
 @torch.library.custom_op("stormshard::row_chunked_mlp", mutates_args=())
-def _mlp_op(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
-            rows: int) -> tuple[Tensor, Tensor]:
-    """``(y (R, C_out), h (R, hidden))`` for ``x`` ``(R, C)``, every operand in one dtype."""
+def _mlp_op(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, rows: int,
+            norm_w: Tensor | None, norm_b: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y (R, C_out), h (R, hidden), mean, rstd)`` for ``x`` ``(R, C)``, the products in ``w1``'s dtype; with
+    ``eps >= 0`` ``x`` is layer-normed first (``mean`` / ``rstd`` its statistics, else empty)."""
     with torch.autocast(x.device.type, enabled=False):
-        h = F.linear(x, w1, b1)
+        xn, mean, rstd = _normed(x, norm_w, norm_b, eps, w1.dtype)
+        h = F.linear(xn, w1, b1)
+        del xn
         y = h.new_empty(h.shape[0], w2.shape[0])
         for first in range(0, h.shape[0], rows):
             end = min(first + rows, h.shape[0])
             y[first:end] = F.linear(F.gelu(h[first:end]), w2, b2)
-    return y, h
+    empty = x.new_empty(0, dtype=torch.float32)
+    return y, h, empty if mean is None else mean, empty.clone() if rstd is None else rstd
 
 
 @_mlp_op.register_fake
-def _mlp_fake(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None,
-              rows: int) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(x.shape[0], w1.shape[0])
+def _mlp_fake(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, rows: int,
+              norm_w: Tensor | None, norm_b: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if eps >= 0:
+        _xn, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
+    else:
+        mean, rstd = x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
+    return x.new_empty(x.shape[0], w2.shape[0], dtype=w1.dtype), x.new_empty(x.shape[0], w1.shape[0],
+                                                                              dtype=w1.dtype), mean, rstd
 
 
 @torch.library.custom_op("stormshard::row_chunked_mlp_backward", mutates_args=())
-def _mlp_backward_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, rows: int,
-                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``(x, w1, b1, w2, b2)`` (empty where ``needs`` is False), per row chunk; weight and bias
-    gradients summed in fp32 (or float64) and returned in the weights' dtype."""
-    need_x, need_w1, need_b1, need_w2, need_b2 = needs
+def _mlp_backward_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, rows: int, norm_w: Tensor | None,
+                     norm_b: Tensor | None, eps: float, mean: Tensor, rstd: Tensor,
+                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``(x, w1, b1, w2, b2, norm_w, norm_b)`` (empty where ``needs`` is False), per row chunk;
+    weight and bias gradients summed in fp32 (or float64) and returned in the parameters' dtype. With a norm
+    (``eps >= 0``) each chunk's normed rows are recomputed from ``x`` and the norm's backward runs per chunk."""
+    need_x, need_w1, need_b1, need_w2, need_b2, need_nw, need_nb = needs
+    normed = eps >= 0
     acc = torch.promote_types(h.dtype, torch.float32)
     dx = torch.empty_like(x) if need_x else x.new_empty(0)
-    dw1, dw2 = (torch.zeros(w.shape, dtype=acc, device=w.device) if need else w.new_empty(0)
-                for w, need in ((w1, need_w1), (w2, need_w2)))
-    db1, db2 = (torch.zeros(w.shape[0], dtype=acc, device=w.device) if need else w.new_empty(0)
-                for w, need in ((w1, need_b1), (w2, need_b2)))
+
+    def zeros(t: Tensor | None, shape: tuple, need: bool) -> Tensor:
+        return torch.zeros(shape, dtype=acc, device=h.device) if need and t is not None else h.new_empty(0)
+
+    dw1, db1, dw2, db2 = zeros(w1, w1.shape, need_w1), zeros(w1, w1.shape[:1], need_b1), \
+        zeros(w2, w2.shape, need_w2), zeros(w2, w2.shape[:1], need_b2)
+    dnw, dnb = zeros(norm_w, x.shape[-1:], need_nw), zeros(norm_b, x.shape[-1:], need_nb)
     with torch.autocast(h.device.type, enabled=False):
         dy = dy.to(h.dtype)
         for first in range(0, h.shape[0], rows):
@@ -93,58 +123,94 @@ def _mlp_backward_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, r
             if need_b2:
                 db2 += dy_c.sum(0, dtype=acc)
             dh_c = torch.ops.aten.gelu_backward(torch.mm(dy_c, w2), h_c)
+            x_c = x[first:end]
             if need_w1:
-                dw1 += torch.mm(dh_c.t(), x[first:end]).to(acc)
+                xn_c = _normed(x_c, norm_w, norm_b, eps, h.dtype)[0] if normed else x_c
+                dw1 += torch.mm(dh_c.t(), xn_c).to(acc)
             if need_b1:
                 db1 += dh_c.sum(0, dtype=acc)
+            if not (need_x or need_nw or need_nb):
+                continue
+            dxn_c = torch.mm(dh_c, w1)
+            if not normed:
+                dx[first:end] = dxn_c
+                continue
+            g_x, g_w, g_b = torch.ops.aten.native_layer_norm_backward(
+                dxn_c.to(x.dtype), x_c, [x.shape[-1]], mean[first:end], rstd[first:end], _like(norm_w, x), _like(norm_b, x),
+                [need_x, need_nw and norm_w is not None, need_nb and norm_b is not None])
             if need_x:
-                dx[first:end] = torch.mm(dh_c, w1)
-    return dx, dw1.to(w1.dtype), db1.to(w1.dtype), dw2.to(w2.dtype), db2.to(w2.dtype)
+                dx[first:end] = g_x
+            if need_nw and norm_w is not None:
+                dnw += g_w.to(acc)
+            if need_nb and norm_b is not None:
+                dnb += g_b.to(acc)
+
+    def out(g: Tensor, like: Tensor | None) -> Tensor:
+        return g if not g.numel() or like is None else g.to(like.dtype)
+
+    return dx, out(dw1, w1), out(db1, w1), out(dw2, w2), out(db2, w2), out(dnw, norm_w), out(dnb, norm_b)
 
 
 @_mlp_backward_op.register_fake
-def _mlp_backward_fake(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, rows: int,
-                       needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    shapes = (x.shape, w1.shape, w1.shape[:1], w2.shape, w2.shape[:1])
-    likes = (x, w1, w1, w2, w2)
-    return tuple(t.new_empty(shape) if need else t.new_empty(0) for t, shape, need in zip(likes, shapes, needs,
-                                                                                          strict=True))
+def _mlp_backward_fake(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, rows: int, norm_w: Tensor | None,
+                       norm_b: Tensor | None, eps: float, mean: Tensor, rstd: Tensor,
+                       needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    likes = (x, w1, w1, w2, w2, norm_w, norm_b)
+    shapes = (x.shape, w1.shape, w1.shape[:1], w2.shape, w2.shape[:1], x.shape[-1:], x.shape[-1:])
+    return tuple(t.new_empty(shape) if need and t is not None else h.new_empty(0)
+                 for t, shape, need in zip(likes, shapes, needs, strict=True))
 
 
 def _setup(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
-    x, w1, b1, w2, b2, rows = inputs
-    ctx.save_for_backward(x, w1, w2, output[1])
-    ctx.rows, ctx.has_bias = rows, (b1 is not None, b2 is not None)
+    x, w1, b1, w2, b2, rows, norm_w, norm_b, eps = inputs
+    _y, h, mean, rstd = output
+    ctx.save_for_backward(x, w1, w2, h, norm_w, norm_b, mean, rstd)
+    ctx.rows, ctx.eps = rows, eps
+    ctx.has = (b1 is not None, b2 is not None, norm_w is not None, norm_b is not None)
     ctx.set_materialize_grads(False)  # no (rows, hidden) zeros for h's gradient, which nothing produces
 
 
-def _op_backward(ctx, dy: Tensor | None, _dh: Tensor | None) -> tuple:  # noqa: ANN001
-    x, w1, w2, h = ctx.saved_tensors
+def _op_backward(ctx, dy: Tensor | None, _dh: Tensor | None, _dmean: Tensor | None,  # noqa: ANN001
+                 _drstd: Tensor | None) -> tuple:
+    x, w1, w2, h, norm_w, norm_b, mean, rstd = ctx.saved_tensors
     if dy is None:
-        return None, None, None, None, None, None
+        return (None,) * 9
     n = ctx.needs_input_grad
-    needs = [bool(n[0]), bool(n[1]), bool(n[2]) and ctx.has_bias[0], bool(n[3]), bool(n[4]) and ctx.has_bias[1]]
-    grads = torch.ops.stormshard.row_chunked_mlp_backward(dy, x, w1, w2, h, ctx.rows, needs)
-    return (*(g if need else None for g, need in zip(grads, needs, strict=True)), None)
+    has_b1, has_b2, has_nw, has_nb = ctx.has
+    needs = [bool(n[0]), bool(n[1]), bool(n[2]) and has_b1, bool(n[3]), bool(n[4]) and has_b2,
+             bool(n[6]) and has_nw, bool(n[7]) and has_nb]
+    grads = torch.ops.stormshard.row_chunked_mlp_backward(dy, x, w1, w2, h, ctx.rows, norm_w, norm_b, ctx.eps, mean,
+                                                          rstd, needs)
+    g = [gr if need else None for gr, need in zip(grads, needs, strict=True)]
+    return g[0], g[1], g[2], g[3], g[4], None, g[5], g[6], None
 
 
 _mlp_op.register_autograd(_op_backward, setup_context=_setup)
 
 
-def row_chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, rows: int) -> Tensor:
-    """``fc2(GELU(fc1(x)))`` on ``x`` ``(..., C)``, ``rows`` rows of the flattened leading dims per chunk
-    (module docstring); ``(..., fc2.out_features)`` in the compute dtype (autocast's, else ``x``'s), the
-    operands cast to it as ``nn.Linear`` under autocast does."""
+def row_chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, rows: int, norm: nn.LayerNorm | None = None) -> Tensor:
+    """``fc2(GELU(fc1(norm(x))))`` on ``x`` ``(..., C)`` (no norm: ``fc2(GELU(fc1(x)))``), ``rows`` rows of the
+    flattened leading dims per chunk (module docstring); ``(..., fc2.out_features)`` in the compute dtype
+    (autocast's, else ``x``'s), the operands cast to it as ``nn.Linear`` under autocast does. With ``norm`` (a
+    layer norm over the last dim) ``x`` is kept for the backward instead of ``norm(x)``."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows per chunk must be a positive int, got {rows!r}")
+    if norm is not None and (len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != x.shape[-1]):
+        raise ValueError(f"the MLP's norm must normalise the last dim ({x.shape[-1]}), got normalized_shape "
+                         f"{tuple(norm.normalized_shape)}")
     dtype = _compute_dtype(x)
 
     def cast(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.to(dtype)
 
     lead = x.shape[:-1]
-    y, _h = _mlp_op(cast(x.reshape(-1, x.shape[-1])), cast(fc1.weight), cast(fc1.bias), cast(fc2.weight),
-                    cast(fc2.bias), rows)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if norm is None:
+        args = (cast(flat), None, None, -1.0)
+    else:  # normed in x's own dtype (its parameters cast to it), then the products in the compute dtype
+        args = (flat, norm.weight, norm.bias, float(norm.eps))
+    y, _h, _mean, _rstd = _mlp_op(args[0], cast(fc1.weight), cast(fc1.bias), cast(fc2.weight), cast(fc2.bias), rows,
+                                  *args[1:])
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -163,9 +229,10 @@ class RowChunkedMLP(nn.Sequential):
                              ">= 1")
         self.min_elements, self.chunk_elements = min_elements, chunk_elements
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
+        """``self(norm(x))`` (``norm`` None: ``self(x)``); on the chunked path ``x`` is kept, not ``norm(x)``."""
         fc1, act, fc2 = self[0], self[1], self[2]
         rows = x.numel() // x.shape[-1] if x.dim() else 1
         if rows * fc1.out_features < self.min_elements or not torch.is_grad_enabled() or act.approximate != "none":
-            return super().forward(x)
-        return row_chunked_mlp(x, fc1, fc2, max(1, self.chunk_elements // fc1.out_features))
+            return super().forward(x if norm is None else norm(x))
+        return row_chunked_mlp(x, fc1, fc2, max(1, self.chunk_elements // fc1.out_features), norm)

@@ -30,6 +30,7 @@ from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.layers.norm import LayerNorm
+from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
 from stormshard.models.config import ModelConfig
 from stormshard.models.processors import GraphProcessor, TrainableEdges, WindowTransformerProcessor
 from stormshard.models.sharding import ModelShardPlan
@@ -163,7 +164,11 @@ class EncoderProcessorDecoder(nn.Module):
     def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor) -> Tensor:
         """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
         x_data = self.decoder(x_hidden, x_data, self.edges("decoder"))
-        out = rearrange(self.head(x_data), "g b v -> b g v")
+        if keeps_norm_input(x_data):  # the head's norm inside its product: x_data kept, not its normed copy
+            head = norm_linear(x_data, self.head[0], [self.head[1]])[0]
+        else:
+            head = self.head(x_data)
+        out = rearrange(head, "g b v -> b g v")
         # the carried state is added in the input's dtype (fp32 in training), never rounded to bf16
         last = x[:, -1]
         residual = last.new_zeros(out.shape).index_copy(-1, self.prognostic_in_output,
