@@ -1,38 +1,34 @@
 """What one eager training step holds in device memory at its peak, simulated on a CPU with fake tensors.
 
-    python benchmarks/memory_simulation.py [--size aifs|o96|tiny] [--precision bf16|fp32] [--top 20] [--json PATH]
-        [--decoder-chunks N] [--encoder-chunks N]
-        [--anemoi-python PY [--anemoi-attention flash|sdpa] [--anemoi-mapper-checkpointing]]
-
-``benchmarks/memory_census.py`` answers the question on a GPU (the CUDA allocator's history); this script answers
-it without one, at any size, in seconds: the model of ``bench_gpu_vs_anemoi.py``'s size (the same config, graph and
-optimizer) with every parameter, input and activation a ``FakeTensor`` (shapes, dtypes and storages, no data), one
-step run twice (the first makes AdamW's state) and the second recorded by :class:`AllocationRecorder`: every
-storage an operator makes, with the stormshard line that asked for it, and the moment that storage dies (its last
-reference gone: autograd's saved tensors included). The events go through ``memory_census.live_at_peak``, the
-same analysis as the GPU census, so the two tables read the same.
+The machinery behind ``benchmarks/bench_memory.py`` (and ``anemoi_side/memory_vs_stormshard.py``).
+``benchmarks/memory_census.py`` answers the question on a GPU (the CUDA allocator's history); this answers it
+without one, at any size, in seconds: a model (here :func:`stormshard_step`: the one of ``bench_gpu_vs_anemoi.py``'s
+size, the same config, graph and optimizer) with every parameter, input and activation a ``FakeTensor`` (shapes,
+dtypes and storages, no data), one step run twice (the first makes AdamW's state) and the second recorded by
+:class:`AllocationRecorder`: every storage an operator makes, with the source line that asked for it, and the
+moment that storage dies (its last reference gone: autograd's saved tensors included). Operators on real tensors
+alone (graph structures, buffers) and new integer tensors (indices) run for real, as they would on the GPU, since
+a model may read their values. The events go through ``memory_census.live_at_peak``, the same analysis as the GPU
+census, so the two tables read the same.
 
 The kernels are the ones a CUDA step runs (:func:`cuda_kernels_on_fake_tensors`): the Triton graph kernel's own
 Python (its outputs, saved tensors and fp32 work buffers, exactly) with its launches skipped, and flex attention's
 memory contract (it keeps q, k, v, the output and the fp32 log-sum-exp; its backward makes dq, dk, dv and an fp32
 row term) in place of the compiled flex call. Autocast is the CPU's (bf16), whose op lists match CUDA's for what
-this model runs (linear and matmul in bf16; layer_norm and softmax are called by stormshard in the compute dtype).
+this model runs (linear and matmul in bf16; stormshard calls layer norms in the compute dtype itself).
 
 What it does not see: the caching allocator's rounding and fragmentation (``max_memory_allocated`` counts whole
 512-byte blocks; the difference is small for large tensors), a kernel's scratch space inside one launch, the CUDA
 context and library workspaces (cuBLAS: tens of MiB), and compiled blocks (``training.compile``): inductor decides
-what a compiled block saves (it recomputes pointwise operators such as the MLP's GELU in the backward), so this is
-the eager step's memory, an upper bound for the compiled step's.
+what a compiled block saves (stormshard's custom ops keep what they keep, compiled or not; around them inductor
+may save less or more than eager), so these are eager steps.
 
 ``simulate_step_memory(step, ...)`` is importable; ``tests/test_memory_simulation.py`` checks it against the
 tensors a real CPU step keeps.
 """
-
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import sys
 import traceback
@@ -52,7 +48,7 @@ sys.path.insert(0, os.path.join(HERE, "anemoi_side"))
 from memory_census import PeakCensus, live_at_peak  # noqa: E402
 
 __all__ = ["AllocationRecorder", "SimulatedStep", "simulate_step_memory", "fake_parameters",
-           "cuda_kernels_on_fake_tensors", "main"]
+           "cuda_kernels_on_fake_tensors", "stormshard_step", "lean_paths", "largest_at_peak"]
 
 GIB = 1024 ** 3
 
@@ -286,9 +282,13 @@ def cuda_kernels_on_fake_tensors() -> Iterator[None]:
          flex._flex_attention) = saved
 
 
-def _size_step(size_name: str, precision: str, encoder_chunks: int | None, decoder_chunks: int | None):
+def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int | None = None,
+                    decoder_chunks: int | None = None, lean: bool = True):
     """``(step, parameters, mode, label)``: ``bench_gpu_vs_anemoi``'s model at ``size_name`` with the kernels a
-    CUDA step runs (graph kernel "triton", attention kernel "flex"), its parameters, inputs and AdamW fake."""
+    CUDA step runs (graph kernel "triton", attention kernel "flex"), its parameters, inputs and AdamW fake.
+    ``lean=False``: the blocks' memory-lean paths off (every norm before its projection, plain MLPs): the
+    baseline of ``bench_memory.py``. Run ``step`` inside :func:`lean_paths` ``(lean)`` and
+    :func:`cuda_kernels_on_fake_tensors`, under ``mode``."""
     import bench_gpu_vs_anemoi as bench
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -306,6 +306,12 @@ def _size_step(size_name: str, precision: str, encoder_chunks: int | None, decod
     config = config.model_copy(update=updates)
     torch.manual_seed(0)
     model = build_model(config, graph, variables)
+    if not lean:
+        from stormshard.layers.row_chunked_mlp import RowChunkedMLP
+
+        for m in model.modules():
+            if isinstance(m, RowChunkedMLP):
+                m.min_elements = 2 ** 62
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     parameters = fake_parameters(model, mode)
     cells = graph["data"].num_nodes
@@ -325,67 +331,18 @@ def _size_step(size_name: str, precision: str, encoder_chunks: int | None, decod
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step, parameters, mode, f"{size.label}, {precision}"
+    return step, parameters, mode, f"{size.label}, {precision}{'' if lean else ', memory-lean paths off'}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default="aifs", help="a size of bench_gpu_vs_anemoi.py (aifs, o96, tiny, ...)")
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--encoder-chunks", type=int, default=None, help="the encoder's num_chunks (default: the size's)")
-    parser.add_argument("--decoder-chunks", type=int, default=None, help="the decoder's num_chunks (default: the size's)")
-    parser.add_argument("--top", type=int, default=20)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--anemoi-python", default=os.environ.get("ANEMOI_PY", "none"),
-                        help="an interpreter with anemoi-models 0.19 (../shared/anemoi-bench/setup_env.sh builds one): "
-                             "anemoi's model of the size simulated too (anemoi_side/memory_vs_stormshard.py), and the "
-                             "ratio")
-    parser.add_argument("--anemoi-attention", default="flash", choices=("flash", "sdpa"),
-                        help="anemoi's processor attention: flash-attn (its GPU default) or SDPA with its band mask")
-    parser.add_argument("--anemoi-mapper-checkpointing", action="store_true",
-                        help="anemoi's mappers checkpointed (its default; the head-to-head's matched setting is off)")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton graph kernel is allowed on a CPU (never launched)
-    step, parameters, mode, label = _size_step(args.size, args.precision, args.encoder_chunks, args.decoder_chunks)
-    with cuda_kernels_on_fake_tensors(), mode:
-        result = simulate_step_memory(step, parameters, fake_mode=mode)
-    print(f"stormshard, {label}: peak {result.census.peak / GIB:.2f} GiB")
-    print(result.table(args.top))
-    record = {"size": args.size, "precision": args.precision, "peak": result.census.peak,
-              "parameters": result.parameters, "state": result.state, "sources": result.census.sources[:50]}
-    if args.anemoi_python not in ("", "none"):
-        record["anemoi"] = _anemoi_peak(args)
-        if "peak" in record["anemoi"]:
-            print(f"\nstormshard / anemoi peak (simulated, same model and weights): "
-                  f"{result.census.peak / GIB:.2f} / {record['anemoi']['peak'] / GIB:.2f} GiB = "
-                  f"{result.census.peak / record['anemoi']['peak']:.2f}x ({record['anemoi']['label']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-    return 0
+@contextlib.contextmanager
+def lean_paths(on: bool) -> Iterator[None]:
+    """The norms inside their projections (:mod:`stormshard.layers.norm_linear`) at their default threshold
+    (``on``) or never."""
+    from stormshard.layers import norm_linear
 
-
-def _anemoi_peak(args: argparse.Namespace) -> dict:
-    """anemoi's side (``anemoi_side/memory_vs_stormshard.py`` in ``args.anemoi_python``, stormshard on its path):
-    its JSON result, its table printed; ``{"error": ...}`` when it fails."""
-    import subprocess
-    import tempfile
-
-    side = os.path.join(HERE, "anemoi_side", "memory_vs_stormshard.py")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "anemoi.json")
-        cmd = [args.anemoi_python, side, "--size", args.size, "--attention", args.anemoi_attention,
-               "--top", str(args.top), "--json", out]
-        if args.anemoi_mapper_checkpointing:
-            cmd.append("--mapper-checkpointing")
-        print(f"\nanemoi side: {' '.join(cmd)}", flush=True)
-        done = subprocess.run(cmd, env=env)
-        if done.returncode or not os.path.exists(out):
-            return {"error": f"the anemoi side exited {done.returncode} (its output is above)"}
-        with open(out) as f:
-            return json.load(f)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    saved = norm_linear.MIN_ELEMENTS
+    norm_linear.MIN_ELEMENTS = saved if on else 2 ** 62
+    try:
+        yield
+    finally:
+        norm_linear.MIN_ELEMENTS = saved

@@ -101,7 +101,7 @@ def test_cuda_kernels_run_a_model_on_fake_tensors(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     before = (graph_triton._kernels, graph_triton.triton_graph_structure, flex._flex_attention)
-    step, parameters, mode, _label = memory_simulation._size_step("tiny", "bf16", None, None)
+    step, parameters, mode, _label = memory_simulation.stormshard_step("tiny")
     with memory_simulation.cuda_kernels_on_fake_tensors(), mode:
         result = memory_simulation.simulate_step_memory(step, parameters, fake_mode=mode)
     assert (graph_triton._kernels, graph_triton.triton_graph_structure, flex._flex_attention) == before

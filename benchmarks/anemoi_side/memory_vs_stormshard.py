@@ -1,4 +1,4 @@
-"""anemoi-models' side of ``benchmarks/memory_simulation.py --anemoi-python``: anemoi's training step on fake tensors.
+"""anemoi-models' side of ``benchmarks/bench_memory.py --anemoi-python``: anemoi's training step on fake tensors.
 
     <anemoi python> benchmarks/anemoi_side/memory_vs_stormshard.py --size aifs --attention flash \\
         [--mapper-checkpointing] [--json PATH]
