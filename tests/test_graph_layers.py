@@ -16,6 +16,7 @@ from tests.distributed import run_distributed
 from tests.test_graph_sharding import random_graph
 
 SRC_C, DST_C, EDGE_C, HEADS = 6, 8, 5, 4
+DEFAULT_MIN_ELEMENTS = norm_linear_module.MIN_ELEMENTS
 
 # (kind, num_src, num_dst, num_edges, dst_limit)
 CASES = [
@@ -121,7 +122,7 @@ def _check_sharded_blocks(rank, world, num_chunks_list):
             lean = kind.startswith("transformer") and num_chunks == 1 and world > 1
             if lean:  # the lean paths against the plain single-process block: the MLP (its norm inside) in 7-row
                 row_chunk(block)  # chunks, the destinations' norm inside their projections (norm_linear)
-            norm_linear_module.MIN_ELEMENTS = 0 if lean else 2 ** 24
+            norm_linear_module.MIN_ELEMENTS = 0 if lean else DEFAULT_MIN_ELEMENTS
             xs = plan.shard_src(x_src).clone().requires_grad_()
             xd = xs if processor else plan.shard_dst(x_dst).clone().requires_grad_()
             ea_full = edge_attr.clone().requires_grad_()
@@ -131,7 +132,7 @@ def _check_sharded_blocks(rank, world, num_chunks_list):
                 if edges is not None:
                     loss = loss + (edges * plan.shard_edges(w_edges)).sum()
                 loss.backward()
-            norm_linear_module.MIN_ELEMENTS = 2 ** 24
+            norm_linear_module.MIN_ELEMENTS = DEFAULT_MIN_ELEMENTS
             assert counter.bytes("all_gather") == 0  # only the halo moves
             tol = dict(rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(nodes, plan.shard_dst(ref_nodes), **tol)

@@ -27,13 +27,14 @@ from torch import Tensor, nn
 __all__ = ["norm_linear", "keeps_norm_input", "MIN_ELEMENTS"]
 
 #: inputs with fewer entries keep the plain composition (``linear(norm(x))``): their normed copy is small
-MIN_ELEMENTS = 2 ** 24
+MIN_ELEMENTS = 2 ** 26
 
 
 def keeps_norm_input(x: Tensor) -> bool:
     """Whether a block should project ``x`` by :func:`norm_linear`: gradients are recorded and ``x`` holds at
-    least :data:`MIN_ELEMENTS` entries (32 MiB in bf16: an O96 grid at 512 channels and up, never the CPU
-    quickstart's sizes, whose numbers stay those of the plain composition)."""
+    least :data:`MIN_ELEMENTS` entries (128 MiB in bf16: an N320 / O364 grid from 128 channels on; not an O96 grid
+    at 512 or 1,024 channels, where the saving is a few percent of the step's memory and the step is short, nor
+    the CPU quickstart's sizes, whose numbers stay those of the plain composition)."""
     return torch.is_grad_enabled() and x.numel() >= MIN_ELEMENTS
 
 

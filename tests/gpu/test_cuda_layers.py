@@ -148,3 +148,52 @@ def test_transformer_engine_linear_matches_torch():
     out.square().sum().backward()
     ref.square().sum().backward()
     assert _rel_max(x.grad.cpu(), x_ref.grad.cpu().double()) < 1e-3
+
+
+def test_lean_graph_paths_on_cuda_match_the_plain_model():
+    """The memory-lean paths (norms inside their projections, the row-chunked MLP with its norm: custom ops) on
+    CUDA under bf16 autocast against the same model's plain composition, forced on at a small size; and the
+    memory they save on a real decoder-like MLP (max_memory_allocated over forward + backward)."""
+    import stormshard.layers.norm_linear as norm_linear_module
+    from stormshard.layers.row_chunked_mlp import RowChunkedMLP
+    from stormshard.models.registry import build_model
+    from tests.test_models import DEFAULT_MIN_ELEMENTS, VARIABLES, _config, _graph, force_lean_paths
+
+    config, _ = _config("graphtransformer-anemoi")
+    graph = _graph(config.uses_graph_processor)
+    x = torch.randn(2, 2, graph["data"].num_nodes, len(VARIABLES.input_names), device="cuda")
+    results = {}
+    for lean in (False, True):
+        torch.manual_seed(7)
+        model = build_model(config, graph, VARIABLES).cuda()
+        if lean:
+            force_lean_paths(model)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().square().sum().backward()
+        finally:
+            norm_linear_module.MIN_ELEMENTS = DEFAULT_MIN_ELEMENTS
+        results[lean] = [out.detach().float()] + [p.grad.float() for _, p in model.named_parameters()]
+    errors = [_rel_max(a.cpu(), b.cpu()) for a, b in zip(results[True], results[False], strict=True)]
+    print(f"lean vs plain on CUDA (bf16): output {errors[0]:.1e}, worst gradient {max(errors[1:]):.1e}")
+    assert errors[0] < BF16_TOL and max(errors[1:]) < 3 * BF16_TOL
+
+    rows, peaks = 200_000, {}
+    xin = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for name, min_elements in (("plain", 2 ** 62), ("lean", 0)):
+        mlp = RowChunkedMLP(256, 1024, min_elements=min_elements).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = mlp(xin)
+        y.float().square().sum().backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        xin.grad = None
+        del y, mlp
+    hidden = rows * 1024 * 2
+    print(f"MLP on {rows} rows x 1024 hidden (bf16): peak above the start {peaks['plain'] / 2**20:.0f} MiB plain, "
+          f"{peaks['lean'] / 2**20:.0f} MiB row-chunked")
+    assert peaks["plain"] - peaks["lean"] >= 1.5 * hidden
