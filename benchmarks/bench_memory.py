@@ -13,8 +13,8 @@ minute. Rows:
 - **stormshard**: its defaults (the memory-lean paths of the graph-transformer blocks on where they pay: norms
   inside their projections, :mod:`stormshard.layers.norm_linear`; the row-chunked MLP with its norm inside,
   :mod:`stormshard.layers.row_chunked_mlp`);
-- **stormshard, memory-lean paths off** (the baseline, same process): the same model with every norm before its
-  projection and plain MLPs, as the blocks were before;
+- **stormshard, memory-lean paths off** (the baseline, same process): the same model with
+  ``model.lean_activations: false``, every norm before its projection and plain MLPs, as the blocks were before;
 - **anemoi-models 0.19** (``--anemoi-python``, or ``$ANEMOI_PY``: an interpreter with anemoi-models, e.g. the one
   ``../shared/anemoi-bench/setup_env.sh`` builds; ``anemoi_side/memory_vs_stormshard.py``): anemoi's own model
   built from the same weights (as ``export-anemoi`` does), its Triton graph backend and flash-attn's window
@@ -54,7 +54,7 @@ def stormshard_row(size: str, lean: bool, encoder_chunks: int | None, decoder_ch
     """One stormshard row: ``{"label", "peak", "parameters", "state", "sources", "largest"}``."""
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton graph kernel allowed on a CPU (never launched)
     step, parameters, mode, label = sim.stormshard_step(size, "bf16", encoder_chunks, decoder_chunks, lean)
-    with sim.lean_paths(lean), sim.cuda_kernels_on_fake_tensors(), mode:
+    with sim.cuda_kernels_on_fake_tensors(), mode:
         result = sim.simulate_step_memory(step, parameters, fake_mode=mode)
     return {"label": f"stormshard, {label}", "peak": result.census.peak, "parameters": result.parameters,
             "state": result.state, "sources": result.census.sources[:30], "largest": result.largest[:30],

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(HERE, "anemoi_side"))
 from memory_census import PeakCensus, live_at_peak  # noqa: E402
 
 __all__ = ["AllocationRecorder", "SimulatedStep", "simulate_step_memory", "fake_parameters",
-           "cuda_kernels_on_fake_tensors", "stormshard_step", "lean_paths", "largest_at_peak"]
+           "cuda_kernels_on_fake_tensors", "stormshard_step", "largest_at_peak"]
 
 GIB = 1024 ** 3
 
@@ -286,9 +286,8 @@ def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int
                     decoder_chunks: int | None = None, lean: bool = True):
     """``(step, parameters, mode, label)``: ``bench_gpu_vs_anemoi``'s model at ``size_name`` with the kernels a
     CUDA step runs (graph kernel "triton", attention kernel "flex"), its parameters, inputs and AdamW fake.
-    ``lean=False``: the blocks' memory-lean paths off (every norm before its projection, plain MLPs): the
-    baseline of ``bench_memory.py``. Run ``step`` inside :func:`lean_paths` ``(lean)`` and
-    :func:`cuda_kernels_on_fake_tensors`, under ``mode``."""
+    ``lean=False``: ``model.lean_activations`` false (every norm before its projection, plain MLPs): the
+    baseline of ``bench_memory.py``. Run ``step`` inside :func:`cuda_kernels_on_fake_tensors`, under ``mode``."""
     import bench_gpu_vs_anemoi as bench
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -303,15 +302,9 @@ def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int
     for section, chunks in (("encoder", encoder_chunks), ("decoder", decoder_chunks)):
         if chunks is not None:
             updates[section] = getattr(config, section).model_copy(update={"num_chunks": chunks})
-    config = config.model_copy(update=updates)
+    config = config.model_copy(update={**updates, "lean_activations": lean})
     torch.manual_seed(0)
     model = build_model(config, graph, variables)
-    if not lean:
-        from stormshard.layers.row_chunked_mlp import RowChunkedMLP
-
-        for m in model.modules():
-            if isinstance(m, RowChunkedMLP):
-                m.min_elements = 2 ** 62
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     parameters = fake_parameters(model, mode)
     cells = graph["data"].num_nodes
@@ -332,17 +325,3 @@ def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int
         optimizer.zero_grad(set_to_none=True)
 
     return step, parameters, mode, f"{size.label}, {precision}{'' if lean else ', memory-lean paths off'}"
-
-
-@contextlib.contextmanager
-def lean_paths(on: bool) -> Iterator[None]:
-    """The norms inside their projections (:mod:`stormshard.layers.norm_linear`) at their default threshold
-    (``on``) or never."""
-    from stormshard.layers import norm_linear
-
-    saved = norm_linear.MIN_ELEMENTS
-    norm_linear.MIN_ELEMENTS = saved if on else 2 ** 62
-    try:
-        yield
-    finally:
-        norm_linear.MIN_ELEMENTS = saved

@@ -411,25 +411,21 @@ def test_lean_paths_compile_without_graph_breaks_and_equal_eager():
     """The memory-lean paths (norms inside the projections, row-chunked MLPs: custom ops) forced on in a graph
     transformer: every compiled block traces in one graph, and the compiled model's outputs and gradients equal
     eager's (aot_eager)."""
-    import stormshard.layers.norm_linear as norm_linear_module
-    from tests.test_models import DEFAULT_MIN_ELEMENTS, force_lean_paths
+    from tests.test_models import force_lean_paths
 
-    try:
-        model = _model("graphtransformer", None)
-        assert force_lean_paths(model) > 0
-        assert all(n == 0 for n in _graph_breaks(model, "graphtransformer").values())
-        x = torch.randn(2, 2, model.plan.data_sizes[0], len(model.variables.input_names))
-        results = []
-        for compiled in (False, True):
-            torch.manual_seed(0)
-            m = _model("graphtransformer", None)
-            force_lean_paths(m)
-            if compiled:
-                compile_blocks(m, backend="aot_eager")
-            out = m(x)
-            out.square().sum().backward()
-            results.append([out.detach()] + [p.grad for _, p in m.named_parameters()])
-        for got, want in zip(results[1], results[0], strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    finally:
-        norm_linear_module.MIN_ELEMENTS = DEFAULT_MIN_ELEMENTS
+    model = _model("graphtransformer", None)
+    assert force_lean_paths(model) > 0
+    assert all(n == 0 for n in _graph_breaks(model, "graphtransformer").values())
+    x = torch.randn(2, 2, model.plan.data_sizes[0], len(model.variables.input_names))
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = _model("graphtransformer", None)
+        force_lean_paths(m)
+        if compiled:
+            compile_blocks(m, backend="aot_eager")
+        out = m(x)
+        out.square().sum().backward()
+        results.append([out.detach()] + [p.grad for _, p in m.named_parameters()])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import stormshard.layers.norm_linear as norm_linear_module
 from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock, GraphTransformerProcessorBlock
 from stormshard.parallel.counter import CommCounter
@@ -16,7 +15,6 @@ from tests.distributed import run_distributed
 from tests.test_graph_sharding import random_graph
 
 SRC_C, DST_C, EDGE_C, HEADS = 6, 8, 5, 4
-DEFAULT_MIN_ELEMENTS = norm_linear_module.MIN_ELEMENTS
 
 # (kind, num_src, num_dst, num_edges, dst_limit)
 CASES = [
@@ -40,9 +38,11 @@ def make_plan(kind: str, edge_index: torch.Tensor, num_src: int, num_dst: int, g
 
 
 def row_chunk(block: torch.nn.Module, rows: int = 7) -> torch.nn.Module:
-    """``block``'s graph-transformer MLP on its row-chunked path at any size, ``rows`` rows per chunk
-    (:mod:`stormshard.layers.row_chunked_mlp`; the default takes it from 2**27 hidden entries on)."""
+    """``block``'s memory-lean paths at any size: its MLP row-chunked, ``rows`` rows per chunk
+    (:mod:`stormshard.layers.row_chunked_mlp`; by default from 2**27 hidden entries on), its norms inside their
+    projections (:mod:`stormshard.layers.norm_linear`; by default from 2**26 input entries on)."""
     block.mlp.min_elements, block.mlp.chunk_elements = 0, rows * block.mlp[0].out_features
+    block.norm_linear_min = 0
     return block
 
 
@@ -119,10 +119,9 @@ def _check_sharded_blocks(rank, world, num_chunks_list):
             assert plan.edges_per_rank[-1] == 0  # the case really has a rank without edges
         for num_chunks in num_chunks_list:
             block = make_block(kind, plan, num_chunks)
-            lean = kind.startswith("transformer") and num_chunks == 1 and world > 1
-            if lean:  # the lean paths against the plain single-process block: the MLP (its norm inside) in 7-row
+            if kind.startswith("transformer") and num_chunks == 1 and world > 1:
+                # the lean paths against the plain single-process block: the MLP (its norm inside) in 7-row
                 row_chunk(block)  # chunks, the destinations' norm inside their projections (norm_linear)
-            norm_linear_module.MIN_ELEMENTS = 0 if lean else DEFAULT_MIN_ELEMENTS
             xs = plan.shard_src(x_src).clone().requires_grad_()
             xd = xs if processor else plan.shard_dst(x_dst).clone().requires_grad_()
             ea_full = edge_attr.clone().requires_grad_()
@@ -132,7 +131,6 @@ def _check_sharded_blocks(rank, world, num_chunks_list):
                 if edges is not None:
                     loss = loss + (edges * plan.shard_edges(w_edges)).sum()
                 loss.backward()
-            norm_linear_module.MIN_ELEMENTS = DEFAULT_MIN_ELEMENTS
             assert counter.bytes("all_gather") == 0  # only the halo moves
             tol = dict(rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(nodes, plan.shard_dst(ref_nodes), **tol)

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import stormshard.layers.norm_linear as norm_linear_module
 from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
 from stormshard.layers.row_chunked_mlp import RowChunkedMLP
 from stormshard.models.config import ModelConfig
@@ -125,14 +124,13 @@ def _head_groups(config: ModelConfig):  # noqa: ANN202 - a context manager
     return tile_override(Tiles(heads_per_program=4, block_e=8, num_warps=2))
 
 
-DEFAULT_MIN_ELEMENTS = norm_linear_module.MIN_ELEMENTS
-
-
 def force_lean_paths(model: torch.nn.Module, rows: int = 5) -> int:
-    """Every norm-then-projection of ``model`` through ``norm_linear`` and every row-chunked MLP on its chunked
-    path (``rows`` rows per chunk), whatever the size (until ``norm_linear_module.MIN_ELEMENTS`` is reset);
-    returns how many MLPs."""
-    norm_linear_module.MIN_ELEMENTS = 0
+    """Every norm-then-projection of ``model`` through ``norm_linear`` (its blocks' and the head's threshold 0) and
+    every row-chunked MLP on its chunked path (``rows`` rows per chunk), whatever the size; returns how many MLPs."""
+    for m in model.modules():
+        for name in ("norm_linear_min", "head_norm_linear_min"):
+            if hasattr(m, name):
+                setattr(m, name, 0)
     mlps = [m for m in model.modules() if isinstance(m, RowChunkedMLP)]
     for m in mlps:
         m.min_elements, m.chunk_elements = 0, rows * m[0].out_features
@@ -171,16 +169,12 @@ def _check_model(rank, world, case):
     loss_of(ref_out, target, area, None).backward()
 
     noise = None if noise_full is None else noise_full[:, sharded.plan.hidden_slice]
-    lean = case in LEAN
-    if lean:
+    if case in LEAN:
         force_lean_paths(sharded)
-    try:
-        with _head_groups(config):
-            out = _run(sharded, x[:, :, ds], noise)
-            loss = loss_of(out, target[:, ds], area[ds], group)
-            loss.backward()
-    finally:
-        norm_linear_module.MIN_ELEMENTS = DEFAULT_MIN_ELEMENTS
+    with _head_groups(config):
+        out = _run(sharded, x[:, :, ds], noise)
+        loss = loss_of(out, target[:, ds], area[ds], group)
+        loss.backward()
 
     torch.testing.assert_close(out, ref_out[:, ds].detach(), rtol=1e-10, atol=1e-10)
     ref_params = dict(reference.named_parameters())

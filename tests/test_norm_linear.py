@@ -12,7 +12,6 @@ from torch import nn
 import stormshard.layers.norm_linear as norm_linear_module
 from stormshard.layers.norm import LayerNorm
 from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
-from stormshard.parallel.graph import GraphShardPlan
 from tests.test_graph_layers import make_block, make_inputs, make_plan, row_chunk, run_block
 
 
@@ -126,16 +125,34 @@ def test_bad_norm():
 
 
 def test_threshold():
-    assert keeps_norm_input(torch.empty(norm_linear_module.MIN_ELEMENTS))
-    assert not keeps_norm_input(torch.empty(norm_linear_module.MIN_ELEMENTS - 1))
+    limit = norm_linear_module.MIN_ELEMENTS
+    assert keeps_norm_input(torch.empty(limit)) and keeps_norm_input(torch.empty(3), 3)
+    assert not keeps_norm_input(torch.empty(limit - 1)) and not keeps_norm_input(torch.empty(limit), None)
     with torch.no_grad():
-        assert not keeps_norm_input(torch.empty(norm_linear_module.MIN_ELEMENTS))
+        assert not keeps_norm_input(torch.empty(limit))
+
+
+def test_lean_activations_setting_binds_the_blocks_thresholds():
+    """``model.lean_activations`` (default true) reaches every graph-transformer block and the head at
+    construction; false: the plain composition at every size."""
+    from stormshard.layers.row_chunked_mlp import MIN_ELEMENTS as MLP_MIN
+    from stormshard.models.registry import build_model
+    from tests.test_models import VARIABLES, _config, _graph
+
+    config, _ = _config("graphtransformer")
+    graph = _graph(config.uses_graph_processor)
+    for lean, norm_min, mlp_min in ((True, norm_linear_module.MIN_ELEMENTS, MLP_MIN), (False, None, None)):
+        model = build_model(config.model_copy(update={"lean_activations": lean}), graph, VARIABLES)
+        blocks = [m for m in model.modules() if hasattr(m, "norm_linear_min")]
+        assert len(blocks) == 2 + config.processor.num_layers  # encoder, decoder, processor blocks
+        assert {b.norm_linear_min for b in blocks} == {norm_min} and model.head_norm_linear_min == norm_min
+        assert {b.mlp.min_elements for b in blocks} == {mlp_min}
 
 
 @pytest.mark.parametrize("kind", ["transformer_mapper", "transformer_processor", "transformer_self_mapper",
                                   "transformer_self_processor"])
 @pytest.mark.parametrize("num_chunks", [1, 3])
-def test_blocks_on_the_lean_paths_equal_the_plain_blocks(kind, num_chunks, monkeypatch):
+def test_blocks_on_the_lean_paths_equal_the_plain_blocks(kind, num_chunks):
     """One process (no halo: keys and values by norm_linear too), every lean path forced on at these small sizes:
     the norms inside the projections and inside the row-chunked MLP (7-row chunks)."""
     num_src, num_dst = (53, 53) if kind.endswith("processor") else (61, 45)
@@ -143,7 +160,6 @@ def test_blocks_on_the_lean_paths_equal_the_plain_blocks(kind, num_chunks, monke
     edge_index, x_src, x_dst, edge_attr, w_nodes, _ = inputs
     results = {}
     for lean in (False, True):
-        monkeypatch.setattr(norm_linear_module, "MIN_ELEMENTS", 0 if lean else 2 ** 62)
         plan = make_plan(kind, edge_index, num_src, num_dst)
         block = make_block(kind, plan, num_chunks)
         if lean:
@@ -158,18 +174,11 @@ def test_blocks_on_the_lean_paths_equal_the_plain_blocks(kind, num_chunks, monke
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-12)
 
 
-def test_plan_with_halos_keeps_the_halo_projection():
-    """Keys and values of a sharded source set stay on halo_linear (the norm before it); this block has no halo,
-    so a one-rank plan takes norm_linear: both give the block's numbers (the test above)."""
-    plan = GraphShardPlan.build(torch.tensor([[0, 1], [1, 0]]), 2)
-    assert sum(plan.halo_per_rank) == 0
-
-
 def test_one_process_model_on_the_lean_paths_equals_the_plain_model():
     """One process, so the encoder's keys and values take norm_linear too (no halo), with the decoder's queries, the
     head and every MLP: the whole model's outputs and gradients equal the plain model's (float64)."""
     from stormshard.models.registry import build_model
-    from tests.test_models import DEFAULT_MIN_ELEMENTS, VARIABLES, _config, _graph, force_lean_paths
+    from tests.test_models import VARIABLES, _config, _graph, force_lean_paths
 
     config, _ = _config("graphtransformer-anemoi")
     graph = _graph(config.uses_graph_processor)
@@ -181,11 +190,8 @@ def test_one_process_model_on_the_lean_paths_equals_the_plain_model():
         model = build_model(config, graph, VARIABLES).double()
         if lean:
             assert force_lean_paths(model) > 0
-        try:
-            out = model(x)
-            out.square().sum().backward()
-        finally:
-            norm_linear_module.MIN_ELEMENTS = DEFAULT_MIN_ELEMENTS
+        out = model(x)
+        out.square().sum().backward()
         results[lean] = [out.detach()] + [p.grad for _, p in model.named_parameters()]
     for got, want in zip(results[True], results[False], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)

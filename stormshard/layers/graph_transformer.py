@@ -37,6 +37,12 @@ group (as DDP does).
 
 Chunking: ``num_chunks > 1`` processes the edges in destination-node chunks with activation
 checkpointing per chunk (see :mod:`stormshard.layers.chunking`); results are equal.
+
+Memory (``lean=True``, the default; ``model.lean_activations``): on large node sets the norms run inside the
+projections that follow them (:func:`~stormshard.layers.norm_linear.norm_linear`: the input kept for the
+backward, not its normed copy) and the MLP keeps one hidden activation and walks its backward by row chunks
+(:class:`~stormshard.layers.row_chunked_mlp.RowChunkedMLP`, its norm inside); the same numbers, fewer
+activations. Below the thresholds, or with ``lean=False``, the plain composition.
 """
 
 from __future__ import annotations
@@ -61,7 +67,9 @@ from stormshard.layers.graph_inputs import (
     check_positive_int,
 )
 from stormshard.layers.norm import LayerNorm
+from stormshard.layers.norm_linear import MIN_ELEMENTS as NORM_LINEAR_MIN_ELEMENTS
 from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
+from stormshard.layers.row_chunked_mlp import MIN_ELEMENTS as MLP_MIN_ELEMENTS
 from stormshard.layers.row_chunked_mlp import RowChunkedMLP
 from stormshard.parallel.graph import GraphShardPlan
 from stormshard.parallel.halo_projection import halo_linear
@@ -69,9 +77,10 @@ from stormshard.parallel.halo_projection import halo_linear
 __all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "set_graph_kernel"]
 
 
-def _mlp(channels: int, ratio: float) -> RowChunkedMLP:
-    # Linear, GELU, Linear (nn.Sequential's keys); on very many rows it keeps one hidden activation, not four
-    return RowChunkedMLP(channels, max(1, int(round(channels * ratio))))
+def _mlp(channels: int, ratio: float, lean: bool) -> RowChunkedMLP:
+    # Linear, GELU, Linear (nn.Sequential's keys); on very many rows (lean) it keeps one hidden activation
+    hidden = max(1, int(round(channels * ratio)))
+    return RowChunkedMLP(channels, hidden, min_elements=MLP_MIN_ELEMENTS if lean else None)
 
 
 class _GraphTransformerBase(PlanFollowsModule):
@@ -88,6 +97,7 @@ class _GraphTransformerBase(PlanFollowsModule):
         hidden_dim: int | None,
         self_projection: bool = False,
         graph_kernel: GraphKernel = "auto",
+        lean: bool = True,
     ) -> None:
         super().__init__()
         check_graph_kernel(graph_kernel)
@@ -114,7 +124,9 @@ class _GraphTransformerBase(PlanFollowsModule):
         self.to_self = nn.Linear(dst_channels, hidden_dim) if self_projection else None
         self.proj = nn.Linear(hidden_dim, dst_channels)
         self.norm_mlp = LayerNorm(dst_channels)
-        self.mlp = _mlp(dst_channels, mlp_ratio)
+        self.mlp = _mlp(dst_channels, mlp_ratio, lean)
+        # the norms inside their projections from this many input entries on (None: never; module docstring)
+        self.norm_linear_min: int | None = NORM_LINEAR_MIN_ELEMENTS if lean else None
 
     def _check_channels(self, x_src: Tensor, x_dst: Tensor, edge_attr: Tensor) -> None:
         check_node_and_edge_shapes(x_src, x_dst, edge_attr, self.src_channels, self.dst_channels, self.edge_channels)
@@ -135,7 +147,7 @@ class _GraphTransformerBase(PlanFollowsModule):
         """
         heads = self.num_heads
         split = "n ... (h d) -> n ... h d"
-        if keeps_norm_input(x_src) and sum(plan.halo_per_rank) == 0:
+        if keeps_norm_input(x_src, self.norm_linear_min) and sum(plan.halo_per_rank) == 0:
             k, v = norm_linear(x_src, norm_src, (self.to_k, self.to_v))
         else:
             k, v = halo_linear(plan, norm_src(x_src), (self.to_k.weight, self.to_v.weight),
@@ -143,7 +155,7 @@ class _GraphTransformerBase(PlanFollowsModule):
         k, v = rearrange(k, split, h=heads), rearrange(v, split, h=heads)
         edge_index = plan.edge_index
         w_e, b_e = self.to_e.weight, self.to_e.bias
-        fused_dst = keeps_norm_input(x_dst)
+        fused_dst = keeps_norm_input(x_dst, self.norm_linear_min)
         h_dst = None if fused_dst else norm_dst(x_dst)
         dst_linears = (self.to_q,) if self.to_self is None else (self.to_q, self.to_self)
 
@@ -196,9 +208,10 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
         hidden_dim: int | None = None,
         self_projection: bool = False,
         graph_kernel: GraphKernel = "auto",
+        lean: bool = True,
     ) -> None:
         super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
-                         self_projection, graph_kernel)
+                         self_projection, graph_kernel, lean)
         self.plan = check_plan(plan, processor=False)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
@@ -232,9 +245,10 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         hidden_dim: int | None = None,
         self_projection: bool = False,
         graph_kernel: GraphKernel = "auto",
+        lean: bool = True,
     ) -> None:
         super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
-                         self_projection, graph_kernel)
+                         self_projection, graph_kernel, lean)
         self.plan = check_plan(plan, processor=True)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)

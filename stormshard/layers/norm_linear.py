@@ -30,12 +30,13 @@ __all__ = ["norm_linear", "keeps_norm_input", "MIN_ELEMENTS"]
 MIN_ELEMENTS = 2 ** 26
 
 
-def keeps_norm_input(x: Tensor) -> bool:
+def keeps_norm_input(x: Tensor, min_elements: int | None = MIN_ELEMENTS) -> bool:
     """Whether a block should project ``x`` by :func:`norm_linear`: gradients are recorded and ``x`` holds at
-    least :data:`MIN_ELEMENTS` entries (128 MiB in bf16: an N320 / O364 grid from 128 channels on; not an O96 grid
-    at 512 or 1,024 channels, where the saving is a few percent of the step's memory and the step is short, nor
-    the CPU quickstart's sizes, whose numbers stay those of the plain composition)."""
-    return torch.is_grad_enabled() and x.numel() >= MIN_ELEMENTS
+    least ``min_elements`` entries (None: never). The default, :data:`MIN_ELEMENTS`, is 128 MiB in bf16: an N320 /
+    O364 grid from 128 channels on; not an O96 grid at 512 or 1,024 channels, where the saving is a few percent of
+    the step's memory and the step is short, nor the CPU quickstart's sizes, whose numbers stay those of the plain
+    composition. Blocks bind it at construction (``model.lean_activations``)."""
+    return min_elements is not None and torch.is_grad_enabled() and x.numel() >= min_elements
 
 
 def _like(t: Tensor | None, x: Tensor) -> Tensor | None:

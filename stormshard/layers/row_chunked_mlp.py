@@ -217,22 +217,23 @@ def row_chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, rows: int, norm: 
 class RowChunkedMLP(nn.Sequential):
     """``nn.Sequential(Linear(C, hidden), GELU(), Linear(hidden, C_out))`` (the same children and state-dict
     keys) whose forward runs :func:`row_chunked_mlp` where the hidden activation has at least
-    ``min_elements`` entries and gradients are recorded (compiled or not); elsewhere the plain
+    ``min_elements`` entries (None: never) and gradients are recorded (compiled or not); elsewhere the plain
     ``nn.Sequential`` (module docstring)."""
 
     def __init__(self, channels: int, hidden: int, out_channels: int | None = None, *,
-                 min_elements: int = MIN_ELEMENTS, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+                 min_elements: int | None = MIN_ELEMENTS, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         super().__init__(nn.Linear(channels, hidden), nn.GELU(), nn.Linear(hidden, channels if out_channels is None
                                                                              else out_channels))
-        if min_elements < 0 or chunk_elements < 1:
-            raise ValueError(f"min_elements ({min_elements}) must be >= 0 and chunk_elements ({chunk_elements}) "
-                             ">= 1")
+        if (min_elements is not None and min_elements < 0) or chunk_elements < 1:
+            raise ValueError(f"min_elements ({min_elements}) must be >= 0 (None: never chunked) and chunk_elements "
+                             f"({chunk_elements}) >= 1")
         self.min_elements, self.chunk_elements = min_elements, chunk_elements
 
     def forward(self, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
         """``self(norm(x))`` (``norm`` None: ``self(x)``); on the chunked path ``x`` is kept, not ``norm(x)``."""
         fc1, act, fc2 = self[0], self[1], self[2]
         rows = x.numel() // x.shape[-1] if x.dim() else 1
-        if rows * fc1.out_features < self.min_elements or not torch.is_grad_enabled() or act.approximate != "none":
+        if (self.min_elements is None or rows * fc1.out_features < self.min_elements or not torch.is_grad_enabled()
+                or act.approximate != "none"):
             return super().forward(x if norm is None else norm(x))
         return row_chunked_mlp(x, fc1, fc2, max(1, self.chunk_elements // fc1.out_features), norm)

@@ -126,6 +126,10 @@ class ModelConfig(_Strict):
         "auto", description="graph-transformer attention kernel of the encoder, decoder and graph processor: "
         "'auto' (CUDA: Triton when it imports, else csr; elsewhere csr), 'csr' (sparse CSR products, every "
         "device), 'triton' (the Triton kernel: CUDA, or a CPU under TRITON_INTERPRET=1)")
+    lean_activations: bool = Field(
+        True, description="graph-transformer blocks on large node sets keep fewer activations for the backward: "
+        "norms inside the projections that follow them, the MLP's hidden activation once, its backward by row "
+        "chunks (the same numbers; no product recomputed); false: the plain composition everywhere")
     # anemoi's AIFS features (all off by default; an imported anemoi model sets them):
     latent_skip: bool = False  # the processor's input added to its output
     decoder_embedding: bool = False  # the decoder's own embedding of the data-node inputs (anemoi's emb_nodes_dst)

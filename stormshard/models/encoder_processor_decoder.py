@@ -30,6 +30,7 @@ from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.layers.norm import LayerNorm
+from stormshard.layers.norm_linear import MIN_ELEMENTS as NORM_LINEAR_MIN_ELEMENTS
 from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
 from stormshard.models.config import ModelConfig
 from stormshard.models.processors import GraphProcessor, TrainableEdges, WindowTransformerProcessor
@@ -95,6 +96,8 @@ class EncoderProcessorDecoder(nn.Module):
         self.processor = self.build_processor(graph)
         self.decoder = self._mapper(config.decoder, dec_channels, self.plan.decoder)
         self.head = nn.Sequential(LayerNorm(c), nn.Linear(c, n_out))
+        # model.lean_activations: the head's norm inside its product on large grids (layers.norm_linear)
+        self.head_norm_linear_min: int | None = NORM_LINEAR_MIN_ELEMENTS if config.lean_activations else None
         unknown = sorted(set(config.relu_bounded) - set(variables.output_names))
         if unknown:
             raise ValueError(f"model.relu_bounded names {unknown}, which are not output variables "
@@ -129,7 +132,8 @@ class EncoderProcessorDecoder(nn.Module):
                                   buffer_pool=self.edge_buffer_pool)
         return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, plan, mlp_ratio=cfg.mlp_ratio,
                                            num_chunks=cfg.num_chunks, self_projection=cfg.self_projection,
-                                           graph_kernel=self.config.graph_kernel)
+                                           graph_kernel=self.config.graph_kernel,
+                                           lean=self.config.lean_activations)
 
     def check_input(self, x: Tensor) -> None:
         expect = (self.config.multistep_input, self.plan.data_sizes[self.plan.rank], len(self.variables.input_names))
@@ -164,7 +168,7 @@ class EncoderProcessorDecoder(nn.Module):
     def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor) -> Tensor:
         """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
         x_data = self.decoder(x_hidden, x_data, self.edges("decoder"))
-        if keeps_norm_input(x_data):  # the head's norm inside its product: x_data kept, not its normed copy
+        if keeps_norm_input(x_data, self.head_norm_linear_min):  # the head's norm inside its product: x_data kept
             head = norm_linear(x_data, self.head[0], [self.head[1]])[0]
         else:
             head = self.head(x_data)

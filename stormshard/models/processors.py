@@ -113,7 +113,7 @@ class GraphProcessor(nn.Module):
             self.blocks = nn.ModuleList(
                 GraphTransformerProcessorBlock(c, edge_channels, p.num_heads, graph_plan, mlp_ratio=p.mlp_ratio,
                                                num_chunks=p.num_chunks, self_projection=p.self_projection,
-                                               graph_kernel=config.graph_kernel)
+                                               graph_kernel=config.graph_kernel, lean=config.lean_activations)
                 for _ in range(p.num_layers)
             )
 
