@@ -109,3 +109,27 @@ def test_cuda_kernels_run_a_model_on_fake_tensors(monkeypatch: pytest.MonkeyPatc
     sources = " ".join(source for source, _bytes, _count in result.census.sources)
     assert "graph_triton.py" in sources or "graph_transformer.py" in sources
     assert any("bfloat16" in tensor for _size, tensor, _source in result.largest)
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-ckpt"])
+def test_preflight_activation_estimate_tracks_the_simulated_step(size, monkeypatch: pytest.MonkeyPatch):
+    """``training.activation_memory``'s estimate at rollout 1 against the simulated step's allocations at its peak
+    (the benchmark's model, bf16): within 25% (the module docstring gives the larger sizes)."""
+    import bench_gpu_vs_anemoi as bench
+
+    from stormshard.training.activation_memory import estimate_activation_memory
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    step, parameters, mode, _label = memory_simulation.stormshard_step(size)
+    with memory_simulation.cuda_kernels_on_fake_tensors(), mode:
+        census = memory_simulation.simulate_step_memory(step, parameters, fake_mode=mode).census
+    simulated = census.peak - census.baseline
+    spec = bench.SIZES[size]
+    graph, _ = bench.size_graph(spec)
+    config = bench.size_config(spec)
+    estimate = estimate_activation_memory(
+        data_cells=graph["data"].num_nodes, hidden=graph["hidden"].num_nodes, gpus_per_model=1,
+        num_channels=spec.channels, num_layers=spec.layers, mlp_ratio=config.processor.mlp_ratio,
+        mapper_mlp_ratio=config.decoder.mlp_ratio, activation_checkpointing=spec.checkpointing, samples=1, rollout=1,
+        bytes_per_element=2, lean=config.lean_activations)
+    assert 0.75 <= estimate.total / simulated <= 1.25, (estimate.total, simulated)

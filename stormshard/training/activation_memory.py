@@ -10,12 +10,23 @@ step, the elements autograd keeps:
   output, projection, MLP hidden and activation; the banded attention recomputes its scores); with
   ``model.activation_checkpointing`` only the layer input ``hidden_local * C`` stays, plus one
   layer recomputed at a time;
-- encoder and decoder: ``data_local * C * (8 + 2 * mlp_ratio)`` each, plus edge messages, about 3
-  edges per data node of ``3 * C`` each.
+- graph-transformer encoder and decoder (every built-in model but ``gnn``), on the data nodes:
+  the encoder keeps the data embedding, its norm and the keys and values (``4 C``; ``3 C`` where
+  the norm runs inside the projections), the decoder its queries, norms, attention output,
+  residual stream and output (``6 C``; ``4 C`` lean) and the MLP's hidden activations
+  (``2 * mlp_ratio * C``; ``mlp_ratio * C`` row-chunked); no per-edge tensor (the edge term is
+  factored). The lean figures apply with ``model.lean_activations`` above the blocks' thresholds
+  (:mod:`stormshard.layers.norm_linear`, :mod:`stormshard.layers.row_chunked_mlp`);
+- GNN encoder and decoder: ``data_local * C * (8 + 2 * mlp_ratio)`` each, plus edge messages,
+  about 3 edges per data node of ``3 * C`` each.
 
-It is an order-of-magnitude estimate (within a factor of about 2 of what autograd holds; the
-exact figure depends on the kernels), meant to catch a rollout schedule whose last stage cannot
-fit, before a run reaches it. Bytes per element: 2 for ``training.precision: bf16``, else 4.
+Once per run it adds the backward's transient at its peak (the decoder's activation gradients,
+and its MLP's hidden ones where the MLP is not row-chunked). It is meant to catch a rollout
+schedule whose last stage cannot fit, before a run reaches it. Checked against
+``benchmarks/bench_memory.py``'s simulation of one step (the step's allocations at its peak, rollout
+1): 0.91x and 1.08x of it at the benchmark's tiny sizes (``tests/test_memory_simulation.py``),
+0.93x at O96 -> O48 (512 channels), 1.04x at the AIFS size (1.22x with ``lean_activations`` off).
+Bytes per element: 2 for ``training.precision: bf16``, else 4.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ import numpy as np
 
 from stormshard.graphs.grids import grid_from_name
 from stormshard.graphs.icosahedral import icosahedral_num_nodes
+from stormshard.layers.norm_linear import MIN_ELEMENTS as NORM_LINEAR_MIN_ELEMENTS
+from stormshard.layers.row_chunked_mlp import MIN_ELEMENTS as MLP_MIN_ELEMENTS
 
 __all__ = ["ActivationEstimate", "estimate_activation_memory", "device_memory_bytes", "hidden_nodes"]
 
@@ -35,15 +48,17 @@ _EDGES_PER_DATA_NODE = 3
 
 @dataclass(frozen=True)
 class ActivationEstimate:
-    """Bytes one rank keeps for backward: ``per_step`` per rollout step, ``total`` at ``rollout``."""
+    """Bytes one rank keeps for backward: ``per_step`` per rollout step, plus once the ``transient`` the
+    backward makes at its peak (the decoder's gradients); ``total`` at ``rollout``."""
 
     per_step: int
     rollout: int
     samples: int  # micro batch x members on this rank
+    transient: int = 0
 
     @property
     def total(self) -> int:
-        return self.per_step * self.rollout
+        return self.per_step * self.rollout + self.transient
 
     def describe(self) -> str:
         return (f"{self.total / 2**30:.2f} GiB of activations per rank at rollout {self.rollout} "
@@ -60,16 +75,31 @@ def hidden_nodes(hidden: str) -> int:
 def estimate_activation_memory(*, data_cells: int, hidden: int, gpus_per_model: int, num_channels: int,
                                num_layers: int, mlp_ratio: float, mapper_mlp_ratio: float,
                                activation_checkpointing: bool, samples: int, rollout: int,
-                               bytes_per_element: int = 4) -> ActivationEstimate:
-    """The estimate of the module docstring for one rank of a model group of ``gpus_per_model``."""
+                               bytes_per_element: int = 4, graph_mappers: bool = True,
+                               lean: bool = True) -> ActivationEstimate:
+    """The estimate of the module docstring for one rank of a model group of ``gpus_per_model``:
+    ``graph_mappers`` graph-transformer encoder and decoder (False: GNN ones), ``lean`` the blocks'
+    ``model.lean_activations``."""
     data_local = -(-data_cells // gpus_per_model)
     hidden_local = -(-hidden // gpus_per_model)
     c = num_channels
     layer = hidden_local * c * (8 + 2 * mlp_ratio)
     processor = (num_layers * hidden_local * c + layer) if activation_checkpointing else num_layers * layer
-    mapper = data_local * c * (8 + 2 * mapper_mlp_ratio) + _EDGES_PER_DATA_NODE * data_local * 3 * c
-    per_step = int(np.ceil((processor + 2 * mapper) * samples * bytes_per_element))
-    return ActivationEstimate(per_step=per_step, rollout=rollout, samples=samples)
+    rows = data_local * samples  # the blocks' thresholds count the rows of every sample
+    if graph_mappers:
+        norms_inside = lean and rows * c >= NORM_LINEAR_MIN_ELEMENTS
+        mlp_chunked = lean and rows * max(1, round(c * mapper_mlp_ratio)) >= MLP_MIN_ELEMENTS
+        encoder = data_local * c * (3 if norms_inside else 4)
+        decoder = data_local * c * ((4 if norms_inside else 6) + mapper_mlp_ratio * (1 if mlp_chunked else 2))
+        mappers = encoder + decoder
+        # the decoder's backward: two activation gradients, and the MLP's two hidden ones unless row-chunked
+        transient = data_local * c * (2 + (0 if mlp_chunked else 2 * mapper_mlp_ratio))
+    else:
+        mappers = 2 * (data_local * c * (8 + 2 * mapper_mlp_ratio) + _EDGES_PER_DATA_NODE * data_local * 3 * c)
+        transient = data_local * c * (2 + 2 * mapper_mlp_ratio)
+    per_step = int(np.ceil((processor + mappers) * samples * bytes_per_element))
+    return ActivationEstimate(per_step=per_step, rollout=rollout, samples=samples,
+                              transient=int(np.ceil(transient * samples * bytes_per_element)))
 
 
 def device_memory_bytes() -> tuple[int, str]:
