@@ -147,16 +147,21 @@ class _GraphTransformerBase(PlanFollowsModule):
         """
         heads = self.num_heads
         split = "n ... (h d) -> n ... h d"
+        one_set = x_src is x_dst and norm_src is norm_dst  # a processor block: one norm of one node set
+        h_src = None
         if keeps_norm_input(x_src, self.norm_linear_min) and sum(plan.halo_per_rank) == 0:
             k, v = norm_linear(x_src, norm_src, (self.to_k, self.to_v))
         else:
-            k, v = halo_linear(plan, norm_src(x_src), (self.to_k.weight, self.to_v.weight),
-                               (self.to_k.bias, self.to_v.bias))
+            h_src = norm_src(x_src)
+            k, v = halo_linear(plan, h_src, (self.to_k.weight, self.to_v.weight), (self.to_k.bias, self.to_v.bias))
         k, v = rearrange(k, split, h=heads), rearrange(v, split, h=heads)
         edge_index = plan.edge_index
         w_e, b_e = self.to_e.weight, self.to_e.bias
-        fused_dst = keeps_norm_input(x_dst, self.norm_linear_min)
-        h_dst = None if fused_dst else norm_dst(x_dst)
+        if one_set and h_src is not None:  # the normed nodes are kept for the keys already: the queries share them
+            fused_dst, h_dst = False, h_src
+        else:
+            fused_dst = keeps_norm_input(x_dst, self.norm_linear_min)
+            h_dst = None if fused_dst else norm_dst(x_dst)
         dst_linears = (self.to_q,) if self.to_self is None else (self.to_q, self.to_self)
 
         def rows(x: Tensor, first: int, end: int) -> Tensor:
