@@ -13,14 +13,18 @@ step (``benchmarks/memory_simulation.py``). :class:`RowChunkedMLP` keeps ``h`` o
   product is recomputed: GELU is), chunk-sized temporaries, weight and bias gradients summed in fp32.
 
 So the MLP holds ``h`` plus a few chunks where autograd holds three full hidden activations at its peak, and
-two from the forward to the backward (8 GiB less at the AIFS decoder's peak). Under autocast the products run in the autocast dtype as ``nn.Linear``'s would, and the gradients come
-back in the parameters' dtype. The rows' forward values are those of the plain MLP (the same products on the same
+two from the forward to the backward (8 GiB less at the AIFS decoder's peak). With ``norm`` (the block's
+pre-MLP layer norm, ``mlp(x, norm)``) the norm runs inside the op: it keeps ``x`` and the norm's per-row
+statistics instead of ``norm(x)``, recomputes each chunk's normed rows in the backward and runs the norm's own
+backward per chunk. Under autocast the products run in the autocast dtype as ``nn.Linear``'s would, and the
+gradients come back in the parameters' dtype. The rows' forward values are those of the plain MLP (the same products on the same
 rows; a chunk's rows are a contiguous slice of the same GEMM's operands); gradients differ from the plain MLP's
 by the order of the sums over row chunks (float64: below 1e-12 relative).
 
 It runs only where it pays: :class:`RowChunkedMLP` takes the plain path (bit for bit the ``nn.Sequential``) when
 its hidden activation has fewer than ``min_elements`` entries (``2**27``, 256 MiB in bf16: never at the CPU
-quickstart's sizes nor at O96, always at an N320 / O364 decoder) and without gradients. The forward and the
+quickstart's sizes nor at O96, always at an N320 / O364 decoder; None: never, ``model.lean_activations``
+false) and without gradients. The forward and the
 backward are custom ops (``stormshard::row_chunked_mlp``, ``..._backward``), so a compiled block keeps what they
 keep: traced as plain operators, inductor's partitioner would save every chunk's GELU output again.
 Layout: ``x`` ``(rows, *batch, C)``, any leading shape; nothing is communicated.
