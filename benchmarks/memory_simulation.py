@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(HERE, "anemoi_side"))
 from memory_census import PeakCensus, live_at_peak  # noqa: E402
 
 __all__ = ["AllocationRecorder", "SimulatedStep", "simulate_step_memory", "fake_parameters",
-           "cuda_kernels_on_fake_tensors", "stormshard_step", "largest_at_peak"]
+           "cuda_kernels_on_fake_tensors", "stormshard_step", "largest_at_peak", "attention_memory"]
 
 GIB = 1024 ** 3
 
@@ -219,28 +219,37 @@ def fake_parameters(module: torch.nn.Module, mode) -> list[torch.Tensor]:  # noq
     return list(made.values())
 
 
-class _FlexMemory(torch.autograd.Function):
-    """Flex attention's memory contract, no arithmetic: forward ``(batch, heads, L, d)`` out in q's dtype, keeps
-    q, k, v, out and the fp32 log-sum-exp ``(batch, heads, L)``; backward makes dq, dk, dv and an fp32
-    ``(batch, heads, L)`` row term."""
+class _AttentionMemory(torch.autograd.Function):
+    """An attention kernel's memory contract, no arithmetic: the output like ``q``; keeps q, k, v, the output, the
+    fp32 log-sum-exp of ``lse_shape`` and ``keep`` (a mask, or None); its backward makes dq, dk, dv and one fp32
+    work tensor: the dq accumulator (``q``'s shape) or a row term (the log-sum-exp's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, keep, lse_shape, dq_accumulator):  # noqa: ANN001, ANN205
         out = torch.empty_like(q)
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        lse = q.new_empty(lse_shape, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.dq_accumulator = dq_accumulator
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
-        q, k, v, out, lse = ctx.saved_tensors
-        delta = torch.empty_like(lse)
-        del delta
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        q, k, v, _out, lse, _keep = ctx.saved_tensors
+        work = torch.empty(q.shape if ctx.dq_accumulator else lse.shape, dtype=torch.float32, device=q.device)
+        del work
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None
+
+
+def attention_memory(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, lse_shape: tuple[int, ...],
+                     keep: torch.Tensor | None = None, dq_accumulator: bool = False) -> torch.Tensor:
+    """An attention kernel in memory only (:class:`_AttentionMemory`): flex attention and CUDA's SDPA keep a
+    ``(batch, heads, seq)`` log-sum-exp (SDPA its mask too), flash-attn v2 one of ``(batch, heads, seq)`` for
+    ``(batch, seq, heads, d)`` inputs and an fp32 dq accumulator in its backward."""
+    return _AttentionMemory.apply(q, k, v, keep, tuple(lse_shape), dq_accumulator)
 
 
 def _flex_memory(q, k, v, block_mask=None, scale=None, kernel_options=None):  # noqa: ANN001, ANN202
-    return _FlexMemory.apply(q, k, v)
+    return attention_memory(q, k, v, lse_shape=q.shape[:-1])
 
 
 class _NoLaunch:
@@ -259,7 +268,7 @@ class _NoLaunchKernels:
 def cuda_kernels_on_fake_tensors() -> Iterator[None]:
     """The kernels a CUDA step runs, on fake CPU tensors (module docstring): the Triton graph kernel's Python
     with its launches skipped and its sorted structures built from the real edge indices outside the fake
-    mode (cached, as on a GPU); flex attention by its memory contract (:class:`_FlexMemory`)."""
+    mode (cached, as on a GPU); flex attention by its memory contract (:func:`attention_memory`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from stormshard.kernels import flex, graph_triton

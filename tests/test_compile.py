@@ -411,7 +411,7 @@ def test_lean_paths_compile_without_graph_breaks_and_equal_eager():
     """The memory-lean paths (norms inside the projections, row-chunked MLPs: custom ops) forced on in a graph
     transformer: every compiled block traces in one graph, and the compiled model's outputs and gradients equal
     eager's (aot_eager)."""
-    from tests.test_models import force_lean_paths
+    from tests.test_graph_layers import force_lean_paths
 
     model = _model("graphtransformer", None)
     assert force_lean_paths(model) > 0

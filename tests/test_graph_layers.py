@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from stormshard.layers.gnn import GNNMapperBlock, GNNProcessorBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock, GraphTransformerProcessorBlock
+from stormshard.layers.row_chunked_mlp import RowChunkedMLP
 from stormshard.parallel.counter import CommCounter
 from stormshard.parallel.graph import GraphShardPlan
 from tests.distributed import run_distributed
@@ -37,13 +38,19 @@ def make_plan(kind: str, edge_index: torch.Tensor, num_src: int, num_dst: int, g
     return GraphShardPlan.build(edge_index, num_nodes, group)
 
 
-def row_chunk(block: torch.nn.Module, rows: int = 7) -> torch.nn.Module:
-    """``block``'s memory-lean paths at any size: its MLP row-chunked, ``rows`` rows per chunk
-    (:mod:`stormshard.layers.row_chunked_mlp`; by default from 2**27 hidden entries on), its norms inside their
-    projections (:mod:`stormshard.layers.norm_linear`; by default from 2**26 input entries on)."""
-    block.mlp.min_elements, block.mlp.chunk_elements = 0, rows * block.mlp[0].out_features
-    block.norm_linear_min = 0
-    return block
+def force_lean_paths(module: torch.nn.Module, rows: int = 7) -> int:
+    """The memory-lean paths of every graph-transformer block in ``module`` (a block or a model) at any size: norms
+    inside their projections (:mod:`stormshard.layers.norm_linear`; by default from 2**26 input entries on, the
+    model head's too) and row-chunked MLPs, ``rows`` rows per chunk (:mod:`stormshard.layers.row_chunked_mlp`; by
+    default from 2**27 hidden entries on). Returns how many MLPs."""
+    for m in module.modules():
+        for name in ("norm_linear_min", "head_norm_linear_min"):
+            if hasattr(m, name):
+                setattr(m, name, 0)
+    mlps = [m for m in module.modules() if isinstance(m, RowChunkedMLP)]
+    for m in mlps:
+        m.min_elements, m.chunk_elements = 0, rows * m[0].out_features
+    return len(mlps)
 
 
 def make_block(kind: str, plan: GraphShardPlan, num_chunks: int, seed: int = 0) -> torch.nn.Module:
@@ -121,7 +128,7 @@ def _check_sharded_blocks(rank, world, num_chunks_list):
             block = make_block(kind, plan, num_chunks)
             if kind.startswith("transformer") and num_chunks == 1 and world > 1:
                 # the lean paths against the plain single-process block: the MLP (its norm inside) in 7-row
-                row_chunk(block)  # chunks, the destinations' norm inside their projections (norm_linear)
+                force_lean_paths(block)  # chunks, the destinations' norm inside their projections (norm_linear)
             xs = plan.shard_src(x_src).clone().requires_grad_()
             xd = xs if processor else plan.shard_dst(x_dst).clone().requires_grad_()
             ea_full = edge_attr.clone().requires_grad_()

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
-from stormshard.layers.row_chunked_mlp import RowChunkedMLP
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
@@ -20,6 +19,7 @@ from stormshard.parallel.comm import all_reduce_sum
 from stormshard.parallel.partition import get_partition
 from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
 from tests.distributed import run_distributed
+from tests.test_graph_layers import force_lean_paths
 
 VARIABLES = VariableIndex.build(["u", "v", "t", "insolation", "precip"], forcing=["insolation"], diagnostic=["precip"])
 
@@ -122,19 +122,6 @@ def _head_groups(config: ModelConfig):  # noqa: ANN202 - a context manager
     from stormshard.kernels.graph_triton import Tiles, tile_override
 
     return tile_override(Tiles(heads_per_program=4, block_e=8, num_warps=2))
-
-
-def force_lean_paths(model: torch.nn.Module, rows: int = 5) -> int:
-    """Every norm-then-projection of ``model`` through ``norm_linear`` (its blocks' and the head's threshold 0) and
-    every row-chunked MLP on its chunked path (``rows`` rows per chunk), whatever the size; returns how many MLPs."""
-    for m in model.modules():
-        for name in ("norm_linear_min", "head_norm_linear_min"):
-            if hasattr(m, name):
-                setattr(m, name, 0)
-    mlps = [m for m in model.modules() if isinstance(m, RowChunkedMLP)]
-    for m in mlps:
-        m.min_elements, m.chunk_elements = 0, rows * m[0].out_features
-    return len(mlps)
 
 
 def _check_model(rank, world, case):

@@ -12,7 +12,7 @@ from torch import nn
 import stormshard.layers.norm_linear as norm_linear_module
 from stormshard.layers.norm import LayerNorm
 from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
-from tests.test_graph_layers import make_block, make_inputs, make_plan, row_chunk, run_block
+from tests.test_graph_layers import force_lean_paths, make_block, make_inputs, make_plan, run_block
 
 
 def _modules(channels: int = 12, dtype=torch.float64):
@@ -163,7 +163,7 @@ def test_blocks_on_the_lean_paths_equal_the_plain_blocks(kind, num_chunks):
         plan = make_plan(kind, edge_index, num_src, num_dst)
         block = make_block(kind, plan, num_chunks)
         if lean:
-            row_chunk(block)
+            force_lean_paths(block)
         xs = x_src.clone().requires_grad_()
         xd = xs if kind.endswith("processor") else x_dst.clone().requires_grad_()
         ea = edge_attr.clone().requires_grad_()
@@ -178,7 +178,7 @@ def test_one_process_model_on_the_lean_paths_equals_the_plain_model():
     """One process, so the encoder's keys and values take norm_linear too (no halo), with the decoder's queries, the
     head and every MLP: the whole model's outputs and gradients equal the plain model's (float64)."""
     from stormshard.models.registry import build_model
-    from tests.test_models import VARIABLES, _config, _graph, force_lean_paths
+    from tests.test_models import VARIABLES, _config, _graph
 
     config, _ = _config("graphtransformer-anemoi")
     graph = _graph(config.uses_graph_processor)

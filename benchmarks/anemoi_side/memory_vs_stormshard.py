@@ -25,6 +25,7 @@ import json
 import sys
 import tempfile
 import types
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -39,53 +40,19 @@ import memory_simulation as sim  # noqa: E402
 GIB = 1024 ** 3
 
 
-class _FlashMemory(torch.autograd.Function):
-    """flash-attn v2's memory contract, no arithmetic: ``(batch, seq, heads, d)`` out; keeps q, k, v, out and the
-    fp32 log-sum-exp ``(batch, heads, seq)``; its backward makes dq, dk, dv and an fp32 dq accumulator."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
-        out = torch.empty_like(q)
-        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        q, k, v, _out, _lse = ctx.saved_tensors
-        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        del dq_accum
-        return dq, dk, dv
-
-
 def _install_flash_attn() -> None:
-    """A ``flash_attn`` module whose ``flash_attn_func`` is :class:`_FlashMemory` (for anemoi's wrapper)."""
+    """A ``flash_attn`` module whose ``flash_attn_func`` is flash-attn v2's memory contract
+    (:func:`memory_simulation.attention_memory`; inputs ``(batch, seq, heads, d)``), for anemoi's wrapper."""
     module = types.ModuleType("flash_attn")
     module.__version__ = "2.7.4"
-    module.flash_attn_func = lambda q, k, v, **kwargs: _FlashMemory.apply(q, k, v)
+    module.flash_attn_func = lambda q, k, v, **kwargs: sim.attention_memory(
+        q, k, v, lse_shape=(q.shape[0], q.shape[2], q.shape[1]), dq_accumulator=True)
     sys.modules["flash_attn"] = module
 
 
-class _SDPAMemory(torch.autograd.Function):
-    """CUDA SDPA's memory-efficient kernel with a mask: ``(batch, heads, seq, d)`` out; keeps q, k, v, the mask,
-    out and the fp32 log-sum-exp; its backward makes dq, dk, dv."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask):  # noqa: ANN001, ANN205
-        out = torch.empty_like(q)
-        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        q, k, v, *_ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
-
-
 def _sdpa_memory(query, key, value, attn_mask=None, **kwargs):  # noqa: ANN001, ANN202
-    return _SDPAMemory.apply(query, key, value, attn_mask)
+    """CUDA SDPA's memory-efficient kernel with a mask, in memory only (it keeps the mask too)."""
+    return sim.attention_memory(query, key, value, lse_shape=query.shape[:-1], keep=attn_mask)
 
 
 def _force_triton_backend() -> None:
@@ -112,9 +79,7 @@ def anemoi_step(size_key: str, attention: str, mapper_checkpointing: bool):  # n
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(weights, Path(tmp) / "weights.pt")
         del weights
-        job = {"size": vars(size) if not hasattr(size, "__dataclass_fields__") else
-               {k: getattr(size, k) for k in size.__dataclass_fields__},
-               "graph": str(graph_path), "weights": str(Path(tmp) / "weights.pt")}
+        job = {"size": asdict(size), "graph": str(graph_path), "weights": str(Path(tmp) / "weights.pt")}
         ours, interface, graph, variables, _ = build_pair(job, torch.device("cpu"))
     del ours
     if attention == "flash":

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["norm_linear", "keeps_norm_input", "MIN_ELEMENTS"]
+__all__ = ["norm_linear", "keeps_norm_input", "MIN_ELEMENTS", "layer_norm_in_dtype", "cast_like", "compute_dtype"]
 
 #: inputs with fewer entries keep the plain composition (``linear(norm(x))``): their normed copy is small
 MIN_ELEMENTS = 2 ** 26
@@ -39,14 +39,23 @@ def keeps_norm_input(x: Tensor, min_elements: int | None = MIN_ELEMENTS) -> bool
     return min_elements is not None and torch.is_grad_enabled() and x.numel() >= min_elements
 
 
-def _like(t: Tensor | None, x: Tensor) -> Tensor | None:
+def cast_like(t: Tensor | None, x: Tensor) -> Tensor | None:
     """``t`` in ``x``'s dtype (None stays None)."""
     return None if t is None else t.to(x.dtype)
 
 
-def _norm(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(normed x, mean, rstd)`` over the last dim, in ``x``'s dtype (statistics as torch keeps them)."""
-    return torch.native_layer_norm(x, [x.shape[-1]], _like(w, x), _like(b, x), eps)
+def layer_norm_in_dtype(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(normed x, mean, rstd)`` over the last dim, in ``x``'s dtype with the affine parameters cast to it (as
+    :class:`~stormshard.layers.norm.LayerNorm` under autocast); the statistics as torch keeps them."""
+    return torch.native_layer_norm(x, [x.shape[-1]], cast_like(w, x), cast_like(b, x), eps)
+
+
+def compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype ``F.linear(x, weight)`` computes in: autocast's where it is on, else the promoted dtype."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(x.dtype, weight.dtype)
 
 
 @torch.library.custom_op("stormshard::norm_linear", mutates_args=())
@@ -54,7 +63,7 @@ def _norm_linear_op(x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps
                     weights: list[Tensor], biases: list[Tensor]) -> tuple[list[Tensor], Tensor, Tensor]:
     """``([y_i], mean, rstd)``: ``y_i = layer_norm(x) @ w_i.T + b_i`` in ``dtype`` (empty ``b_i``: no bias)."""
     with torch.autocast(x.device.type, enabled=False):
-        xn, mean, rstd = _norm(x, norm_w, norm_b, eps)
+        xn, mean, rstd = layer_norm_in_dtype(x, norm_w, norm_b, eps)
         xn = xn.to(dtype)
         outs = [F.linear(xn, w.to(dtype), b.to(dtype) if b.numel() else None) for w, b in zip(weights, biases,
                                                                                                strict=True)]
@@ -78,7 +87,7 @@ def _norm_linear_backward_op(grads: list[Tensor], x: Tensor, mean: Tensor, rstd:
     need_x, need_nw, need_nb = needs[:3]
     per = needs[3:]
     with torch.autocast(x.device.type, enabled=False):
-        xn = _norm(x, norm_w, norm_b, eps)[0].to(dtype)
+        xn = layer_norm_in_dtype(x, norm_w, norm_b, eps)[0].to(dtype)
         flat = xn.reshape(-1, xn.shape[-1])
         dws, dbs = [], []
         dxn = None
@@ -98,7 +107,7 @@ def _norm_linear_backward_op(grads: list[Tensor], x: Tensor, mean: Tensor, rstd:
         if dxn is None:
             return x.new_empty(0), x.new_empty(0), x.new_empty(0), dws, dbs
         dx, dnw, dnb = torch.ops.aten.native_layer_norm_backward(
-            dxn.to(x.dtype), x, [x.shape[-1]], mean, rstd, _like(norm_w, x), _like(norm_b, x),
+            dxn.to(x.dtype), x, [x.shape[-1]], mean, rstd, cast_like(norm_w, x), cast_like(norm_b, x),
             [need_x, need_nw, need_nb])
     return (dx if need_x else x.new_empty(0), dnw.to(norm_w.dtype) if need_nw else x.new_empty(0),
             dnb.to(norm_b.dtype) if need_nb else x.new_empty(0), dws, dbs)
@@ -155,10 +164,8 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linears: Sequence[nn.Linear]) -> 
     if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != x.shape[-1]:
         raise ValueError(f"norm_linear needs a layer norm over the last dim ({x.shape[-1]}), got normalized_shape "
                          f"{tuple(norm.normalized_shape)}")
-    device = x.device.type
     weights = [lin.weight for lin in linears]
-    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-             else torch.promote_types(x.dtype, weights[0].dtype))
+    dtype = compute_dtype(x, weights[0])
     biases = [lin.bias if lin.bias is not None else lin.weight.new_empty(0) for lin in linears]
     outs, _mean, _rstd = _norm_linear_op(x.contiguous(), norm.weight, norm.bias, float(norm.eps), dtype, weights,
                                          biases)

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stormshard.layers.norm_linear import cast_like, compute_dtype, layer_norm_in_dtype
+
 __all__ = ["RowChunkedMLP", "row_chunked_mlp", "MIN_ELEMENTS", "CHUNK_ELEMENTS"]
 
 #: hidden activations with fewer entries run the plain MLP
@@ -44,30 +46,13 @@ MIN_ELEMENTS = 2 ** 27
 CHUNK_ELEMENTS = 2 ** 26
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype ``nn.Linear`` computes ``x`` in: autocast's where it is on, else ``x``'s."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return x.dtype
-
-
-# The forward and backward are custom ops: inside torch.compile, inductor calls them as they are and keeps what
-# they keep (traced as plain operators, its partitioner would save every chunk's GELU output).
-
-
-def _like(t: Tensor | None, x: Tensor) -> Tensor | None:
-    """``t`` in ``x``'s dtype (None stays None)."""
-    return None if t is None else t.to(x.dtype)
-
-
 def _normed(x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps: float,
             dtype: torch.dtype) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``(layer_norm(x) in dtype, mean, rstd)`` where ``eps >= 0`` (the norm in ``x``'s dtype, its parameters cast
-    to it, as :class:`~stormshard.layers.norm.LayerNorm`), else ``(x in dtype, None, None)``."""
+    """``(layer_norm(x) in dtype, mean, rstd)`` where ``eps >= 0``
+    (:func:`~stormshard.layers.norm_linear.layer_norm_in_dtype`), else ``(x in dtype, None, None)``."""
     if eps < 0:
         return x.to(dtype), None, None
-    xn, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], _like(norm_w, x), _like(norm_b, x), eps)
+    xn, mean, rstd = layer_norm_in_dtype(x, norm_w, norm_b, eps)
     return xn.to(dtype), mean, rstd
 
 
@@ -140,7 +125,8 @@ def _mlp_backward_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, r
                 dx[first:end] = dxn_c
                 continue
             g_x, g_w, g_b = torch.ops.aten.native_layer_norm_backward(
-                dxn_c.to(x.dtype), x_c, [x.shape[-1]], mean[first:end], rstd[first:end], _like(norm_w, x), _like(norm_b, x),
+                dxn_c.to(x.dtype), x_c, [x.shape[-1]], mean[first:end], rstd[first:end], cast_like(norm_w, x),
+                cast_like(norm_b, x),
                 [need_x, need_nw and norm_w is not None, need_nb and norm_b is not None])
             if need_x:
                 dx[first:end] = g_x
@@ -202,7 +188,7 @@ def row_chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, rows: int, norm: 
     if norm is not None and (len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != x.shape[-1]):
         raise ValueError(f"the MLP's norm must normalise the last dim ({x.shape[-1]}), got normalized_shape "
                          f"{tuple(norm.normalized_shape)}")
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x, fc1.weight)
 
     def cast(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.to(dtype)

@@ -156,7 +156,8 @@ def test_lean_graph_paths_on_cuda_match_the_plain_model():
     memory they save on a real decoder-like MLP (max_memory_allocated over forward + backward)."""
     from stormshard.layers.row_chunked_mlp import RowChunkedMLP
     from stormshard.models.registry import build_model
-    from tests.test_models import VARIABLES, _config, _graph, force_lean_paths
+    from tests.test_graph_layers import force_lean_paths
+    from tests.test_models import VARIABLES, _config, _graph
 
     config, _ = _config("graphtransformer-anemoi")
     graph = _graph(config.uses_graph_processor)
