@@ -226,7 +226,7 @@ class _AttentionMemory(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keep, lse_shape, dq_accumulator):  # noqa: ANN001, ANN205
-        out = torch.empty_like(q)
+        out = _dense_like(q)
         lse = q.new_empty(lse_shape, dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.dq_accumulator = dq_accumulator
@@ -237,7 +237,14 @@ class _AttentionMemory(torch.autograd.Function):
         q, k, v, _out, lse, _keep = ctx.saved_tensors
         work = torch.empty(q.shape if ctx.dq_accumulator else lse.shape, dtype=torch.float32, device=q.device)
         del work
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None
+        return _dense_like(q), _dense_like(k), _dense_like(v), None, None, None
+
+
+def _dense_like(t: torch.Tensor) -> torch.Tensor:
+    """A new dense tensor like ``t`` in ``t``'s memory order (its dimensions by decreasing stride), as flex
+    attention makes its output and gradients (``empty_like`` makes a view with gaps contiguous)."""
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+    return torch.empty_permuted(t.shape, order, dtype=t.dtype, device=t.device)
 
 
 def attention_memory(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, lse_shape: tuple[int, ...],

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+COPIES = {"clone", "copy_", "_to_copy", "cat", "stack", "contiguous"}  # a copy when it keeps the dtype
 SORTS = {"sort", "argsort", "topk", "unique", "_unique2", "unique_consecutive", "msort"}
 SYNCS = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero", "masked_select"}
 _PACKAGE = os.sep + "stormshard" + os.sep
@@ -45,12 +46,16 @@ class Census:
     activation_casts: Counter = field(default_factory=Counter)
     sorts: Counter = field(default_factory=Counter)
     syncs: Counter = field(default_factory=Counter)
+    copy_bytes: Counter = field(default_factory=Counter)  # "line (op)" -> bytes written by same-dtype copies
 
     def table(self) -> str:
         lines = [f"operators: {sum(self.ops.values())} calls of {len(self.ops)} kinds",
                  f"parameter casts (fp32 master weights): {sum(self.parameter_casts.values())}",
                  f"activation casts: {sum(self.activation_casts.values())}"]
         lines += [f"  {n:4d}  {where}" for where, n in self.activation_casts.most_common()]
+        lines.append(f"copies (same dtype: clone, contiguous, cat, stack, copy_): "
+                     f"{sum(self.copy_bytes.values()) / 2**20:.2f} MiB written")
+        lines += [f"  {n / 2**20:9.2f} MiB  {where}" for where, n in self.copy_bytes.most_common(12)]
         lines.append(f"sorts: {sum(self.sorts.values())}")
         lines += [f"  {n:4d}  {where}" for where, n in self.sorts.most_common()]
         lines.append(f"host syncs: {sum(self.syncs.values())}")
@@ -81,7 +86,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, census: Census, parameters: list[torch.Tensor]) -> None:
         super().__init__()
         self.census = census
-        self.pointers = {p.data_ptr() for p in parameters}
+        self.storages = {p.untyped_storage()._cdata for p in parameters}  # fake tensors have no data pointer
         self.shapes = {tuple(p.shape) for p in parameters}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -89,19 +94,25 @@ class _Recorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         self.census.ops[name] += 1
         out = func(*args, **kwargs)
+        cast = False
         if name in ("_to_copy", "copy_", "to"):
             src = args[1] if name == "copy_" else args[0]
             dst = out
             if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
                 if src.dtype != dst.dtype:
+                    cast = True
                     where = _caller()
                     # a weight's cast (forward) or its gradient's (backward): a parameter's storage or shape
-                    is_param = src.data_ptr() in self.pointers or dst.data_ptr() in self.pointers \
-                        or tuple(src.shape) in self.shapes
+                    is_param = src.untyped_storage()._cdata in self.storages \
+                        or dst.untyped_storage()._cdata in self.storages or tuple(src.shape) in self.shapes
                     (self.census.parameter_casts if is_param else self.census.activation_casts)[where] += 1
                 if src.device != dst.device and dst.device.type == "cpu":
                     self.census.syncs[_caller() + " (copy to cpu)"] += 1
-        elif name in SORTS:
+        if name in COPIES and not cast:
+            written = args[0] if name == "copy_" else out
+            if isinstance(written, torch.Tensor):
+                self.census.copy_bytes[f"{_caller()} ({name})"] += written.numel() * written.element_size()
+        if name in SORTS:
             self.census.sorts[_caller()] += 1
         elif name in SYNCS:
             self.census.syncs[f"{_caller()} ({name})"] += 1
@@ -115,6 +126,31 @@ def census(step: Callable[[], object], parameters: list[torch.Tensor]) -> Census
     with _Recorder(result, parameters):
         step()
     return result
+
+
+def cuda_path_census(size: str = "tiny") -> Census:
+    """The census of ``bench_gpu_vs_anemoi``'s model at ``size`` (``tiny``, ``o96``, ``aifs``, ...) on the kernels a
+    CUDA step runs (the Triton graph kernel, flex attention), with fake tensors: no data, any size, on a CPU
+    (``memory_simulation.stormshard_step``; flex stands in by its memory contract, its outputs and gradients
+    in their inputs' memory order as flex makes them). One step makes AdamW's state, the next is counted."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import memory_simulation as sim
+
+    step, parameters, mode, _label = sim.stormshard_step(size)
+    with sim.cuda_kernels_on_fake_tensors(), mode, sim.AllocationRecorder(mode):
+        step()
+        return census(step, parameters)
+
+
+def cuda_path_size(size: str) -> dict[str, int]:
+    """``cuda_path_census``'s model at ``size``: its data and hidden node counts, channels and layers."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_gpu_vs_anemoi as bench
+
+    spec = bench.SIZES[size]
+    graph, _path = bench.size_graph(spec)
+    return {"data_nodes": graph["data"].num_nodes, "hidden_nodes": graph["hidden"].num_nodes,
+            "channels": spec.channels, "layers": spec.layers}
 
 
 def small_model_step(model_name: str = "graphtransformer", precision: str = "bf16", graph_kernel: str = "auto",
@@ -165,7 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", default="o16")
     parser.add_argument("--hidden", default="o8")
     parser.add_argument("--quick", action="store_true", help="(the default sizes are already small)")
+    parser.add_argument("--cuda-path", metavar="SIZE", default=None,
+                        help="instead: bench_gpu_vs_anemoi's model at SIZE (tiny, o96, aifs) on the CUDA step's kernels, "
+                             "fake tensors on the CPU (cuda_path_census)")
     args = parser.parse_args(argv)
+    if args.cuda_path:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton graph kernel allowed on a CPU (never launched)
+        print(f"one steady-state step on the CUDA path, fake tensors: bench_gpu_vs_anemoi's {args.cuda_path}, bf16")
+        print(cuda_path_census(args.cuda_path).table())
+        return 0
     step, params = small_model_step(args.model, args.precision, args.graph_kernel, args.device, args.grid,
                                     args.hidden)
     for _ in range(2):

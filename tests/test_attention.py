@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import einops
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from stormshard.kernels.dispatch import sliding_window_attention
 from stormshard.kernels.reference import dense_window_attention
-from stormshard.layers.attention import SlidingWindowAttention
+from stormshard.layers.attention import SlidingWindowAttention, split_qkv
 from stormshard.layers.conditional import ConditionalTransformerBlock
 from stormshard.layers.mlp import MLP
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
@@ -377,3 +378,28 @@ def _errors_on_ranks(rank, world):
 
 def test_errors_and_bytes_on_ranks():
     run_distributed(_errors_on_ranks, 3)
+
+
+def test_split_qkv_views_and_one_gradient_copy():
+    """:func:`split_qkv` copies nothing forward; given q, k, v gradients in the views' memory order (as flex
+    and flash-attn write them), the backward to ``lin_qkv``'s output is one stack (its size written once),
+    where indexing a ``three``-first rearrangement zero-fills three ``qkv``-sized gradients."""
+    from tests.test_step_census import step_census
+
+    heads, d, b, s = 3, 5, 2, 11
+    for heads_first in (False, True):
+        shape = (b, heads, s, 3 * d) if heads_first else (b, s, heads * 3 * d)
+        qkv = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        q, k, v = split_qkv(qkv, heads, heads_first=heads_first)
+        grads = [torch.randn(b, s, heads, d, dtype=torch.float64).transpose(1, 2) for _ in range(3)]
+        if heads_first:
+            grads = [g.contiguous() for g in grads]
+        result = step_census.census(lambda q=q, k=k, v=v, grads=grads: torch.autograd.backward((q, k, v), grads), [])
+        assert sum(result.copy_bytes.values()) == qkv.numel() * 8, result.table()
+        assert not {"zeros", "new_zeros", "fill_", "add"} & set(result.ops), result.table()
+        expected = torch.stack(grads, dim=0)
+        if heads_first:
+            expected = einops.rearrange(expected, "three b h s d -> b h s (three d)")
+        else:
+            expected = einops.rearrange(expected, "three b h s d -> b s (h three d)")
+        torch.testing.assert_close(qkv.grad, expected, rtol=0, atol=0)

@@ -185,3 +185,27 @@ def test_flex_kernel_options_setting_and_bad_values(monkeypatch):
         out = sliding_window_attention(q, k, v, 5, kernel="flex")
     torch.testing.assert_close(out, sliding_window_attention(q, k, v, 5, kernel="banded"), **CLOSE)
     monkeypatch.setattr(flex_window, "_USER_OPTIONS", [])
+
+
+def test_flex_reads_the_projection_views_and_writes_its_layout():
+    """q, k, v are views of ``lin_qkv``'s output (:func:`split_qkv`, nothing copied); flex reads them as they
+    are and writes its output in their ``(batch, seq, heads, d)`` memory order, so the output projection's
+    input is a view of it: no copy before or after the kernel (on the GPU its gradients follow the same order,
+    ``tests/test_step_census.py`` counts the step's copies)."""
+    import einops
+
+    from stormshard.layers.attention import split_qkv
+
+    heads, d = 4, 8
+    qkv = _rand((2, 37, heads * 3 * d), 11)
+    q, k, v = split_qkv(qkv, heads)
+    assert all(t.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr() for t in (q, k, v))
+    reference = einops.rearrange(qkv, "b s (h three d) -> three b h s d", h=heads, three=3)
+    for view, expected in zip((q, k, v), reference, strict=True):
+        torch.testing.assert_close(view, expected, rtol=0, atol=0)
+    with torch.no_grad():
+        out = sliding_window_attention(q, k, v, 5, kernel="flex")
+        banded = sliding_window_attention(q.contiguous(), k.contiguous(), v.contiguous(), 5, kernel="banded")
+    torch.testing.assert_close(out, banded, **CLOSE)
+    merged = einops.rearrange(out, "b h s d -> b s (h d)")
+    assert merged.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()  # a view, not a copy

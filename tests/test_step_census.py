@@ -107,3 +107,21 @@ def test_blocks_sharing_a_plan_share_its_edge_tensors_on_every_device():
             assert all(block.chunk_index[k] is first.chunk_index[k] for k in first.chunk_index)
             assert all(a[2] is b[2] for a, b in zip(block.edge_chunks, first.edge_chunks, strict=True))
         assert first.plan.edge_index.device.type == next(m.parameters()).device.type
+
+
+def test_the_cuda_step_copies_no_window_attention_activation(monkeypatch):
+    """On the kernels a CUDA step runs (fake tensors: the Triton graph kernel's Python, flex by its contract),
+    the processor's attention copies nothing forward (q, k, v are views of ``lin_qkv``'s output, flex's output
+    is read in place by the projection) and its backward writes each layer's q, k, v gradient once (one stack).
+    Before: three contiguous copies of q, k, v per layer, one of the output, and the gradient's (at the AIFS
+    size 14.7 GiB of copies per step, now 4.6)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    result = step_census.cuda_path_census("tiny")
+    size = step_census.cuda_path_size("tiny")
+    ours = {where: n for where, n in result.copy_bytes.items() if where.startswith("stormshard/")}
+    assert not [w for w in ours if w.startswith(("stormshard/layers/attention.py", "stormshard/kernels/flex.py",
+                                                  "stormshard/layers/transformer.py"))], result.table()
+    backward = {where: n for where, n in result.copy_bytes.items() if not where.startswith("stormshard/")}
+    qkv_gradient = size["hidden_nodes"] * 3 * size["channels"] * 2  # bf16
+    assert sum(backward.values()) == size["layers"] * qkv_gradient, result.table()
+    assert all("(stack)" in where for where in backward), result.table()

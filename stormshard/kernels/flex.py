@@ -289,5 +289,6 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_o
     q, k, v = (t.to(dtype) for t in (q, k, v))
     shift = int(q_offset) - int(k_offset)
     mask = window_block_mask(q.shape[-2], k.shape[-2], shift, window_size, q.device)
-    return _flex_attention()(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask, scale=scale,
-                             kernel_options=flex_kernel_options(q))
+    # q, k, v as they are (views of one projection, :func:`~stormshard.layers.attention.split_qkv`): flex reads
+    # any strides, and writes its output and gradients in their memory order
+    return _flex_attention()(q, k, v, block_mask=mask, scale=scale, kernel_options=flex_kernel_options(q))

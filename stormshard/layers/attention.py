@@ -30,7 +30,25 @@ from stormshard.layers.strategy import check_split, check_strategy_name
 from stormshard.parallel.sequence import add_halos, remove_halos, shard_heads, shard_sequence
 from stormshard.parallel.shard import ATTENTION_STRATEGIES, SequenceShard, ShardStrategy
 
-__all__ = ["SlidingWindowAttention"]
+__all__ = ["SlidingWindowAttention", "split_qkv"]
+
+
+def split_qkv(qkv: Tensor, num_heads: int, heads_first: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """``lin_qkv``'s output, per head its q, k and v channels ``(h three d)``, as q, k, v ``(batch, heads,
+    seq, head_dim)``: views, nothing copied.
+
+    ``qkv`` is ``(batch, seq, (heads 3 head_dim))``, or with ``heads_first`` ``(batch, heads, seq, (3
+    head_dim))`` (after the head-sharding all-to-all). The views keep ``qkv``'s memory order, in which flex
+    attention writes its output and its q, k, v gradients (and flash-attn reads ``(batch, seq, heads, d)``):
+    the output projection then reads the attention output as it is, and the backward stacks the three
+    gradients into ``qkv``'s layout with one copy (indexing ``qkv[0]`` instead makes three zero-filled
+    ``qkv``-sized gradients and sums them; contiguous copies of q, k, v cost three more copies each way).
+    """
+    if heads_first:
+        parts = einops.rearrange(qkv, "b h s (three d) -> b h s three d", three=3).unbind(dim=3)
+        return parts[0], parts[1], parts[2]
+    parts = einops.rearrange(qkv, "b s (h three d) -> b s h three d", h=num_heads, three=3).unbind(dim=3)
+    return parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2)
 
 
 def _check_shard(shard: object) -> None:
@@ -73,9 +91,8 @@ class SlidingWindowAttention(nn.Module):
                 f"attention_kernel={self.attention_kernel}, shard={self.shard}")
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(batch, seq, C)`` -> q, k, v each ``(batch, heads, seq, head_dim)``."""
-        qkv = einops.rearrange(self.lin_qkv(x), "b s (h three d) -> three b h s d", h=self.num_heads, three=3)
-        return qkv[0], qkv[1], qkv[2]
+        """``(batch, seq, C)`` -> q, k, v each ``(batch, heads, seq, head_dim)``: views (:func:`split_qkv`)."""
+        return split_qkv(self.lin_qkv(x), self.num_heads)
 
     def _out(self, heads: Tensor) -> Tensor:
         """``(batch, heads, seq, head_dim)`` -> ``(batch, seq, C)`` through the output projection."""
@@ -111,7 +128,7 @@ class SlidingWindowAttention(nn.Module):
         # one all-to-all for q, k and v together: (b, heads, s_local, 3 * head_dim)
         qkv = einops.rearrange(self.lin_qkv(x), "b s (h three d) -> b h s (three d)", h=self.num_heads, three=3)
         qkv = shard_heads(qkv, shard.sizes, shard.group)
-        q, k, v = einops.rearrange(qkv, "b h s (three d) -> three b h s d", three=3)
+        q, k, v = split_qkv(qkv, self.num_heads, heads_first=True)
         out = sliding_window_attention(q, k, v, self.window_size, kernel=self.attention_kernel)
         return self._out(shard_sequence(out, shard.sizes, shard.group))
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from stormshard.kernels.dispatch import AttentionKernel, check_attention_kernel, sliding_window_attention
+from stormshard.layers.attention import split_qkv
 from stormshard.layers.mlp import MLP
 from stormshard.layers.strategy import check_split
 from stormshard.layers.transformer import TransformerBlock
@@ -101,7 +102,7 @@ class TensorParallelSlidingWindowAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.lin_qkv(x)  # (b, seq, 3 C / p)
-        q, k, v = einops.rearrange(qkv, "b s (h three d) -> three b h s d", h=self.local_heads, three=3)
+        q, k, v = split_qkv(qkv, self.local_heads)
         heads = sliding_window_attention(q, k, v, self.window_size, kernel=self.attention_kernel)  # (b, h / p, seq, d)
         heads = einops.rearrange(heads, "b h s d -> b s (h d)")
         return self.projection(heads)
