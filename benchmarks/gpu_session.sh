@@ -10,10 +10,12 @@
 #   ../shared/gpu/fetch_anemoi_wheels.sh .whl && echo /.whl/ >> .git/info/exclude
 #   device run: command "bash benchmarks/gpu_session.sh 540", carry [".whl"], timeout_s 600
 #
-# Budget (seconds, default 540): the GPU tests of the new kernels (tests/gpu/test_cuda_graph_triton.py and
-# test_cuda_layers.py) up to 150, the census up to 30, then make bench-gpu with what is left but 60 s (about
-# 300 s), then the rest of `make test-gpu` in what remains (a full make test-gpu takes 5-6 min: run it in a
-# second session if it is cut): bench_gpu.py's bf16 compiled flex processor rows (--budget-s 30, about 40 s) and
+# Budget (seconds, default 540): the GPU tests of the new kernels and layouts (tests/gpu/test_cuda_graph_triton.py,
+# test_cuda_layers.py and test_cuda_flex.py: flex reads q, k, v as views of the projection) up to 200, the census up
+# to 30 (casts, copies, sorts and host syncs of a small graph-transformer step; a dispatch mode cannot watch flex's
+# compiled call, so the window attention's copies are counted on fake tensors: step_census.py --cuda-path), then
+# make bench-gpu with what is left but 60 s (about 300 s), then the rest of `make test-gpu` in what remains (a full
+# make test-gpu takes 5-6 min: run it in a second session if it is cut): bench_gpu.py's bf16 compiled flex processor rows (--budget-s 30, about 40 s) and
 # bench_gpu_vs_anemoi.py --quick with --budget-s = what is left - 170 (a row started before that runs to its end:
 # the AIFS-size compiled row compiles for a minute or two; O96 also gets a "compiled + CUDA graphs" row, and every
 # stormshard row one more step under the allocator's history: what holds memory at its peak). Last, inside what is left, the tile table times the Triton
@@ -77,15 +79,16 @@ fi
 } | tee -a "$LOG/session.log"
 
 # the new kernels first (a full `make test-gpu` takes 5-6 min on an H100: it runs last, in what is left)
-run_step test_gpu_kernels 150 "$PY" -m pytest -m gpu tests/gpu/test_cuda_graph_triton.py tests/gpu/test_cuda_layers.py \
-  -s -rs -q
+run_step test_gpu_kernels 200 "$PY" -m pytest -m gpu tests/gpu/test_cuda_graph_triton.py tests/gpu/test_cuda_layers.py \
+  tests/gpu/test_cuda_flex.py -s -rs -q
 run_step census 30 "$PY" benchmarks/step_census.py --device cuda
 VS_BUDGET=$(( $(left) - 170 ))
 TAIL=60 run_step bench_gpu $(( $(left) - 60 )) make bench-gpu PY="$PY" \
   BENCH_GPU_ARGS="--quick --tables processor --rows bf16/flex/on --budget-s 30 --json $LOG/bench_gpu.json" \
   BENCH_VS_ANEMOI_ARGS="--quick ${ANEMOI[*]} --budget-s $VS_BUDGET --memory-census --tables model:o96,attention:aifs,model:aifs,tiles:aifs --triton-tiles 4x4x4x4,4x8x8,2x8x8,2x4x4 --json $LOG/bench_gpu_vs_anemoi.json"
 run_step test_gpu_rest $(( $(left) - 10 )) "$PY" -m pytest -m gpu tests/gpu -s -rs -q \
-  --deselect tests/gpu/test_cuda_graph_triton.py --deselect tests/gpu/test_cuda_layers.py
+  --deselect tests/gpu/test_cuda_graph_triton.py --deselect tests/gpu/test_cuda_layers.py \
+  --deselect tests/gpu/test_cuda_flex.py
 
 say "== the head-to-head (from $LOG/bench_gpu.log)"
 grep -E '^\| |^(o96|aifs|encoder|processor|decoder): |^device: |^anemoi|^peak |^  +[0-9.]+ GiB' "$LOG/bench_gpu.log" | grep -v '^| case' \

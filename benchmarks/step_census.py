@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--grid", default="o16")
     parser.add_argument("--hidden", default="o8")
+    parser.add_argument("--channels", type=int, default=32, help="model channels (4 heads)")
     parser.add_argument("--quick", action="store_true", help="(the default sizes are already small)")
     parser.add_argument("--cuda-path", metavar="SIZE", default=None,
                         help="instead: bench_gpu_vs_anemoi's model at SIZE (tiny, o96, aifs) on the CUDA step's kernels, "
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(cuda_path_census(args.cuda_path).table())
         return 0
     step, params = small_model_step(args.model, args.precision, args.graph_kernel, args.device, args.grid,
-                                    args.hidden)
+                                    args.hidden, args.channels)
     for _ in range(2):
         step()
     result = census(step, params)

@@ -10,7 +10,7 @@ from stormshard.lazy import lazy_exports
 
 # name -> module, loaded on first use (the kernels and their names: stormshard.kernels)
 _EXPORTS: dict[str, str] = {
-    **dict.fromkeys(("SlidingWindowAttention", "set_attention_kernel"), "attention"),
+    **dict.fromkeys(("SlidingWindowAttention", "set_attention_kernel", "split_qkv"), "attention"),
     **dict.fromkeys(("ActivationCheckpoint", "checkpoint_blocks"), "checkpointing"),
     "ConditionalTransformerBlock": "conditional",
     **dict.fromkeys(("EdgeBufferPool", "EdgeKernelOptions", "GNNMapperBlock", "GNNProcessorBlock"), "gnn"),
@@ -26,6 +26,7 @@ __all__ = [
     "ActivationCheckpoint", "checkpoint_blocks",
     "GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "GNNMapperBlock",
     "GNNProcessorBlock", "EdgeKernelOptions", "EdgeBufferPool", "set_attention_kernel", "set_graph_kernel",
+    "split_qkv",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
