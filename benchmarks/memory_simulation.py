@@ -286,16 +286,18 @@ def cuda_kernels_on_fake_tensors() -> Iterator[None]:
         with unset_fake_temporarily():
             return build(edge_index, num_src, num_dst)
 
-    saved = (graph_triton._kernels, graph_triton.triton_graph_structure, flex.flex_unusable, flex._flex_attention)
+    saved = (graph_triton._kernels, graph_triton.triton_graph_structure, flex.flex_unusable, flex._flex_attention,
+             flex._CPU_SEPARATE_BUFFERS)
     graph_triton._kernels = lambda: _NoLaunchKernels()
     graph_triton.triton_graph_structure = structure
     flex.flex_unusable = lambda *args, **kwargs: None
     flex._flex_attention = lambda: _flex_memory
+    flex._CPU_SEPARATE_BUFFERS = False  # CUDA's flex takes q, k, v as views of one buffer under every torch
     try:
         yield
     finally:
-        (graph_triton._kernels, graph_triton.triton_graph_structure, flex.flex_unusable,
-         flex._flex_attention) = saved
+        (graph_triton._kernels, graph_triton.triton_graph_structure, flex.flex_unusable, flex._flex_attention,
+         flex._CPU_SEPARATE_BUFFERS) = saved
 
 
 def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int | None = None,

@@ -32,7 +32,8 @@ from torch import Tensor
 from stormshard.env import env_json_object
 
 __all__ = ["flex_attention_unavailable", "flex_problem", "flex_unusable", "flex_window_attention", "window_block_mask", "band_blocks",
-           "flex_kernel_options", "set_flex_kernel_options", "flex_option_keys", "flex_options_from_env"]
+           "flex_kernel_options", "set_flex_kernel_options", "flex_option_keys", "flex_options_from_env",
+           "separate_cpu_buffers", "SHARED_BUFFER_CPU_TORCH"]
 
 _MASK_CACHE_SIZE = 64
 _BLOCK = 128  # flex attention's default tile
@@ -273,6 +274,23 @@ def _kv_block_lists(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return counts[None, None].contiguous(), order[None, None].contiguous()
 
 
+#: the first torch whose CPU flex lowering takes q, k and v as views of one buffer (torch 2.11's refuses them in
+#: a compiled block: "Unsupported for now if query, key, value are the same buffer"; CUDA's takes them in both)
+SHARED_BUFFER_CPU_TORCH = "2.13"
+
+
+def separate_cpu_buffers(device_type: str, version: str | None = None) -> bool:
+    """Whether flex on ``device_type`` under torch ``version`` (None: the one installed) needs q, k and v in
+    buffers of their own: on a CPU before :data:`SHARED_BUFFER_CPU_TORCH` (forward only there: forecasts, where
+    the copies cost little)."""
+    from torch.torch_version import TorchVersion
+
+    return device_type == "cpu" and TorchVersion(version or torch.__version__) < SHARED_BUFFER_CPU_TORCH
+
+
+_CPU_SEPARATE_BUFFERS = separate_cpu_buffers("cpu")  # once, outside any compiled region
+
+
 def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_offset: int = 0,
                           k_offset: int = 0, *, scale: float) -> Tensor:
     """``softmax(q k^T * scale + band) v`` by flex attention; ``(batch, heads, Lq, dim)`` out, q's dtype.
@@ -291,4 +309,7 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_o
     mask = window_block_mask(q.shape[-2], k.shape[-2], shift, window_size, q.device)
     # q, k, v as they are (views of one projection, :func:`~stormshard.layers.attention.split_qkv`): flex reads
     # any strides, and writes its output and gradients in their memory order
+    if _CPU_SEPARATE_BUFFERS and q.device.type == "cpu":
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _flex_attention()(q, k, v, block_mask=mask, scale=scale, kernel_options=flex_kernel_options(q))
+
