@@ -11,6 +11,12 @@
    ratio, and bytes sent per rank per layer from :class:`CommCounter`.
 3. The halo exchange's two transports (one ``all_to_all_single`` vs batched ``isend``/``irecv``)
    on 2 and 4 ranks: time per forward + backward exchange.
+4. The layer's q, k, v split: :class:`SlidingWindowAttention` (q, k, v views of ``lin_qkv``'s output,
+   :func:`~stormshard.layers.attention.split_qkv`) against the same layer splitting by indexing a
+   ``three``-first rearrangement (the baseline: what the layer did before; its backward zero-fills three
+   ``qkv``-sized gradients), forward + backward at the processor's sequence and channels, float32, the
+   banded kernel (a CPU's); gradients compared bit for bit. On CUDA flex also skips its copies of q, k, v
+   and of its output (``benchmarks/step_census.py --cuda-path``).
 
 Every ratio compares numbers measured in the same run. Timings are the minimum over repeats
 after one warm-up (none for the dense 16k case, which runs once).
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stormshard.kernels.dispatch import sliding_window_attention  # noqa: E402
+from stormshard.layers.attention import SlidingWindowAttention  # noqa: E402
 from stormshard.layers.transformer import TransformerProcessor  # noqa: E402
 from stormshard.parallel.counter import CommCounter  # noqa: E402
 from stormshard.parallel.sequence import halo_exchange  # noqa: E402
@@ -209,12 +216,46 @@ def bench_halo(sizes: Sizes) -> None:
         print(f"{world:>6} {a2a:>14.3f} {p2p:>8.3f} {p2p / a2a:>15.2f}")
 
 
+# ------------------------------------------------------------------------------------------
+# 4. the q, k, v split: views against index-and-copy
+# ------------------------------------------------------------------------------------------
+
+
+class _IndexedSplitAttention(SlidingWindowAttention):
+    """The baseline: q, k, v by indexing a ``three``-first rearrangement of ``lin_qkv``'s output."""
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.lin_qkv(x).unflatten(-1, (self.num_heads, 3, self.head_dim)).permute(3, 0, 2, 1, 4)
+        return qkv[0], qkv[1], qkv[2]
+
+
+def bench_split(sizes: Sizes) -> None:
+    channels, heads, window, seq = sizes.proc_channels, sizes.proc_heads, sizes.proc_window, sizes.proc_seq
+    print(f"\n4. the layer's q, k, v split, fwd+bwd, (1, {seq}, {channels}) float32, {heads} heads, window {window}, "
+          f"banded kernel, {torch.get_num_threads()} threads")
+    torch.manual_seed(0)
+    views = SlidingWindowAttention(channels, heads, window, attention_kernel="banded")
+    indexed = _IndexedSplitAttention(channels, heads, window, attention_kernel="banded")
+    indexed.load_state_dict(views.state_dict())
+    x = torch.randn(1, seq, channels)
+
+    def step(layer: SlidingWindowAttention) -> torch.Tensor:
+        xi = x.clone().requires_grad_()
+        layer(xi).square().mean().backward()
+        return xi.grad
+
+    same = torch.equal(step(views), step(indexed))
+    t_views, t_indexed = _timed(lambda: step(views), sizes.repeats + 2), _timed(lambda: step(indexed), sizes.repeats + 2)
+    print(f"  views (split_qkv) {t_views:.3f} s, indexed (baseline) {t_indexed:.3f} s, speed-up {t_indexed / t_views:.2f}x; "
+          f"input gradients bit-identical: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes for a fast smoke run")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for the single-process part (1: stable on a shared machine)")
-    parser.add_argument("--only", choices=("kernel", "processor", "halo"), help="run one part")
+    parser.add_argument("--only", choices=("kernel", "processor", "halo", "split"), help="run one part")
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
@@ -227,6 +268,8 @@ def main() -> None:
         bench_halo(sizes)
     if args.only in (None, "processor"):
         bench_processor(sizes)
+    if args.only in (None, "split"):
+        bench_split(sizes)
 
 
 if __name__ == "__main__":
