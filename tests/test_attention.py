@@ -108,6 +108,31 @@ def test_kernel_gradcheck_and_half_precision():
     torch.testing.assert_close(low.float(), ref, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_cpu_fused_blocks_equal_the_batched_product_blocks(monkeypatch, dtype):
+    """On a CPU the banded kernel runs each block in torch's fused CPU flash-attention kernel; the batched-product
+    blocks (what CUDA runs in fp32) give the same outputs and gradients: offsets, uneven lengths, rows without
+    keys, head sizes that are not powers of two, windows wider than the blocks."""
+    from stormshard.kernels import banded
+
+    assert banded._fused_on(torch.empty(1))
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == F64 else {"rtol": 2e-5, "atol": 2e-6}
+    cases = [((2, 3), 50, 70, 8, 5, 7, 16), ((1, 2), 33, 33, 5, 40, 0, None), ((2, 2), 130, 150, 16, 3, -20, None),
+             ((1, 4), 200, 200, 8, 64, 0, 32), ((1, 1), 12, 9, 3, 1, 30, 4)]
+    for (b, h), lq, lk, d, w, shift, block in cases:
+        g = torch.Generator().manual_seed(lq + lk)
+        q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=dtype, requires_grad=True) for n in (lq, lk, lk))
+        grad = torch.randn(b, h, lq, d, generator=g, dtype=dtype)
+        results = []
+        for fused in (True, False):
+            monkeypatch.setattr(banded, "_fused_on", lambda t, fused=fused: fused)
+            out = sliding_window_attention(q, k, v, w, q_offset=shift, block_size=block, kernel="banded")
+            results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        for a, r in zip(*results, strict=True):
+            torch.testing.assert_close(a, r, **tol)
+        torch.testing.assert_close(results[0][0], dense_window_attention(q, k, v, w, shift, 0).detach(), **tol)
+
+
 def test_kernel_long_sequence_is_banded():
     # 40k tokens: a dense (Lq, Lk) float64 score matrix would need 12.8 GB; the banded kernel a few MB
     n, w = 40_000, 3
