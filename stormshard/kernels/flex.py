@@ -312,4 +312,3 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_o
     if _CPU_SEPARATE_BUFFERS and q.device.type == "cpu":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _flex_attention()(q, k, v, block_mask=mask, scale=scale, kernel_options=flex_kernel_options(q))
-
