@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: memory_simulation, bench_gpu_vs_anemoi
 
 COPIES = {"clone", "copy_", "_to_copy", "cat", "stack", "contiguous"}  # a copy when it keeps the dtype
 SORTS = {"sort", "argsort", "topk", "unique", "_unique2", "unique_consecutive", "msort"}
@@ -133,7 +134,6 @@ def cuda_path_census(size: str = "tiny") -> Census:
     CUDA step runs (the Triton graph kernel, flex attention), with fake tensors: no data, any size, on a CPU
     (``memory_simulation.stormshard_step``; flex stands in by its memory contract, its outputs and gradients
     in their inputs' memory order as flex makes them). One step makes AdamW's state, the next is counted."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import memory_simulation as sim
 
     step, parameters, mode, _label = sim.stormshard_step(size)
@@ -144,7 +144,6 @@ def cuda_path_census(size: str = "tiny") -> Census:
 
 def cuda_path_size(size: str) -> dict[str, int]:
     """``cuda_path_census``'s model at ``size``: its data and hidden node counts, channels and layers."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_gpu_vs_anemoi as bench
 
     spec = bench.SIZES[size]
@@ -200,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--grid", default="o16")
     parser.add_argument("--hidden", default="o8")
-    parser.add_argument("--channels", type=int, default=32, help="model channels (4 heads)")
     parser.add_argument("--quick", action="store_true", help="(the default sizes are already small)")
     parser.add_argument("--cuda-path", metavar="SIZE", default=None,
                         help="instead: bench_gpu_vs_anemoi's model at SIZE (tiny, o96, aifs) on the CUDA step's kernels, "
@@ -212,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(cuda_path_census(args.cuda_path).table())
         return 0
     step, params = small_model_step(args.model, args.precision, args.graph_kernel, args.device, args.grid,
-                                    args.hidden, args.channels)
+                                    args.hidden)
     for _ in range(2):
         step()
     result = census(step, params)

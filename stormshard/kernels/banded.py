@@ -73,9 +73,12 @@ def _blocks(num_q: int, num_k: int, shift: int, window_size: int, block: int, li
         yield start, stop, lo, hi, cache[key]
 
 
+_CPU_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")  # this torch has the kernel
+
+
 def _fused_on(t: Tensor) -> bool:
     """Whether the blocks of ``t``'s device run in torch's fused CPU flash-attention kernel (a CPU with it)."""
-    return t.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return _CPU_FLASH and t.device.type == "cpu"
 
 
 def _fused_forward(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int,
