@@ -226,7 +226,7 @@ def test_single_process_layer_and_processor_match_dense():
         layer = _make_attention(8, 2, window, "shard_sequence", 3)
         x, grad = _rand((2, n, 8), 1), _rand((2, n, 8), 2)
         _assert_same(_single(layer, x, grad), _single(layer, x, grad, _dense_attention_layer))
-    for checkpointing in (False, True):
+    for checkpointing in (False, True, "selective"):
         proc = _make_processor(2, 8, 2, 3, "shard_sequence", checkpointing, 4)
         x, grad = _rand((2, 19, 8), 5), _rand((2, 19, 8), 6)
         _assert_same(_single(proc, x, grad), _single(proc, x, grad, _dense_processor))
@@ -340,7 +340,8 @@ def _cases(world):
                              (max(big), "shard_heads")):
         cases.append(("layer", 1001, 12, world, window, strategy, None, seed))
         seed += 3
-    for strategy, checkpointing in (("shard_sequence", True), ("shard_heads", False)):
+    for strategy, checkpointing in (("shard_sequence", True), ("shard_heads", False), ("shard_sequence", "selective"),
+                                    ("shard_heads", "selective")):
         cases.append(("processor", small, 24, 12, 3, strategy, checkpointing, seed))
         seed += 3
     # checkpointing with both strategies: heads + checkpointing on 2 ranks, sequence without on 4

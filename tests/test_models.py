@@ -32,6 +32,10 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=3)),
     "transformer-checkpointed": dict(name="transformer", activation_checkpointing=True),
     "gnn-checkpointed": dict(name="gnn", activation_checkpointing=True, processor=dict(num_chunks=3)),
+    # selective checkpointing (the attention outputs kept): tensor-parallel blocks, graph-processor chunks
+    "transformer-tensor-selective": dict(name="transformer", strategy="tensor", activation_checkpointing="selective"),
+    "graphtransformer-selective": dict(name="graphtransformer", activation_checkpointing="selective",
+                                       processor=dict(num_chunks=2)),
     # anemoi's AIFS features (an imported anemoi model): trainable edge features, latent skip, the
     # decoder's own input embedding, ReLU bounding of an output
     "graphtransformer-anemoi": dict(name="graphtransformer", latent_skip=True, decoder_embedding=True,

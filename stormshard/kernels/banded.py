@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from stormshard.kernels.attention_ops import use_registered_op
+
 __all__ = ["banded_window_attention", "default_block_size"]
 
 
@@ -218,11 +220,12 @@ class _BandedWindowAttention:
     """Flash-style banded attention on ``(batch * heads, seq, dim)``: saves (q, k, v, out, lse), recomputes
     scores in backward. ``apply(q, k, v, window_size, shift, block, scale) -> out``; under torch.compile
     the kernel is the custom op ``stormshard::banded_window_attention`` (and its backward op), opaque
-    to the compiler; eager calls run the same functions as an autograd Function."""
+    to the compiler; eager calls run the same functions as an autograd Function (the op while selective
+    checkpointing watches: :mod:`stormshard.kernels.attention_ops`)."""
 
     @staticmethod
     def apply(q: Tensor, k: Tensor, v: Tensor, window_size: int, shift: int, block: int, scale: float) -> Tensor:
-        op = _banded_op if torch.compiler.is_compiling() else _EagerBanded.apply
+        op = _banded_op if use_registered_op() else _EagerBanded.apply
         return op(q, k, v, window_size, shift, block, scale)[0]
 
 

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from stormshard.kernels.attention_ops import use_registered_op
 from stormshard.kernels.reference import graph_operands
 
 __all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "cached_structures", "CsrStructure"]
@@ -517,8 +518,8 @@ def fused_graph_attention(
         out = q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum() + attr3.sum() + w_e.sum() + b_e.sum())
         return out.reshape(query.shape)
     # the CSR structure is looked up (cached) inside the op, out of torch.compile's sight; eager
-    # calls skip torch.library's dispatch (same functions)
-    op = _graph_attention_op if torch.compiler.is_compiling() else _EagerGraphAttention.apply
+    # calls skip torch.library's dispatch (same functions) unless selective checkpointing watches
+    op = _graph_attention_op if use_registered_op() else _EagerGraphAttention.apply
     out = op(q, k, v, attr3.contiguous(), w_e.contiguous(), b_e.contiguous(), edge_index, heads)[0]
     return out.reshape(query.shape)
 

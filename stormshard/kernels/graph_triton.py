@@ -85,6 +85,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from stormshard.kernels.attention_ops import use_registered_op
 from stormshard.kernels.reference import graph_operands
 
 __all__ = ["triton_graph_attention", "triton_graph_unavailable", "triton_graph_structure", "TritonGraphStructure",
@@ -502,6 +503,6 @@ def triton_graph_attention(
         out = q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum() + attr3.sum() + edge_weight.sum()
                                           + edge_bias.sum()).to(q.dtype)
         return out.reshape(query.shape)
-    op = _attention_op if torch.compiler.is_compiling() else _EagerAttention.apply
+    op = _attention_op if use_registered_op() else _EagerAttention.apply
     out = op(q, k, v, attr3, edge_weight.contiguous(), edge_bias.contiguous(), edge_index)[0]
     return out.reshape(query.shape)

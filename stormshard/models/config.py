@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -121,7 +121,10 @@ class ModelConfig(_Strict):
     encoder: MapperConfig = MapperConfig()
     decoder: MapperConfig = MapperConfig()
     ensemble: EnsembleConfig | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: Literal[False, True, "full", "selective"] = Field(
+        False, description="recompute each processor block's activations in backward: false, true (= 'full': "
+        "only the block inputs stay), or 'selective' (the attention outputs stay too: the recompute runs no "
+        "attention forward, for one (tokens, channels) tensor more per layer; stormshard.layers.checkpointing)")
     graph_kernel: GraphKernel = Field(
         "auto", description="graph-transformer attention kernel of the encoder, decoder and graph processor: "
         "'auto' (CUDA: Triton when it imports, else csr; elsewhere csr), 'csr' (sparse CSR products, every "
@@ -135,6 +138,14 @@ class ModelConfig(_Strict):
     decoder_embedding: bool = False  # the decoder's own embedding of the data-node inputs (anemoi's emb_nodes_dst)
     relu_bounded: tuple[str, ...] = ()  # output variables passed through a ReLU (normalised; anemoi's ReluBounding)
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _check_checkpointing(cls, value: object) -> object:
+        if value is True or value is False or value in ("full", "selective"):
+            return value
+        raise ValueError(f"is {value!r}: use false, true (or 'full': recompute each processor block) or 'selective' "
+                         "(keep the attention outputs, recompute the rest)")
 
     @field_validator("name")
     @classmethod

@@ -13,7 +13,8 @@ torchtitan's ``parallelize_llama``):
    shard (:func:`parallelize_processor`; no communication, parameter names unchanged);
 3. activation checkpointing: every block of ``model.processor.blocks`` is wrapped in
    :class:`~stormshard.layers.checkpointing.ActivationCheckpoint` once
-   (``model.activation_checkpointing``; every processor kind, names unchanged).
+   (``model.activation_checkpointing``: ``true`` / ``"full"`` or ``"selective"``; every processor
+   kind, names unchanged).
 
 :func:`build_transformer_processor` builds a standalone processor and applies steps 2 and 3 to it
 (a tensor-parallel processor without a whole model). :func:`~stormshard.models.registry.build_model`
@@ -22,10 +23,12 @@ calls :func:`parallelize`; training and inference get the parallelized model fro
 
 from __future__ import annotations
 
+import json
+
 from torch import nn
 
 from stormshard.kernels.dispatch import AttentionKernel, attention_kernel_problem, graph_kernel_problem
-from stormshard.layers.checkpointing import checkpoint_blocks
+from stormshard.layers.checkpointing import checkpoint_blocks, checkpoint_mode
 from stormshard.layers.strategy import indivisible_sizes
 from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
@@ -116,10 +119,11 @@ def check_parallel_strategy(config: ModelConfig, shard_strategy: str, group_size
 
 
 def parallelize_processor(processor: TransformerProcessor, *,
-                          activation_checkpointing: bool = False) -> TransformerProcessor:
+                          activation_checkpointing: bool | str = False) -> TransformerProcessor:
     """Swap in tensor-parallel blocks (``processor.shard_strategy == "tensor"``), wrap checkpointing; in place.
 
-    The blocks are sliced over ``processor.shard`` (the layers check that the heads and MLP
+    ``activation_checkpointing``: false, true (``"full"``) or ``"selective"``
+    (:mod:`stormshard.layers.checkpointing`). The blocks are sliced over ``processor.shard`` (the layers check that the heads and MLP
     channels split). Returns ``processor``. Blocks already swapped or wrapped are left as they
     are, so a second call changes nothing.
     """
@@ -129,15 +133,16 @@ def parallelize_processor(processor: TransformerProcessor, *,
         for i, block in enumerate(processor.blocks):
             if isinstance(block, TransformerBlock):
                 processor.blocks[i] = TensorParallelTransformerBlock.from_block(block, processor.shard)
-    if activation_checkpointing:
-        checkpoint_blocks(processor.blocks)
+    mode = checkpoint_mode(activation_checkpointing)
+    if mode is not None:
+        checkpoint_blocks(processor.blocks, mode)
     return processor
 
 
 def build_transformer_processor(num_layers: int, num_channels: int, num_heads: int, window_size: int,
                                 mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
                                 shard: SequenceShard | None = None, *,
-                                activation_checkpointing: bool = False,
+                                activation_checkpointing: bool | str = False,
                                 attention_kernel: AttentionKernel = "auto") -> TransformerProcessor:
     """A :class:`~stormshard.layers.transformer.TransformerProcessor` with its parallelism applied.
 
@@ -160,13 +165,15 @@ def parallelize(model: nn.Module, config: ModelConfig, plan: ModelShardPlan) -> 
     check_parallel_strategy(config, plan.shard_strategy, plan.world)
     for processor in [m for m in model.modules() if isinstance(m, TransformerProcessor)]:
         parallelize_processor(processor)
-    if config.activation_checkpointing:
+    mode = checkpoint_mode(config.activation_checkpointing)
+    if mode is not None:
         blocks = getattr(getattr(model, "processor", None), "blocks", None)
         if not isinstance(blocks, nn.ModuleList):
             raise ValueError(
-                f"model.activation_checkpointing is true but the model of model.name={config.name!r} has no "
-                "processor.blocks (an nn.ModuleList) to checkpoint: give it one, or wrap its blocks in "
-                "stormshard.layers.checkpointing.ActivationCheckpoint in the builder and set it false"
+                f"model.activation_checkpointing is {json.dumps(config.activation_checkpointing)} but the model of "
+                f"model.name={config.name!r} has no processor.blocks (an nn.ModuleList) to checkpoint: give it one, "
+                "or wrap its blocks in stormshard.layers.checkpointing.ActivationCheckpoint in the builder and set "
+                "it false"
             )
-        checkpoint_blocks(blocks)
+        checkpoint_blocks(blocks, mode)
     return model
