@@ -4,6 +4,7 @@
         [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--tables model:o96,attention:aifs,model:aifs]
         [--triton-tiles HPxBLOCK_ExWARPS[xNODES],...]   # with --tables ...,tiles:aifs
         [--cuda-graphs o96,...]   # the sizes with a "compiled + CUDA graphs" row (default o96)
+        [--selective aifs,...]   # the checkpointed sizes with a "compiled, selective checkpointing" row (default aifs)
         [--memory-census]   # what is alive at each stormshard row's peak, by source line (CUDA)
     python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
 
@@ -22,7 +23,10 @@ bf16 autocast, fp32 MSE loss, backward, AdamW (stormshard's: what its training b
 :func:`~stormshard.training.engine.adamw.build_adamw`, torch's fused kernel on CUDA; anemoi's:
 ``torch.optim.AdamW`` with torch's defaults, as anemoi-training builds it). Rows: stormshard with its default settings
 (``graph_kernel`` and ``attention_kernel`` "auto": the Triton graph kernel and flex / flash window attention
-on CUDA) eager and compiled (``training.compile``: :func:`stormshard.models.compile.compile_blocks`), and
+on CUDA) eager and compiled (``training.compile``: :func:`stormshard.models.compile.compile_blocks`), at the
+sizes of ``--selective`` (checkpointed ones) compiled with ``model.activation_checkpointing: "selective"`` too
+(the attention outputs kept for the backward: the recompute runs no flex forward; anemoi keeps its full
+checkpointing), and
 anemoi-models' own model built from the same weights (:mod:`stormshard.checkpoint.anemoi_plan` +
 :func:`~stormshard.checkpoint.anemoi_build.build_anemoi_interface`, as ``export-anemoi`` does) in anemoi's
 interpreter (``benchmarks/anemoi_side/gpu_vs_stormshard.py``, a subprocess: ``--anemoi-python`` /
@@ -250,6 +254,8 @@ def model_flops(config: ModelConfig, graph, variables: VariableIndex) -> ModelFl
 
 #: the implementation label's suffix of the rows compiled with ``training.cuda_graphs``
 GRAPHED = "compiled + CUDA graphs"
+#: the implementation label's suffix of the compiled rows with ``model.activation_checkpointing: "selective"``
+SELECTIVE = "compiled, selective checkpointing"
 
 
 def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device: torch.device, warmup: int,  # noqa: ANN001
@@ -260,7 +266,10 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
     from stormshard.training.engine.adamw import build_adamw
 
     variables = size_variables(size)
-    model = build_model(size_config(size), graph, variables)
+    config = size_config(size)
+    if row.impl.endswith(SELECTIVE):
+        config = config.model_copy(update={"activation_checkpointing": "selective"})
+    model = build_model(config, graph, variables)
     model.load_state_dict(weights)
     model.to(device)
     graphed = row.impl.endswith(GRAPHED)
@@ -416,7 +425,8 @@ def format_attention_row(r: AttentionRow, anemoi: AttentionRow | None) -> str:
 def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype: torch.dtype, peak: float | None,
                 budget_end: float, workdir: Path, anemoi_ok: bool, report: dict) -> list[ModelRow]:
     """The whole-model rows of size ``key``: anemoi's (after the same-weights check), stormshard eager, compiled,
-    and, for the sizes of ``--cuda-graphs``, compiled with CUDA graphs (``training.cuda_graphs``; CUDA only)."""
+    and, for the sizes of ``--cuda-graphs``, compiled with CUDA graphs (``training.cuda_graphs``; CUDA only), for the
+    checkpointed sizes of ``--selective``, compiled with selective checkpointing."""
     from stormshard.models.registry import build_model
 
     size, warmup, steps = SIZES[key], args.warmup, args.steps
@@ -426,6 +436,8 @@ def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype:
     ours = [ModelRow(key, "stormshard eager"), ModelRow(key, "stormshard compiled")]
     if key in args.cuda_graphs.split(","):
         ours.append(ModelRow(key, f"stormshard {GRAPHED}"))
+    if key in args.selective.split(",") and size.checkpointing:
+        ours.append(ModelRow(key, f"stormshard {SELECTIVE}"))
     theirs = ModelRow(key, "anemoi-models 0.19")
     if time.perf_counter() > budget_end:
         for r in [theirs, *ours]:
@@ -565,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sizes (a comma list) whose whole-model table has the 'compiled + CUDA graphs' row "
                              "(training.cuda_graphs; default o96, the host-bound size: at the AIFS size the row costs "
                              "another compile of a minute or two)")
+    parser.add_argument("--selective", default="aifs",
+                        help="the checkpointed sizes (a comma list) whose whole-model table has the 'compiled, "
+                             "selective checkpointing' row (model.activation_checkpointing 'selective'; default aifs)")
     parser.add_argument("--memory-census", action="store_true",
                         help="after each stormshard whole-model row, one more step under the CUDA allocator's history: "
                              "what is alive at the peak, by source line (benchmarks/memory_census.py)")

@@ -15,6 +15,9 @@ minute. Rows:
   :mod:`stormshard.layers.row_chunked_mlp`);
 - **stormshard, memory-lean paths off** (the baseline, same process): the same model with
   ``model.lean_activations: false``, every norm before its projection and plain MLPs, as the blocks were before;
+- **stormshard, selective checkpointing** (sizes whose processor blocks are checkpointed): its defaults with
+  ``model.activation_checkpointing: "selective"``, the attention outputs kept for the backward
+  (:mod:`stormshard.layers.checkpointing`): what the recompute without an attention forward costs in memory;
 - **anemoi-models 0.19** (``--anemoi-python``, or ``$ANEMOI_PY``: an interpreter with anemoi-models, e.g. the one
   ``../shared/anemoi-bench/setup_env.sh`` builds; ``anemoi_side/memory_vs_stormshard.py``): anemoi's own model
   built from the same weights (as ``export-anemoi`` does), its Triton graph backend and flash-attn's window
@@ -50,10 +53,18 @@ GET_ANEMOI = ("anemoi rows skipped: no --anemoi-python (or $ANEMOI_PY). Build on
               "--anemoi-python /tmp/anemoi-env/venv/bin/python")
 
 
-def stormshard_row(size: str, lean: bool, encoder_chunks: int | None, decoder_chunks: int | None) -> dict:
+def _checkpointed(size: str) -> bool:
+    import bench_gpu_vs_anemoi as bench
+
+    return bench.SIZES[size].checkpointing
+
+
+def stormshard_row(size: str, lean: bool, encoder_chunks: int | None, decoder_chunks: int | None,
+                   checkpointing: str | None = None) -> dict:
     """One stormshard row: ``{"label", "peak", "parameters", "state", "sources", "largest"}``."""
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton graph kernel allowed on a CPU (never launched)
-    step, parameters, mode, label = sim.stormshard_step(size, "bf16", encoder_chunks, decoder_chunks, lean)
+    step, parameters, mode, label = sim.stormshard_step(size, "bf16", encoder_chunks, decoder_chunks, lean,
+                                                        checkpointing)
     with sim.cuda_kernels_on_fake_tensors(), mode:
         result = sim.simulate_step_memory(step, parameters, fake_mode=mode)
     return {"label": f"stormshard, {label}", "peak": result.census.peak, "parameters": result.parameters,
@@ -99,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = {"default": stormshard_row(size, True, args.encoder_chunks, args.decoder_chunks),
             "baseline": stormshard_row(size, False, args.encoder_chunks, args.decoder_chunks)}
+    if _checkpointed(size):
+        rows["selective"] = stormshard_row(size, True, args.encoder_chunks, args.decoder_chunks, "selective")
     if args.anemoi_python in ("", "none"):
         print(GET_ANEMOI)
     else:
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsimulated peak memory of one eager training step (fake tensors, CPU): {size}\n")
     print("| model | peak GiB | / lean paths off | / anemoi (matched) | largest at the peak (GiB) |")
     print("|---|---|---|---|---|")
-    for key in ("default", "baseline", "anemoi", "anemoi-default"):
+    for key in ("default", "baseline", "selective", "anemoi", "anemoi-default"):
         row = rows.get(key)
         if row is None:
             continue

@@ -219,6 +219,17 @@ def fake_parameters(module: torch.nn.Module, mode) -> list[torch.Tensor]:  # noq
     return list(made.values())
 
 
+@torch.library.custom_op("stormshard_sim::attention_output", mutates_args=())
+def _attention_output(q: torch.Tensor, lse_shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention kernel's outputs, no arithmetic: the output like ``q`` (its memory order) and the fp32
+    log-sum-exp. An operator, so that selective checkpointing keeps it as it keeps flex attention's outputs
+    (registered in :func:`cuda_kernels_on_fake_tensors`)."""
+    return _dense_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+_attention_output.register_fake(lambda q, lse_shape: (_dense_like(q), q.new_empty(lse_shape, dtype=torch.float32)))
+
+
 class _AttentionMemory(torch.autograd.Function):
     """An attention kernel's memory contract, no arithmetic: the output like ``q``; keeps q, k, v, the output, the
     fp32 log-sum-exp of ``lse_shape`` and ``keep`` (a mask, or None); its backward makes dq, dk, dv and one fp32
@@ -226,8 +237,7 @@ class _AttentionMemory(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keep, lse_shape, dq_accumulator):  # noqa: ANN001, ANN205
-        out = _dense_like(q)
-        lse = q.new_empty(lse_shape, dtype=torch.float32)
+        out, lse = torch.ops.stormshard_sim.attention_output(q, list(lse_shape))
         ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.dq_accumulator = dq_accumulator
         return out
@@ -279,7 +289,9 @@ def cuda_kernels_on_fake_tensors() -> Iterator[None]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from stormshard.kernels import flex, graph_triton
+    from stormshard.kernels.attention_ops import register_attention_op
 
+    register_attention_op(_attention_output)  # flex's stand-in: kept by selective checkpointing, as flex is
     build = graph_triton.triton_graph_structure
 
     def structure(edge_index: torch.Tensor, num_src: int, num_dst: int):  # noqa: ANN202
@@ -301,11 +313,12 @@ def cuda_kernels_on_fake_tensors() -> Iterator[None]:
 
 
 def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int | None = None,
-                    decoder_chunks: int | None = None, lean: bool = True):
+                    decoder_chunks: int | None = None, lean: bool = True, checkpointing: bool | str | None = None):
     """``(step, parameters, mode, label)``: ``bench_gpu_vs_anemoi``'s model at ``size_name`` with the kernels a
     CUDA step runs (graph kernel "triton", attention kernel "flex"), its parameters, inputs and AdamW fake.
     ``lean=False``: ``model.lean_activations`` false (every norm before its projection, plain MLPs): the
-    baseline of ``bench_memory.py``. Run ``step`` inside :func:`cuda_kernels_on_fake_tensors`, under ``mode``."""
+    baseline of ``bench_memory.py``. ``checkpointing``: ``model.activation_checkpointing`` in place of the
+    size's (e.g. ``"selective"``). Run ``step`` inside :func:`cuda_kernels_on_fake_tensors`, under ``mode``."""
     import bench_gpu_vs_anemoi as bench
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -320,6 +333,8 @@ def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int
     for section, chunks in (("encoder", encoder_chunks), ("decoder", decoder_chunks)):
         if chunks is not None:
             updates[section] = getattr(config, section).model_copy(update={"num_chunks": chunks})
+    if checkpointing is not None:
+        updates["activation_checkpointing"] = checkpointing
     config = config.model_copy(update={**updates, "lean_activations": lean})
     torch.manual_seed(0)
     model = build_model(config, graph, variables)
@@ -342,4 +357,6 @@ def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step, parameters, mode, f"{size.label}, {precision}{'' if lean else ', memory-lean paths off'}"
+    extra = ('' if lean else ', memory-lean paths off') + (', selective checkpointing'
+                                                            if config.activation_checkpointing == "selective" else '')
+    return step, parameters, mode, f"{size.label}, {precision}{extra}"

@@ -93,6 +93,21 @@ def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
     assert report["flops"]["micro"]["step"] == pytest.approx(flops.step, rel=1e-12)
 
 
+@pytest.mark.timeout(600)
+def test_cpu_smoke_selective_checkpointing_row(tmp_path):
+    """A checkpointed size gets the compiled row with selective checkpointing, and it trains the same model."""
+    out = tmp_path / "smoke.json"
+    done = _run("--cpu-smoke", "--tables", "model:tiny-ckpt", "--selective", "tiny-ckpt", "--cuda-graphs", "none",
+                "--anemoi-python", "none", "--warmup", "1", "--steps", "1", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["model_rows"]}
+    assert list(rows) == ["anemoi-models 0.19", "stormshard eager", "stormshard compiled",
+                          f"stormshard {h2h.SELECTIVE}"]
+    selective, compiled = rows[f"stormshard {h2h.SELECTIVE}"], rows["stormshard compiled"]
+    assert selective["note"] == "" and _finite(selective["step_ms"], selective["loss"]), selective
+    assert selective["loss"] == pytest.approx(compiled["loss"], rel=1e-5)  # same weights, same step
+
+
 class _LinearProducts(gemm_timer.DenseGemmTimer):
     """gemm_timer's counter restricted to the products of a Linear with a bias (``addmm`` with a 1-D input)."""
 

@@ -111,8 +111,9 @@ def test_cuda_kernels_run_a_model_on_fake_tensors(monkeypatch: pytest.MonkeyPatc
     assert any("bfloat16" in tensor for _size, tensor, _source in result.largest)
 
 
-@pytest.mark.parametrize("size", ["tiny", "tiny-ckpt"])
-def test_preflight_activation_estimate_tracks_the_simulated_step(size, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("size,checkpointing", [("tiny", None), ("tiny-ckpt", None), ("tiny-ckpt", "selective")])
+def test_preflight_activation_estimate_tracks_the_simulated_step(size, checkpointing,
+                                                                 monkeypatch: pytest.MonkeyPatch):
     """``training.activation_memory``'s estimate at rollout 1 against the simulated step's allocations at its peak
     (the benchmark's model, bf16): within 25% (the module docstring gives the larger sizes)."""
     import bench_gpu_vs_anemoi as bench
@@ -120,7 +121,7 @@ def test_preflight_activation_estimate_tracks_the_simulated_step(size, monkeypat
     from stormshard.training.activation_memory import estimate_activation_memory
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    step, parameters, mode, _label = memory_simulation.stormshard_step(size)
+    step, parameters, mode, _label = memory_simulation.stormshard_step(size, checkpointing=checkpointing)
     with memory_simulation.cuda_kernels_on_fake_tensors(), mode:
         census = memory_simulation.simulate_step_memory(step, parameters, fake_mode=mode).census
     simulated = census.peak - census.baseline
@@ -130,6 +131,22 @@ def test_preflight_activation_estimate_tracks_the_simulated_step(size, monkeypat
     estimate = estimate_activation_memory(
         data_cells=graph["data"].num_nodes, hidden=graph["hidden"].num_nodes, gpus_per_model=1,
         num_channels=spec.channels, num_layers=spec.layers, mlp_ratio=config.processor.mlp_ratio,
-        mapper_mlp_ratio=config.decoder.mlp_ratio, activation_checkpointing=spec.checkpointing, samples=1, rollout=1,
+        mapper_mlp_ratio=config.decoder.mlp_ratio, activation_checkpointing=checkpointing or spec.checkpointing, samples=1, rollout=1,
         bytes_per_element=2, lean=config.lean_activations)
     assert 0.75 <= estimate.total / simulated <= 1.25, (estimate.total, simulated)
+
+
+def test_selective_checkpointing_keeps_each_layers_attention_output(monkeypatch: pytest.MonkeyPatch):
+    """The simulated step with selective checkpointing holds, at its peak, exactly each processor layer's
+    attention output (bf16) and log-sum-exp (fp32) more than with full checkpointing: flex's stand-in is kept."""
+    import bench_gpu_vs_anemoi as bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    peaks = {}
+    for checkpointing in (True, "selective"):
+        step, parameters, mode, _label = memory_simulation.stormshard_step("tiny-ckpt", checkpointing=checkpointing)
+        with memory_simulation.cuda_kernels_on_fake_tensors(), mode:
+            peaks[checkpointing] = memory_simulation.simulate_step_memory(step, parameters, fake_mode=mode).census.peak
+    spec = bench.SIZES["tiny-ckpt"]
+    hidden = bench.size_graph(spec)[0]["hidden"].num_nodes
+    assert peaks["selective"] - peaks[True] == spec.layers * hidden * (spec.channels * 2 + spec.heads * 4)

@@ -9,7 +9,8 @@ step, the elements autograd keeps:
 - each processor layer: ``hidden_local * C * (8 + 2 * mlp_ratio)`` (norms, q/k/v, attention
   output, projection, MLP hidden and activation; the banded attention recomputes its scores); with
   ``model.activation_checkpointing`` only the layer input ``hidden_local * C`` stays, plus one
-  layer recomputed at a time;
+  layer recomputed at a time; ``"selective"`` keeps the attention output too (``2 * hidden_local * C``
+  per layer);
 - graph-transformer encoder and decoder (every built-in model but ``gnn``), on the data nodes:
   the encoder keeps the data embedding, its norm and the keys and values (``4 C``; ``3 C`` where
   the norm runs inside the projections), the decoder its queries, norms, attention output,
@@ -74,17 +75,21 @@ def hidden_nodes(hidden: str) -> int:
 
 def estimate_activation_memory(*, data_cells: int, hidden: int, gpus_per_model: int, num_channels: int,
                                num_layers: int, mlp_ratio: float, mapper_mlp_ratio: float,
-                               activation_checkpointing: bool, samples: int, rollout: int,
+                               activation_checkpointing: bool | str, samples: int, rollout: int,
                                bytes_per_element: int = 4, graph_mappers: bool = True,
                                lean: bool = True) -> ActivationEstimate:
     """The estimate of the module docstring for one rank of a model group of ``gpus_per_model``:
-    ``graph_mappers`` graph-transformer encoder and decoder (False: GNN ones), ``lean`` the blocks'
-    ``model.lean_activations``."""
+    ``activation_checkpointing`` false, true / ``"full"`` or ``"selective"``, ``graph_mappers``
+    graph-transformer encoder and decoder (False: GNN ones), ``lean`` the blocks' ``model.lean_activations``."""
     data_local = -(-data_cells // gpus_per_model)
     hidden_local = -(-hidden // gpus_per_model)
     c = num_channels
     layer = hidden_local * c * (8 + 2 * mlp_ratio)
-    processor = (num_layers * hidden_local * c + layer) if activation_checkpointing else num_layers * layer
+    if activation_checkpointing:  # the layer inputs (and, selective, the attention outputs), one layer recomputed
+        kept = 2 if activation_checkpointing == "selective" else 1
+        processor = num_layers * kept * hidden_local * c + layer
+    else:
+        processor = num_layers * layer
     rows = data_local * samples  # the blocks' thresholds count the rows of every sample
     if graph_mappers:
         norms_inside = lean and rows * c >= NORM_LINEAR_MIN_ELEMENTS
