@@ -11,13 +11,15 @@
 #   device run: command "bash benchmarks/gpu_session.sh 540", carry [".whl"], timeout_s 600
 #
 # Budget (seconds, default 540): the GPU tests of the new kernels and layouts (tests/gpu/test_cuda_graph_triton.py,
-# test_cuda_layers.py and test_cuda_flex.py: flex reads q, k, v as views of the projection) up to 200, the census up
+# test_cuda_layers.py and test_cuda_flex.py: flex reads q, k, v as views of the projection, compiled blocks keep
+# flex's output under selective checkpointing) up to 200, the census up
 # to 30 (casts, copies, sorts and host syncs of a small graph-transformer step; a dispatch mode cannot watch flex's
 # compiled call, so the window attention's copies are counted on fake tensors: step_census.py --cuda-path), then
 # make bench-gpu with what is left but 60 s (about 300 s), then the rest of `make test-gpu` in what remains (a full
 # make test-gpu takes 5-6 min: run it in a second session if it is cut): bench_gpu.py's bf16 compiled flex processor rows (--budget-s 30, about 40 s) and
 # bench_gpu_vs_anemoi.py --quick with --budget-s = what is left - 170 (a row started before that runs to its end:
-# the AIFS-size compiled row compiles for a minute or two; O96 also gets a "compiled + CUDA graphs" row, and every
+# the AIFS-size compiled rows, the defaults' and selective checkpointing's, compile for a minute or two each; O96
+# also gets a "compiled + CUDA graphs" row, and every
 # stormshard row one more step under the allocator's history: what holds memory at its peak). Last, inside what is left, the tile table times the Triton
 # graph kernel at four other tile shapes (--triton-tiles: 4 nodes per program, one after the other, with 4-edge tiles
 # on 4 warps, for the 3-edge nodes of the decoder and of the encoder's source-side backward; 4 heads x 8 edges on 8

@@ -223,6 +223,10 @@ ENGINE_CASES = {  # id: (world, changes)
     # the GNN's halo projection under dynamo (it once failed to trace: its plan taken for a tensor)
     "local-sharded-gnn": (2, {"engine": "local", "deepspeed": {}, "model.name": "gnn", "parallel.gpus_per_model": 2}),
     "local-bf16": (1, {"engine": "local", "deepspeed": {}, "training.precision": "bf16"}),
+    # selective checkpointing traced: its policy applied by the partitioner, tensor-parallel collectives recomputed
+    "local-sharded-tensor-selective": (2, {"engine": "local", "deepspeed": {}, "parallel.gpus_per_model": 2,
+                                           "parallel.shard_strategy": "tensor",
+                                           "model.activation_checkpointing": "selective"}),
 }
 
 
