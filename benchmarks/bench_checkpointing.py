@@ -3,19 +3,22 @@
     python benchmarks/bench_checkpointing.py [--quick] [--size SIZE] [--rounds N] [--steps N] [--json PATH]
 
 The ``transformer`` model of ``bench_gpu_vs_anemoi.py`` (graph-transformer encoder and decoder, sliding-window
-processor, every processor block checkpointed), the same weights and inputs in both rows; one step is forward,
+processor, every processor block checkpointed), the same weights and inputs in every row; one step is forward,
 fp32 MSE loss, backward and AdamW (``bench_gpu.mse_training_step``). Rows:
 
 - **full** (the baseline): ``model.activation_checkpointing: true``, the backward recomputes each block whole;
 - **selective**: ``"selective"``, the blocks' attention outputs kept (:mod:`stormshard.layers.checkpointing`):
-  the recompute runs the norms and products, no attention forward.
+  the recompute runs the norms and products, no attention forward;
+- **selective + encoder**: the same with the encoder checkpointed too (``model.encoder.activation_checkpointing:
+  "selective"``): what remaking the encoder's keys, values and norms in its backward costs (it frees them for
+  the rest of the step: 2.7 GiB of the simulated AIFS-size peak, ``bench_memory.py``).
 
 On a CPU (``--quick``: O32 -> O16, 128 channels, 4 layers, window 64; default O48 -> O24, 256 channels,
 8 layers, window 200): fp32, eager, the banded window kernel; on CUDA (``--size aifs`` or ``o96``, any size of
 ``bench_gpu_vs_anemoi.py`` with checkpointing forced on): bf16 autocast, compiled blocks (``training.compile``'s
 default there), flex attention. The rows alternate, ``--rounds`` times ``--steps`` timed steps after a warm-up
-each; it prints the median step of each row, the ratio (full / selective: above 1, selective is faster),
-the losses of both rows (equal: the same model), and the bytes the selective row keeps more per step
+each; it prints the median step of each row, the ratios (full / selective: above 1, selective is faster),
+whether the rows' losses are equal (the same model), and the bytes the selective row keeps more per step
 (``layers x hidden nodes x (channels x activation bytes + heads x 4)``: each layer's attention output and
 fp32 log-sum-exp). ``benchmarks/bench_memory.py`` simulates the peak at the AIFS size.
 """
@@ -53,7 +56,7 @@ def _size(name: str) -> h2h.Size:
 
 
 def _steps(size: h2h.Size, device: torch.device, compiled: bool) -> dict:
-    """The two rows' step functions, built from one set of weights and one input."""
+    """The rows' step functions, built from one set of weights and one input."""
     from stormshard.models.compile import compile_blocks
     from stormshard.models.registry import build_model
     from stormshard.training.engine.adamw import build_adamw
@@ -65,8 +68,11 @@ def _steps(size: h2h.Size, device: torch.device, compiled: bool) -> dict:
     x, target = h2h.model_inputs(graph, variables, device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     steps = {}
-    for name, setting in (("full", True), ("selective", "selective")):
-        model = build_model(config.model_copy(update={"activation_checkpointing": setting}), graph, variables)
+    encoder = config.encoder.model_copy(update={"activation_checkpointing": "selective"})
+    for name, update in (("full", {"activation_checkpointing": True}),
+                         ("selective", {"activation_checkpointing": "selective"}),
+                         ("selective + encoder", {"activation_checkpointing": "selective", "encoder": encoder})):
+        model = build_model(config.model_copy(update=update), graph, variables)
         model.load_state_dict(weights)
         model.to(device)
         if compiled:
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the small CPU size, 2 rounds (make bench)")
     parser.add_argument("--size", default=None, help="cpu-quick, cpu (the CPU default) or a bench_gpu_vs_anemoi size "
                         "(the CUDA default: aifs)")
-    parser.add_argument("--rounds", type=int, default=None, help="alternations of the two rows (default 3; quick 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternations of the rows (default 3; quick 2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row and round")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -117,15 +123,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{size.label}; {rounds} rounds x {args.steps} steps per row, alternating\n")
     print("| checkpointing | step ms (median) | min | max | losses equal |")
     print("|---|---|---|---|---|")
-    same = all(abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-12) for a, b in zip(*losses.values(), strict=True))
+    same = all(abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-12) for row in zip(*losses.values(), strict=True)
+               for a, b in zip(row, row[1:]))
     for name, t in times.items():
         print(f"| {name} | {1e3 * median[name]:.1f} | {1e3 * min(t):.1f} | {1e3 * max(t):.1f} | {same} |")
     print(f"\nselective vs full: {median['full'] / median['selective']:.2f}x faster (full ms / selective ms); "
           f"it keeps {kept / 2**20:.1f} MiB more per step (each layer's attention output and log-sum-exp)")
+    print(f"selective + encoder vs full: {median['full'] / median['selective + encoder']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": dataclasses.asdict(size), "device": str(device), "times": times, "losses": losses,
-                       "ratio": median["full"] / median["selective"], "kept_bytes": kept}, f, indent=1)
+                       "ratio": median["full"] / median["selective"],
+                       "ratio_encoder": median["full"] / median["selective + encoder"], "kept_bytes": kept}, f, indent=1)
     return 0 if same else 1
 
 

@@ -4,7 +4,7 @@
         [--anemoi-python PY] [--anemoi-pythonpath DIRS] [--tables model:o96,attention:aifs,model:aifs]
         [--triton-tiles HPxBLOCK_ExWARPS[xNODES],...]   # with --tables ...,tiles:aifs
         [--cuda-graphs o96,...]   # the sizes with a "compiled + CUDA graphs" row (default o96)
-        [--selective aifs,...]   # the checkpointed sizes with a "compiled, selective checkpointing" row (default aifs)
+        [--selective aifs,...]   # the checkpointed sizes with a "compiled, selective checkpointing + encoder" row (default aifs)
         [--memory-census]   # what is alive at each stormshard row's peak, by source line (CUDA)
     python benchmarks/bench_gpu_vs_anemoi.py --cpu-smoke      # tiny grids on the CPU: every code path, fp32
 
@@ -24,9 +24,10 @@ bf16 autocast, fp32 MSE loss, backward, AdamW (stormshard's: what its training b
 ``torch.optim.AdamW`` with torch's defaults, as anemoi-training builds it). Rows: stormshard with its default settings
 (``graph_kernel`` and ``attention_kernel`` "auto": the Triton graph kernel and flex / flash window attention
 on CUDA) eager and compiled (``training.compile``: :func:`stormshard.models.compile.compile_blocks`), at the
-sizes of ``--selective`` (checkpointed ones) compiled with ``model.activation_checkpointing: "selective"`` too
-(the attention outputs kept for the backward: the recompute runs no flex forward; anemoi keeps its full
-checkpointing), and
+sizes of ``--selective`` (checkpointed ones) compiled with ``model.activation_checkpointing: "selective"`` and
+the encoder checkpointed (``model.encoder.activation_checkpointing: "selective"``) too (the attention outputs
+kept for the backward: the recompute runs no flex forward; the encoder's keys and values on the data nodes
+remade in its own backward; anemoi keeps the matched checkpointing), and
 anemoi-models' own model built from the same weights (:mod:`stormshard.checkpoint.anemoi_plan` +
 :func:`~stormshard.checkpoint.anemoi_build.build_anemoi_interface`, as ``export-anemoi`` does) in anemoi's
 interpreter (``benchmarks/anemoi_side/gpu_vs_stormshard.py``, a subprocess: ``--anemoi-python`` /
@@ -254,8 +255,9 @@ def model_flops(config: ModelConfig, graph, variables: VariableIndex) -> ModelFl
 
 #: the implementation label's suffix of the rows compiled with ``training.cuda_graphs``
 GRAPHED = "compiled + CUDA graphs"
-#: the implementation label's suffix of the compiled rows with ``model.activation_checkpointing: "selective"``
-SELECTIVE = "compiled, selective checkpointing"
+#: the implementation label's suffix of the compiled rows with ``model.activation_checkpointing: "selective"`` and
+#: the encoder checkpointed (``model.encoder.activation_checkpointing: "selective"``)
+SELECTIVE = "compiled, selective checkpointing + encoder"
 
 
 def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device: torch.device, warmup: int,  # noqa: ANN001
@@ -268,7 +270,8 @@ def run_stormshard_model(row: ModelRow, size: Size, graph, weights: dict, device
     variables = size_variables(size)
     config = size_config(size)
     if row.impl.endswith(SELECTIVE):
-        config = config.model_copy(update={"activation_checkpointing": "selective"})
+        config = config.model_copy(update={"activation_checkpointing": "selective", "encoder": config.encoder.model_copy(
+            update={"activation_checkpointing": "selective"})})
     model = build_model(config, graph, variables)
     model.load_state_dict(weights)
     model.to(device)
@@ -426,7 +429,7 @@ def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype:
                 budget_end: float, workdir: Path, anemoi_ok: bool, report: dict) -> list[ModelRow]:
     """The whole-model rows of size ``key``: anemoi's (after the same-weights check), stormshard eager, compiled,
     and, for the sizes of ``--cuda-graphs``, compiled with CUDA graphs (``training.cuda_graphs``; CUDA only), for the
-    checkpointed sizes of ``--selective``, compiled with selective checkpointing."""
+    checkpointed sizes of ``--selective``, compiled with selective checkpointing and the encoder checkpointed."""
     from stormshard.models.registry import build_model
 
     size, warmup, steps = SIZES[key], args.warmup, args.steps
@@ -579,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                              "another compile of a minute or two)")
     parser.add_argument("--selective", default="aifs",
                         help="the checkpointed sizes (a comma list) whose whole-model table has the 'compiled, "
-                             "selective checkpointing' row (model.activation_checkpointing 'selective'; default aifs)")
+                             "selective checkpointing + encoder' row (model.activation_checkpointing and "
+                             "model.encoder.activation_checkpointing 'selective'; default aifs)")
     parser.add_argument("--memory-census", action="store_true",
                         help="after each stormshard whole-model row, one more step under the CUDA allocator's history: "
                              "what is alive at the peak, by source line (benchmarks/memory_census.py)")

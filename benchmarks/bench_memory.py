@@ -18,6 +18,8 @@ minute. Rows:
 - **stormshard, selective checkpointing** (sizes whose processor blocks are checkpointed): its defaults with
   ``model.activation_checkpointing: "selective"``, the attention outputs kept for the backward
   (:mod:`stormshard.layers.checkpointing`): what the recompute without an attention forward costs in memory;
+  and the same with the encoder checkpointed too (``model.encoder.activation_checkpointing: "selective"``:
+  its keys, values and norms on the data nodes no longer held through the step);
 - **anemoi-models 0.19** (``--anemoi-python``, or ``$ANEMOI_PY``: an interpreter with anemoi-models, e.g. the one
   ``../shared/anemoi-bench/setup_env.sh`` builds; ``anemoi_side/memory_vs_stormshard.py``): anemoi's own model
   built from the same weights (as ``export-anemoi`` does), its Triton graph backend and flash-attn's window
@@ -60,11 +62,11 @@ def _checkpointed(size: str) -> bool:
 
 
 def stormshard_row(size: str, lean: bool, encoder_chunks: int | None, decoder_chunks: int | None,
-                   checkpointing: str | None = None) -> dict:
+                   checkpointing: str | None = None, encoder_checkpointing: str | bool = False) -> dict:
     """One stormshard row: ``{"label", "peak", "parameters", "state", "sources", "largest"}``."""
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton graph kernel allowed on a CPU (never launched)
     step, parameters, mode, label = sim.stormshard_step(size, "bf16", encoder_chunks, decoder_chunks, lean,
-                                                        checkpointing)
+                                                        checkpointing, encoder_checkpointing)
     with sim.cuda_kernels_on_fake_tensors(), mode:
         result = sim.simulate_step_memory(step, parameters, fake_mode=mode)
     return {"label": f"stormshard, {label}", "peak": result.census.peak, "parameters": result.parameters,
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             "baseline": stormshard_row(size, False, args.encoder_chunks, args.decoder_chunks)}
     if _checkpointed(size):
         rows["selective"] = stormshard_row(size, True, args.encoder_chunks, args.decoder_chunks, "selective")
+        rows["selective-encoder"] = stormshard_row(size, True, args.encoder_chunks, args.decoder_chunks, "selective",
+                                                   "selective")
     if args.anemoi_python in ("", "none"):
         print(GET_ANEMOI)
     else:
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsimulated peak memory of one eager training step (fake tensors, CPU): {size}\n")
     print("| model | peak GiB | / lean paths off | / anemoi (matched) | largest at the peak (GiB) |")
     print("|---|---|---|---|---|")
-    for key in ("default", "baseline", "selective", "anemoi", "anemoi-default"):
+    for key in ("default", "baseline", "selective", "selective-encoder", "anemoi", "anemoi-default"):
         row = rows.get(key)
         if row is None:
             continue

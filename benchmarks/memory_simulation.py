@@ -313,15 +313,18 @@ def cuda_kernels_on_fake_tensors() -> Iterator[None]:
 
 
 def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int | None = None,
-                    decoder_chunks: int | None = None, lean: bool = True, checkpointing: bool | str | None = None):
+                    decoder_chunks: int | None = None, lean: bool = True, checkpointing: bool | str | None = None,
+                    encoder_checkpointing: bool | str = False):
     """``(step, parameters, mode, label)``: ``bench_gpu_vs_anemoi``'s model at ``size_name`` with the kernels a
     CUDA step runs (graph kernel "triton", attention kernel "flex"), its parameters, inputs and AdamW fake.
     ``lean=False``: ``model.lean_activations`` false (every norm before its projection, plain MLPs): the
     baseline of ``bench_memory.py``. ``checkpointing``: ``model.activation_checkpointing`` in place of the
-    size's (e.g. ``"selective"``). Run ``step`` inside :func:`cuda_kernels_on_fake_tensors`, under ``mode``."""
+    size's (e.g. ``"selective"``), ``encoder_checkpointing`` ``model.encoder.activation_checkpointing``. Run
+    ``step`` inside :func:`cuda_kernels_on_fake_tensors`, under ``mode``."""
     import bench_gpu_vs_anemoi as bench
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from stormshard.layers.checkpointing import checkpoint_mode
     from stormshard.models.registry import build_model
 
     size = bench.SIZES[size_name]
@@ -333,6 +336,9 @@ def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int
     for section, chunks in (("encoder", encoder_chunks), ("decoder", decoder_chunks)):
         if chunks is not None:
             updates[section] = getattr(config, section).model_copy(update={"num_chunks": chunks})
+    if encoder_checkpointing:
+        updates["encoder"] = updates.get("encoder", config.encoder).model_copy(
+            update={"activation_checkpointing": encoder_checkpointing})
     if checkpointing is not None:
         updates["activation_checkpointing"] = checkpointing
     config = config.model_copy(update={**updates, "lean_activations": lean})
@@ -359,4 +365,5 @@ def stormshard_step(size_name: str, precision: str = "bf16", encoder_chunks: int
 
     extra = ('' if lean else ', memory-lean paths off') + (', selective checkpointing'
                                                             if config.activation_checkpointing == "selective" else '')
+    extra += f", encoder checkpointed ({checkpoint_mode(encoder_checkpointing)})" if encoder_checkpointing else ""
     return step, parameters, mode, f"{size.label}, {precision}{extra}"

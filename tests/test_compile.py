@@ -39,6 +39,9 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 MODELS = {  # model config changes per case: every processor kind, checkpointing, chunks
     "transformer": dict(name="transformer", activation_checkpointing=True),
+    "transformer-selective": dict(name="transformer", activation_checkpointing="selective",
+                                  encoder=dict(activation_checkpointing="selective"),
+                                  decoder=dict(activation_checkpointing=True)),
     "graphtransformer": dict(name="graphtransformer", processor=dict(num_chunks=2)),
     "gnn": dict(name="gnn", activation_checkpointing=True),
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=2)),
@@ -72,7 +75,8 @@ def _model(case: str, group, strategy: str = "shard_sequence") -> nn.Module:  # 
     spec = dict(MODELS[case])
     processor = dict(num_layers=2, num_heads=2, window_size=9, mlp_ratio=2, **spec.pop("processor", {}))
     config = ModelConfig(num_channels=8, multistep_input=2, trainable_size=3, processor=processor,
-                         encoder=dict(num_heads=2), decoder=dict(num_heads=2), **spec)
+                         encoder=dict(num_heads=2, **spec.pop("encoder", {})),
+                         decoder=dict(num_heads=2, **spec.pop("decoder", {})), **spec)
     variables = VariableIndex.build(["u", "v", "t", "insolation"], forcing=["insolation"])
     torch.manual_seed(0)
     return build_model(config, _graph(config.uses_graph_processor), variables, group, shard_strategy=strategy)

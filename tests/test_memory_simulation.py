@@ -111,8 +111,10 @@ def test_cuda_kernels_run_a_model_on_fake_tensors(monkeypatch: pytest.MonkeyPatc
     assert any("bfloat16" in tensor for _size, tensor, _source in result.largest)
 
 
-@pytest.mark.parametrize("size,checkpointing", [("tiny", None), ("tiny-ckpt", None), ("tiny-ckpt", "selective")])
-def test_preflight_activation_estimate_tracks_the_simulated_step(size, checkpointing,
+@pytest.mark.parametrize("size,checkpointing,encoder", [("tiny", None, False), ("tiny-ckpt", None, False),
+                                                        ("tiny-ckpt", "selective", False),
+                                                        ("tiny-ckpt", "selective", "selective")])
+def test_preflight_activation_estimate_tracks_the_simulated_step(size, checkpointing, encoder,
                                                                  monkeypatch: pytest.MonkeyPatch):
     """``training.activation_memory``'s estimate at rollout 1 against the simulated step's allocations at its peak
     (the benchmark's model, bf16): within 25% (the module docstring gives the larger sizes)."""
@@ -121,7 +123,8 @@ def test_preflight_activation_estimate_tracks_the_simulated_step(size, checkpoin
     from stormshard.training.activation_memory import estimate_activation_memory
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    step, parameters, mode, _label = memory_simulation.stormshard_step(size, checkpointing=checkpointing)
+    step, parameters, mode, _label = memory_simulation.stormshard_step(size, checkpointing=checkpointing,
+                                                                       encoder_checkpointing=encoder)
     with memory_simulation.cuda_kernels_on_fake_tensors(), mode:
         census = memory_simulation.simulate_step_memory(step, parameters, fake_mode=mode).census
     simulated = census.peak - census.baseline
@@ -132,7 +135,7 @@ def test_preflight_activation_estimate_tracks_the_simulated_step(size, checkpoin
         data_cells=graph["data"].num_nodes, hidden=graph["hidden"].num_nodes, gpus_per_model=1,
         num_channels=spec.channels, num_layers=spec.layers, mlp_ratio=config.processor.mlp_ratio,
         mapper_mlp_ratio=config.decoder.mlp_ratio, activation_checkpointing=checkpointing or spec.checkpointing, samples=1, rollout=1,
-        bytes_per_element=2, lean=config.lean_activations)
+        bytes_per_element=2, lean=config.lean_activations, encoder_checkpointing=encoder)
     assert 0.75 <= estimate.total / simulated <= 1.25, (estimate.total, simulated)
 
 

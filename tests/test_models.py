@@ -36,6 +36,10 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
     "transformer-tensor-selective": dict(name="transformer", strategy="tensor", activation_checkpointing="selective"),
     "graphtransformer-selective": dict(name="graphtransformer", activation_checkpointing="selective",
                                        processor=dict(num_chunks=2)),
+    # checkpointed mappers: the encoder's and decoder's graph halos recomputed in the backward
+    "transformer-mappers-checkpointed": dict(name="transformer", strategy="shard_heads",
+                                             encoder=dict(activation_checkpointing="selective"),
+                                             decoder=dict(activation_checkpointing=True)),
     # anemoi's AIFS features (an imported anemoi model): trainable edge features, latent skip, the
     # decoder's own input embedding, ReLU bounding of an output
     "graphtransformer-anemoi": dict(name="graphtransformer", latent_skip=True, decoder_embedding=True,

@@ -1,4 +1,5 @@
-"""Selective activation checkpointing (``model.activation_checkpointing: "selective"``).
+"""Selective activation checkpointing (``model.activation_checkpointing: "selective"``) and checkpointed mappers
+(``model.encoder`` / ``model.decoder.activation_checkpointing``).
 
 - every processor kind (transformer, graph transformer, ensemble, GNN) with selective checkpointing
   gives the outputs and gradients of the model without checkpointing, float64, and its backward runs
@@ -7,6 +8,8 @@
 - the sharded layouts (halo exchange, head all-to-all, tensor parallelism, graph halos) at 2, 3 and 4
   ranks: ``tests/test_attention.py`` and ``tests/test_models.py`` carry selective cases;
 - a user's own attention operator is kept once registered (:func:`register_attention_op`);
+- the encoder and decoder checkpointed (full or selective) equal the plain model, names unchanged, and the
+  kernel setters reach wrapped blocks;
 - the setting: its values, the error for any other, and the blocks it wraps.
 """
 
@@ -210,7 +213,7 @@ def test_the_setting():
         assert ModelConfig(activation_checkpointing=value).activation_checkpointing == value
     for bad in ("partial", "true", 1, None):
         with pytest.raises(ValueError, match=r"activation_checkpointing\n.*is " + re.escape(repr(bad))
-                           + r": use false, true \(or 'full': recompute each processor block\) or 'selective'"):
+                           + r": use false, true \(or 'full': recompute the blocks in backward\) or 'selective'"):
             ModelConfig(activation_checkpointing=bad)
     model = _model("transformer", "selective")
     assert [type(b).__name__ for b in model.processor.blocks] == ["ActivationCheckpoint"] * 2
@@ -218,3 +221,60 @@ def test_the_setting():
     assert {b.mode for b in _model("transformer", "full").processor.blocks} == {"full"}
     with pytest.raises(ValueError, match=r"mode must be one of \('full', 'selective'\), got 'some'"):
         ActivationCheckpoint(nn.Linear(2, 2), "some")
+
+
+@pytest.mark.parametrize("case", ["transformer", "graphtransformer", "gnn"])
+def test_checkpointed_mappers_equal_the_plain_model(case, kernel_calls):
+    """``model.encoder`` / ``model.decoder.activation_checkpointing``: the mappers wrapped (names unchanged),
+    the outputs and gradients of the plain model; selective keeps the encoder's graph attention output."""
+    spec = dict(CASES[case][0])
+    processor = dict(num_layers=2, num_heads=2, window_size=9, mlp_ratio=2, **spec.pop("processor", {}))
+    results = {}
+    for encoder, decoder in ((False, False), ("selective", True), (True, "selective")):
+        config = ModelConfig(num_channels=8, multistep_input=2, trainable_size=3, processor=processor,
+                             encoder=dict(num_heads=2, activation_checkpointing=encoder),
+                             decoder=dict(num_heads=2, activation_checkpointing=decoder), **spec)
+        torch.manual_seed(0)
+        model = build_model(config, _graph(config.uses_graph_processor), VARIABLES).double()
+        if encoder:
+            assert isinstance(model.encoder, ActivationCheckpoint) and model.encoder.mode == checkpoint_mode(encoder)
+            assert isinstance(model.decoder, ActivationCheckpoint) and model.decoder.mode == checkpoint_mode(decoder)
+        before = kernel_calls["graph"]
+        results[encoder, decoder] = (*_step(model, case, kernel_calls)[:2], kernel_calls["graph"] - before,
+                                     sorted(model.state_dict()))
+    plain = results[False, False]
+    for key, result in results.items():
+        torch.testing.assert_close(result[0], plain[0], rtol=1e-13, atol=1e-13)
+        for p in plain[1]:
+            torch.testing.assert_close(result[1][p], plain[1][p], rtol=1e-12, atol=1e-13, msg=lambda m, p=p: f"{p}: {m}")
+        assert result[3] == plain[3]  # state-dict names unchanged
+    if case != "gnn":  # one graph attention more: the fully checkpointed mapper's, recomputed
+        assert results["selective", True][2] == results[True, "selective"][2] == plain[2] + 1
+
+
+def test_kernel_setters_reach_checkpointed_blocks():
+    """set_graph_kernel switches wrapped blocks too (processor blocks and mappers inside ActivationCheckpoint)."""
+    from stormshard.layers.checkpointing import unwrapped_modules
+    from stormshard.layers.graph_transformer import _GraphTransformerBase, set_graph_kernel
+
+    config = ModelConfig(name="graphtransformer", num_channels=8, processor=dict(num_layers=2, num_heads=2),
+                         encoder=dict(num_heads=2, activation_checkpointing="selective"), decoder=dict(num_heads=2),
+                         activation_checkpointing=True)
+    model = build_model(config, _graph(True), VARIABLES)
+    assert set_graph_kernel(model, "csr") == 4  # encoder, two processor blocks, decoder
+    assert [m.graph_kernel for m in unwrapped_modules(model) if isinstance(m, _GraphTransformerBase)] == ["csr"] * 4
+
+
+def test_mapper_checkpointing_errors():
+    from stormshard.models.parallelize import checkpoint_mapper
+
+    with pytest.raises(ValueError, match=r"encoder.activation_checkpointing\n.*is 'sometimes': use false"):
+        ModelConfig(encoder=dict(activation_checkpointing="sometimes"))
+    with pytest.raises(ValueError, match=r"model.decoder.activation_checkpointing is \"selective\" but the model has no "
+                                         r"decoder module to checkpoint"):
+        checkpoint_mapper(nn.Sequential(), "decoder", "selective")
+    model = _model("transformer", False)
+    checkpoint_mapper(model, "encoder", True)
+    wrapped = model.encoder
+    checkpoint_mapper(model, "encoder", "selective")  # already wrapped: left as it is
+    assert model.encoder is wrapped and wrapped.mode == "full"

@@ -29,6 +29,7 @@ through the wrapper. Nothing is communicated here.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import torch
@@ -38,7 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from stormshard.kernels.attention_ops import keeps_outputs
 
 __all__ = ["ActivationCheckpoint", "CheckpointMode", "CHECKPOINT_MODES", "checkpoint_blocks", "checkpoint_mode",
-           "keep_attention_outputs", "unwrap_block"]
+           "keep_attention_outputs", "unwrap_block", "unwrapped_modules"]
 
 CheckpointMode = Literal["full", "selective"]
 CHECKPOINT_MODES: tuple[str, ...] = get_args(CheckpointMode)
@@ -132,3 +133,10 @@ def checkpoint_blocks(blocks: nn.ModuleList, mode: CheckpointMode = "full") -> N
 def unwrap_block(block: nn.Module) -> nn.Module:
     """The block inside an :class:`ActivationCheckpoint`, or ``block`` itself when it is not wrapped."""
     return block.block if isinstance(block, ActivationCheckpoint) else block
+
+
+def unwrapped_modules(model: nn.Module) -> Iterator[nn.Module]:
+    """``model.modules()`` with every :class:`ActivationCheckpoint` replaced by the block it wraps (the
+    wrapper adopts the block's children, so ``modules()`` alone never yields a wrapped block itself)."""
+    for module in model.modules():
+        yield unwrap_block(module)

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from stormshard.kernels.dispatch import check_graph_kernel, graph_attention_kernel
 from stormshard.kernels.names import GraphKernel
+from stormshard.layers.checkpointing import unwrapped_modules
 from stormshard.layers.chunking import (
     check_num_chunks,
     chunk_edge_indices,
@@ -273,7 +274,7 @@ def set_graph_kernel(model: nn.Module, kernel: GraphKernel) -> int:
     another. An unknown kernel is a ValueError; one that cannot run on the model's device fails at
     its first call, naming the reason."""
     check_graph_kernel(kernel)
-    blocks = [m for m in model.modules() if isinstance(m, _GraphTransformerBase)]
+    blocks = [m for m in unwrapped_modules(model) if isinstance(m, _GraphTransformerBase)]
     for block in blocks:
         block.graph_kernel = kernel
     return len(blocks)

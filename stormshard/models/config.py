@@ -88,6 +88,17 @@ class ProcessorConfig(_Strict):
         return value
 
 
+#: ``activation_checkpointing``'s values (the model's processor blocks, and each mapper)
+Checkpointing = Literal[False, True, "full", "selective"]
+
+
+def _check_checkpointing(value: object) -> object:
+    if value is True or value is False or value in ("full", "selective"):
+        return value
+    raise ValueError(f"is {value!r}: use false, true (or 'full': recompute the blocks in backward) or 'selective' "
+                     "(keep their attention outputs, recompute the rest)")
+
+
 class MapperConfig(_Strict):
     """An encoder (data -> hidden) or decoder (hidden -> data) graph mapper."""
 
@@ -96,6 +107,13 @@ class MapperConfig(_Strict):
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graph-transformer mapper: anemoi's lin_self
     trainable_edge_size: int = Field(0, ge=0)  # trainable features per edge, appended to the edge attributes
+    activation_checkpointing: Checkpointing = Field(
+        False, description="recompute this mapper in backward (as anemoi checkpoints its mappers): false, true "
+        "(= 'full': only its inputs stay) or 'selective' (its graph attention output stays too). The encoder's "
+        "keys and values on the data nodes are then not held through the whole step (2.2 GB at the AIFS size)")
+
+    _check_checkpointing = field_validator("activation_checkpointing", mode="before")(
+        classmethod(lambda cls, value: _check_checkpointing(value)))
 
 
 class EnsembleConfig(_Strict):
@@ -121,7 +139,7 @@ class ModelConfig(_Strict):
     encoder: MapperConfig = MapperConfig()
     decoder: MapperConfig = MapperConfig()
     ensemble: EnsembleConfig | None = None
-    activation_checkpointing: Literal[False, True, "full", "selective"] = Field(
+    activation_checkpointing: Checkpointing = Field(
         False, description="recompute each processor block's activations in backward: false, true (= 'full': "
         "only the block inputs stay), or 'selective' (the attention outputs stay too: the recompute runs no "
         "attention forward, for one (tokens, channels) tensor more per layer; stormshard.layers.checkpointing)")
@@ -139,13 +157,8 @@ class ModelConfig(_Strict):
     relu_bounded: tuple[str, ...] = ()  # output variables passed through a ReLU (normalised; anemoi's ReluBounding)
     options: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("activation_checkpointing", mode="before")
-    @classmethod
-    def _check_checkpointing(cls, value: object) -> object:
-        if value is True or value is False or value in ("full", "selective"):
-            return value
-        raise ValueError(f"is {value!r}: use false, true (or 'full': recompute each processor block) or 'selective' "
-                         "(keep the attention outputs, recompute the rest)")
+    _check_checkpointing = field_validator("activation_checkpointing", mode="before")(
+        classmethod(lambda cls, value: _check_checkpointing(value)))
 
     @field_validator("name")
     @classmethod

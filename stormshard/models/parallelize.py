@@ -14,7 +14,8 @@ torchtitan's ``parallelize_llama``):
 3. activation checkpointing: every block of ``model.processor.blocks`` is wrapped in
    :class:`~stormshard.layers.checkpointing.ActivationCheckpoint` once
    (``model.activation_checkpointing``: ``true`` / ``"full"`` or ``"selective"``; every processor
-   kind, names unchanged).
+   kind, names unchanged), and the encoder and decoder mappers where ``model.encoder`` /
+   ``model.decoder.activation_checkpointing`` say so (:func:`checkpoint_mapper`).
 
 :func:`build_transformer_processor` builds a standalone processor and applies steps 2 and 3 to it
 (a tensor-parallel processor without a whole model). :func:`~stormshard.models.registry.build_model`
@@ -28,7 +29,7 @@ import json
 from torch import nn
 
 from stormshard.kernels.dispatch import AttentionKernel, attention_kernel_problem, graph_kernel_problem
-from stormshard.layers.checkpointing import checkpoint_blocks, checkpoint_mode
+from stormshard.layers.checkpointing import ActivationCheckpoint, checkpoint_blocks, checkpoint_mode
 from stormshard.layers.strategy import indivisible_sizes
 from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
@@ -36,7 +37,8 @@ from stormshard.models.config import ModelConfig
 from stormshard.models.sharding import ModelShardPlan
 from stormshard.parallel.shard import SHARD_STRATEGIES, SequenceShard, ShardStrategy
 
-__all__ = ["check_parallel_strategy", "check_graph_kernel_for_device", "parallelize", "parallelize_processor", "build_transformer_processor"]
+__all__ = ["check_parallel_strategy", "check_graph_kernel_for_device", "checkpoint_mapper", "parallelize",
+           "parallelize_processor", "build_transformer_processor"]
 
 
 def check_attention_kernel_for_training(config: ModelConfig, device_type: str, precision: str) -> None:
@@ -160,7 +162,8 @@ def parallelize(model: nn.Module, config: ModelConfig, plan: ModelShardPlan) -> 
     """Check the strategy, swap in tensor-parallel blocks, wrap activation checkpointing; in place.
 
     ``model``: built from ``config`` with ``plan``. Checkpointing wraps ``model.processor.blocks``
-    (a ModuleList; every built-in model has one). Returns ``model``; a second call changes nothing.
+    (a ModuleList; every built-in model has one), and ``model.encoder`` / ``model.decoder`` as their configs
+    say. Returns ``model``; a second call changes nothing.
     """
     check_parallel_strategy(config, plan.shard_strategy, plan.world)
     for processor in [m for m in model.modules() if isinstance(m, TransformerProcessor)]:
@@ -176,4 +179,22 @@ def parallelize(model: nn.Module, config: ModelConfig, plan: ModelShardPlan) -> 
                 "it false"
             )
         checkpoint_blocks(blocks, mode)
+    for section in ("encoder", "decoder"):
+        checkpoint_mapper(model, section, getattr(config, section).activation_checkpointing)
     return model
+
+
+def checkpoint_mapper(model: nn.Module, section: str, setting: bool | str) -> None:
+    """Wrap ``model.<section>`` (``"encoder"`` or ``"decoder"``) in
+    :class:`~stormshard.layers.checkpointing.ActivationCheckpoint` of ``setting``'s mode (false: nothing), in place,
+    names unchanged; a mapper already wrapped stays as it is. The encoder's saved tensors on the data nodes (its
+    keys, values and norms) then live only through its own backward, not through the whole step's."""
+    mode = checkpoint_mode(setting)
+    if mode is None:
+        return
+    mapper = getattr(model, section, None)
+    if not isinstance(mapper, nn.Module):
+        raise ValueError(f"model.{section}.activation_checkpointing is {json.dumps(setting)} but the model has no "
+                         f"{section} module to checkpoint: give it a model.{section} attribute, or set it false")
+    if not isinstance(mapper, ActivationCheckpoint):
+        setattr(model, section, ActivationCheckpoint(mapper, mode))

@@ -16,7 +16,9 @@ step, the elements autograd keeps:
   the norm runs inside the projections), the decoder its queries, norms, attention output,
   residual stream and output (``6 C``; ``4 C`` lean) and the MLP's hidden activations
   (``2 * mlp_ratio * C``; ``mlp_ratio * C`` row-chunked); no per-edge tensor (the edge term is
-  factored). The lean figures apply with ``model.lean_activations`` above the blocks' thresholds
+  factored); with ``model.encoder.activation_checkpointing`` the encoder keeps its input only (``C``;
+  its keys, values and norms are remade in its own backward, after the peak). The lean figures apply
+  with ``model.lean_activations`` above the blocks' thresholds
   (:mod:`stormshard.layers.norm_linear`, :mod:`stormshard.layers.row_chunked_mlp`);
 - GNN encoder and decoder: ``data_local * C * (8 + 2 * mlp_ratio)`` each, plus edge messages,
   about 3 edges per data node of ``3 * C`` each.
@@ -77,10 +79,11 @@ def estimate_activation_memory(*, data_cells: int, hidden: int, gpus_per_model: 
                                num_layers: int, mlp_ratio: float, mapper_mlp_ratio: float,
                                activation_checkpointing: bool | str, samples: int, rollout: int,
                                bytes_per_element: int = 4, graph_mappers: bool = True,
-                               lean: bool = True) -> ActivationEstimate:
+                               lean: bool = True, encoder_checkpointing: bool | str = False) -> ActivationEstimate:
     """The estimate of the module docstring for one rank of a model group of ``gpus_per_model``:
     ``activation_checkpointing`` false, true / ``"full"`` or ``"selective"``, ``graph_mappers``
-    graph-transformer encoder and decoder (False: GNN ones), ``lean`` the blocks' ``model.lean_activations``."""
+    graph-transformer encoder and decoder (False: GNN ones), ``lean`` the blocks' ``model.lean_activations``,
+    ``encoder_checkpointing`` ``model.encoder.activation_checkpointing``."""
     data_local = -(-data_cells // gpus_per_model)
     hidden_local = -(-hidden // gpus_per_model)
     c = num_channels
@@ -94,13 +97,14 @@ def estimate_activation_memory(*, data_cells: int, hidden: int, gpus_per_model: 
     if graph_mappers:
         norms_inside = lean and rows * c >= NORM_LINEAR_MIN_ELEMENTS
         mlp_chunked = lean and rows * max(1, round(c * mapper_mlp_ratio)) >= MLP_MIN_ELEMENTS
-        encoder = data_local * c * (3 if norms_inside else 4)
+        encoder = data_local * c * (1 if encoder_checkpointing else 3 if norms_inside else 4)
         decoder = data_local * c * ((4 if norms_inside else 6) + mapper_mlp_ratio * (1 if mlp_chunked else 2))
         mappers = encoder + decoder
         # the decoder's backward: two activation gradients, and the MLP's two hidden ones unless row-chunked
         transient = data_local * c * (2 + (0 if mlp_chunked else 2 * mapper_mlp_ratio))
     else:
-        mappers = 2 * (data_local * c * (8 + 2 * mapper_mlp_ratio) + _EDGES_PER_DATA_NODE * data_local * 3 * c)
+        gnn_mapper = data_local * c * (8 + 2 * mapper_mlp_ratio) + _EDGES_PER_DATA_NODE * data_local * 3 * c
+        mappers = (data_local * c if encoder_checkpointing else gnn_mapper) + gnn_mapper
         transient = data_local * c * (2 + 2 * mapper_mlp_ratio)
     per_step = int(np.ceil((processor + mappers) * samples * bytes_per_element))
     return ActivationEstimate(per_step=per_step, rollout=rollout, samples=samples,

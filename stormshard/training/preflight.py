@@ -432,7 +432,8 @@ def activation_estimate(config: ExperimentConfig, data_cells: int, gpus_per_mode
         activation_checkpointing=m.activation_checkpointing, samples=config.micro_batch * members,
         rollout=max_rollout(config.training.rollout),
         bytes_per_element=2 if config.training.precision == "bf16" else 4,
-        graph_mappers=m.name != "gnn", lean=m.lean_activations)
+        graph_mappers=m.name != "gnn", lean=m.lean_activations,
+        encoder_checkpointing=m.encoder.activation_checkpointing)
 
 
 def check_activation_memory(config: ExperimentConfig, data_cells: int, gpus_per_model: int, members: int,
