@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| checkpointing | step ms (median) | min | max | losses equal |")
     print("|---|---|---|---|---|")
     same = all(abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-12) for row in zip(*losses.values(), strict=True)
-               for a, b in zip(row, row[1:]))
+               for a, b in zip(row, row[1:], strict=False))
     for name, t in times.items():
         print(f"| {name} | {1e3 * median[name]:.1f} | {1e3 * min(t):.1f} | {1e3 * max(t):.1f} | {same} |")
     print(f"\nselective vs full: {median['full'] / median['selective']:.2f}x faster (full ms / selective ms); "

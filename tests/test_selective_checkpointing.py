@@ -243,7 +243,7 @@ def test_checkpointed_mappers_equal_the_plain_model(case, kernel_calls):
         results[encoder, decoder] = (*_step(model, case, kernel_calls)[:2], kernel_calls["graph"] - before,
                                      sorted(model.state_dict()))
     plain = results[False, False]
-    for key, result in results.items():
+    for result in results.values():
         torch.testing.assert_close(result[0], plain[0], rtol=1e-13, atol=1e-13)
         for p in plain[1]:
             torch.testing.assert_close(result[1][p], plain[1][p], rtol=1e-12, atol=1e-13, msg=lambda m, p=p: f"{p}: {m}")

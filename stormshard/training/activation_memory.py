@@ -28,7 +28,8 @@ and its MLP's hidden ones where the MLP is not row-chunked). It is meant to catc
 schedule whose last stage cannot fit, before a run reaches it. Checked against
 ``benchmarks/bench_memory.py``'s simulation of one step (the step's allocations at its peak, rollout
 1): 0.91x and 1.08x of it at the benchmark's tiny sizes (``tests/test_memory_simulation.py``),
-0.93x at O96 -> O48 (512 channels), 1.04x at the AIFS size (1.22x with ``lean_activations`` off).
+0.93x at O96 -> O48 (512 channels), 1.04x at the AIFS size (1.22x with ``lean_activations`` off; 1.03x with
+selective checkpointing, 1.08-1.09x with the encoder checkpointed too).
 Bytes per element: 2 for ``training.precision: bf16``, else 4.
 """
 
