@@ -43,6 +43,10 @@ MODELS = {  # model config changes per case: every processor kind, checkpointing
                                   encoder=dict(activation_checkpointing="selective"),
                                   decoder=dict(activation_checkpointing=True)),
     "graphtransformer": dict(name="graphtransformer", processor=dict(num_chunks=2)),
+    "graphtransformer-checkpointed": dict(name="graphtransformer", processor=dict(num_chunks=2),
+                                          activation_checkpointing=True,
+                                          encoder=dict(activation_checkpointing="selective"),
+                                          decoder=dict(activation_checkpointing=True)),
     "gnn": dict(name="gnn", activation_checkpointing=True),
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=2)),
 }
@@ -314,13 +318,19 @@ def test_cuda_graph_mode_reaches_inductor_and_equals_eager():
         compile_blocks(_model("transformer", None), backend="eager", cuda_graphs=True)
 
 
-def test_cuda_graphs_mark_the_plans_tensors_as_static_addresses():
+@pytest.mark.parametrize("case", ["graphtransformer", "graphtransformer-checkpointed"])
+def test_cuda_graphs_mark_the_plans_tensors_as_static_addresses(case):
     """A graph block's plan tensors (edge index, chunk indices, edge ids: attributes, not buffers) are marked
     static, so CUDA graphs read them in place and the Triton kernel's structure cache (keyed by the
-    edge-index tensor) hits inside a capture; parameters and buffers are not marked (inductor knows them)."""
+    edge-index tensor) hits inside a capture; parameters and buffers are not marked (inductor knows them).
+    Checkpointed blocks and mappers too (the wrapper adopts the block's children, not its attributes)."""
+    # cudagraph_trees imported here, not by a later dynamo reset: torch 2.13's reset of a reduce-overhead backend
+    # imports it while iterating the backend cache, and that import adds to the cache
+    import torch._inductor.cudagraph_trees  # noqa: F401
+
     from stormshard.models.compile import mark_static_tensors
 
-    model = _model("graphtransformer", None)
+    model = _model(case, None)
     compile_blocks(model, backend="inductor", cuda_graphs=True)  # lazy: nothing is compiled before a call
     block = model.processor.processor.blocks[0] if hasattr(model.processor, "processor") else model.processor.blocks[0]
     held = [block.plan.edge_index, *block.chunk_index.values(), *(ids for _, _, ids in block.edge_chunks)]
@@ -329,6 +339,7 @@ def test_cuda_graphs_mark_the_plans_tensors_as_static_addresses():
     assert not any(hasattr(p, "_dynamo_static_input_type") for p in model.parameters())
     assert not any(hasattr(b, "_dynamo_static_input_type") for b in model.buffers())
     assert mark_static_tensors(nn.Linear(2, 2)) == 0
+    torch._dynamo.reset()  # the reduce-overhead backends made here, not left to a later test's reset
 
 
 def test_cuda_graphs_problems_name_the_field_and_the_fix():

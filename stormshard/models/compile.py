@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from stormshard.env import env_choice
 from stormshard.kernels.dispatch import prepare_attention_kernels
+from stormshard.layers.checkpointing import unwrapped_modules
 from stormshard.parallel.graph import GraphShardPlan
 
 __all__ = ["compile_blocks", "compiled_block_names", "compile_backend", "wants_compile", "COMPILED_TARGETS",
@@ -164,7 +165,7 @@ def traces_halo_exchange(module: nn.Module, version: str | None = None) -> bool:
     if TorchVersion(version or torch.__version__) >= HALO_TRACE_TORCH:
         return True
     return not any(isinstance(plan := getattr(m, "plan", None), GraphShardPlan) and sum(plan.halo_per_rank) > 0
-                   for m in module.modules())
+                   for m in unwrapped_modules(module))
 
 
 def wants_compile(setting: bool | str, device_type: str) -> bool:
@@ -203,7 +204,7 @@ def mark_static_tensors(module: nn.Module) -> int:
     from torch._dynamo import mark_static_address
 
     seen: set[int] = set()
-    for sub in module.modules():
+    for sub in unwrapped_modules(module):  # a checkpointed block's own attributes too (its plan)
         owned = {id(t) for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))}
         for key, value in vars(sub).items():
             if key in ("_parameters", "_buffers", "_modules") or key.startswith("__"):
