@@ -104,31 +104,35 @@ def test_selective_equals_no_checkpointing_and_skips_the_attention_recompute(cas
     assert selective[2] == plain[2]
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_selective_blocks_keep_the_attention_output(backend, kernel_calls, monkeypatch):
-    """A compiled checkpointed block recomputes its products and norms and takes the attention output it kept."""
+@pytest.mark.parametrize("backend,case", [("aot_eager", "transformer"), ("inductor", "transformer"),
+                                          ("aot_eager", "graphtransformer")])
+def test_compiled_selective_blocks_keep_the_attention_output(backend, case, kernel_calls, monkeypatch):
+    """A compiled checkpointed block recomputes its products and norms and takes the attention output it kept:
+    the attention kernels run as often as in the model without checkpointing (the processor's twice as often
+    under full checkpointing), and the step equals eager's."""
     from stormshard.models.compile import BACKEND_VARIABLE, compile_blocks
 
     monkeypatch.setenv(BACKEND_VARIABLE, backend)
     torch._dynamo.reset()
     try:
-        eager = _step(_model("transformer", "selective"), "transformer", kernel_calls)
+        plain = _step(_model(case, False), case, kernel_calls)
         results = {}
         for mode in (True, "selective") if backend == "aot_eager" else ("selective",):  # inductor: 20 s a model
-            model = _model("transformer", mode)
+            model = _model(case, mode)
             compile_blocks(model)
-            _step(model, "transformer", kernel_calls)  # compiles
-            results[mode] = _step(model, "transformer", kernel_calls)
+            _step(model, case, kernel_calls)  # compiles
+            results[mode] = _step(model, case, kernel_calls)
     finally:
         torch._dynamo.reset()
     for mode, result in results.items():
-        torch.testing.assert_close(result[0], eager[0], rtol=1e-12, atol=1e-12)
-        for p in eager[1]:
-            torch.testing.assert_close(result[1][p], eager[1][p], rtol=1e-11, atol=1e-12,
+        torch.testing.assert_close(result[0], plain[0], rtol=1e-12, atol=1e-12)
+        for p in plain[1]:
+            torch.testing.assert_close(result[1][p], plain[1][p], rtol=1e-11, atol=1e-12,
                                        msg=lambda m, p=p, mode=mode: f"{mode}, {p}: {m}")
-    assert results["selective"][2] == 2  # two processor layers, each attention forward once
-    if True in results:
-        assert results[True][2] == 4
+    assert results["selective"][2] == plain[2]  # each attention forward once
+    if True in results and case == "transformer":  # full: the two processor layers' window attention again (a
+        # compiled graph block's full checkpointing may keep its attention op's outputs: the partitioner's choice)
+        assert results[True][2] == plain[2] + 2
 
 
 @torch.library.custom_op("stormshard_test::scaled_mix", mutates_args=())
