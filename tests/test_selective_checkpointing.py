@@ -129,7 +129,9 @@ def test_compiled_selective_blocks_keep_the_attention_output(backend, case, kern
         for p in plain[1]:
             torch.testing.assert_close(result[1][p], plain[1][p], rtol=1e-11, atol=1e-12,
                                        msg=lambda m, p=p, mode=mode: f"{mode}, {p}: {m}")
-    assert results["selective"][2] == plain[2]  # each attention forward once
+    # each attention forward at most as often as without checkpointing (the graph processor's edge chunks checkpoint
+    # themselves: torch 2.11's partitioner lets their recompute take the kept outputs too, 2.13's runs it again)
+    assert results["selective"][2] == plain[2] if case == "transformer" else results["selective"][2] <= plain[2]
     if True in results and case == "transformer":  # full: the two processor layers' window attention again (a
         # compiled graph block's full checkpointing may keep its attention op's outputs: the partitioner's choice)
         assert results[True][2] == plain[2] + 2
