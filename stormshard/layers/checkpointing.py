@@ -15,7 +15,7 @@ Two modes (``model.activation_checkpointing``: ``true`` is ``"full"``, ``"select
   checkpointing); backward recomputes the norms, products and activations and runs no attention
   forward again. Per transformer layer this keeps one more ``(tokens, channels)`` tensor (and
   ``(heads, tokens)`` statistics) and saves the attention forward of the recompute: at the AIFS size
-  16 x 82 MB in bf16 for 5.8 TFLOP of window attention per step. The sharded blocks recompute
+  16 x 85 MB (bf16 output, fp32 statistics) for 5.8 TFLOP of window attention per step. The sharded blocks recompute
   their communication in both modes. A block without an attention operator (a GNN block)
   recomputes everything, as in ``"full"``.
 
@@ -53,7 +53,7 @@ def checkpoint_mode(setting: bool | str) -> CheckpointMode | None:
         return "full"
     if setting in CHECKPOINT_MODES:
         return setting  # type: ignore[return-value]
-    raise ValueError(f"activation checkpointing {setting!r} is not one of false, true, 'selective'")
+    raise ValueError(f"activation checkpointing {setting!r} is not one of false, true, 'full', 'selective'")
 
 
 def keep_attention_outputs(ctx: object, op: object, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -112,7 +112,7 @@ class MapperConfig(_Strict):
         "(= 'full': only its inputs stay) or 'selective' (its graph attention output stays too). The encoder's "
         "keys and values on the data nodes are then not held through the whole step (2.2 GB at the AIFS size)")
 
-    _check_checkpointing = field_validator("activation_checkpointing", mode="before")(
+    _checkpointing_value = field_validator("activation_checkpointing", mode="before")(
         classmethod(lambda cls, value: _check_checkpointing(value)))
 
 
@@ -157,7 +157,7 @@ class ModelConfig(_Strict):
     relu_bounded: tuple[str, ...] = ()  # output variables passed through a ReLU (normalised; anemoi's ReluBounding)
     options: dict[str, Any] = Field(default_factory=dict)
 
-    _check_checkpointing = field_validator("activation_checkpointing", mode="before")(
+    _checkpointing_value = field_validator("activation_checkpointing", mode="before")(
         classmethod(lambda cls, value: _check_checkpointing(value)))
 
     @field_validator("name")
