@@ -499,6 +499,12 @@ def model_table(args: argparse.Namespace, key: str, device: torch.device, dtype:
                   f"memory {_num(s.peak_gib / a.peak_gib, '.2f')}x of anemoi's, GPU busy {_num(100 * s.busy, '.0f')}% "
                   f"vs {_num(100 * a.busy, '.0f')}%, MFU {_num(100 * s.mfu, '.1f')}% vs {_num(100 * a.mfu, '.1f')}%",
                   flush=True)
+    compiled = next((r for r in ours if r.impl == "stormshard compiled" and not r.note), None)
+    for s in ours:
+        if compiled is not None and s.impl != compiled.impl and s.impl.startswith("stormshard compiled") and not s.note:
+            print(f"{key}: {s.impl} vs compiled (the defaults): {compiled.step_ms / s.step_ms:.2f}x faster, peak "
+                  f"{_num(s.peak_gib, '.2f')} vs {_num(compiled.peak_gib, '.2f')} GiB, loss {s.loss:.6g} vs "
+                  f"{compiled.loss:.6g}", flush=True)
     return [theirs, *ours]
 
 

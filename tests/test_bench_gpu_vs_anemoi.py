@@ -106,6 +106,7 @@ def test_cpu_smoke_selective_checkpointing_row(tmp_path):
     selective, compiled = rows[f"stormshard {h2h.SELECTIVE}"], rows["stormshard compiled"]
     assert selective["note"] == "" and _finite(selective["step_ms"], selective["loss"]), selective
     assert selective["loss"] == pytest.approx(compiled["loss"], rel=1e-5)  # same weights, same step
+    assert f"tiny-ckpt: stormshard {h2h.SELECTIVE} vs compiled (the defaults): " in done.stdout
 
 
 class _LinearProducts(gemm_timer.DenseGemmTimer):

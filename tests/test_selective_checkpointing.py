@@ -225,6 +225,8 @@ def test_the_setting():
     assert [type(b).__name__ for b in model.processor.blocks] == ["ActivationCheckpoint"] * 2
     assert {b.mode for b in model.processor.blocks} == {"selective"}
     assert {b.mode for b in _model("transformer", "full").processor.blocks} == {"full"}
+    assert repr(model.processor.blocks[0]).splitlines()[:2] == ["ActivationCheckpoint[TransformerBlock](",
+                                                                 "  mode=selective"]
     with pytest.raises(ValueError, match=r"mode must be one of \('full', 'selective'\), got 'some'"):
         ActivationCheckpoint(nn.Linear(2, 2), "some")
 

@@ -110,7 +110,8 @@ class ActivationCheckpoint(nn.Module):
         return f"ActivationCheckpoint[{self.block._get_name()}]"
 
     def extra_repr(self) -> str:
-        return self.block.extra_repr()
+        inner = self.block.extra_repr()
+        return f"mode={self.mode}" + (f", {inner}" if inner else "")
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
