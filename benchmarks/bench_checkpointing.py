@@ -9,6 +9,10 @@ fp32 MSE loss, backward and AdamW (``bench_gpu.mse_training_step``). Rows:
 - **full** (the baseline): ``model.activation_checkpointing: true``, the backward recomputes each block whole;
 - **selective**: ``"selective"``, the blocks' attention outputs kept (:mod:`stormshard.layers.checkpointing`):
   the recompute runs the norms and products, no attention forward;
+- **selective, torch's modes** (eager runs only): the same with every wrapper's ``own_keeping`` off, so that
+  torch's selective checkpointing watches every operator through its dispatch modes in each step, where the
+  selective row lets stormshard's kernels keep their own outputs (:mod:`stormshard.kernels.kept_outputs`):
+  what that mechanism saves;
 - **selective + encoder**: the same with the encoder checkpointed too (``model.encoder.activation_checkpointing:
   "selective"``): what remaking the encoder's keys, values and norms in its backward costs (it frees them for
   the rest of the step: 2.7 GiB of the simulated AIFS-size peak, ``bench_memory.py``).
@@ -41,6 +45,7 @@ import bench_gpu_vs_anemoi as h2h  # noqa: E402
 import torch  # noqa: E402
 from bench_gpu import mse_training_step  # noqa: E402
 
+TORCH_MODES = "selective, torch's modes"
 CPU_SIZES = {
     "cpu-quick": h2h.Size("cpu-quick", "o32", "o16", 128, 4, 8, 64, True, 8, 1, knn=8),
     "cpu": h2h.Size("cpu", "o48", "o24", 256, 8, 8, 200, True, 16, 2, knn=8),
@@ -57,6 +62,7 @@ def _size(name: str) -> h2h.Size:
 
 def _steps(size: h2h.Size, device: torch.device, compiled: bool) -> dict:
     """The rows' step functions, built from one set of weights and one input."""
+    from stormshard.layers.checkpointing import ActivationCheckpoint
     from stormshard.models.compile import compile_blocks
     from stormshard.models.registry import build_model
     from stormshard.training.engine.adamw import build_adamw
@@ -69,10 +75,16 @@ def _steps(size: h2h.Size, device: torch.device, compiled: bool) -> dict:
     autocast = torch.bfloat16 if device.type == "cuda" else None
     steps = {}
     encoder = config.encoder.model_copy(update={"activation_checkpointing": "selective"})
-    for name, update in (("full", {"activation_checkpointing": True}),
-                         ("selective", {"activation_checkpointing": "selective"}),
-                         ("selective + encoder", {"activation_checkpointing": "selective", "encoder": encoder})):
+    rows = [("full", {"activation_checkpointing": True}), ("selective", {"activation_checkpointing": "selective"})]
+    if not compiled:
+        rows.append((TORCH_MODES, {"activation_checkpointing": "selective"}))
+    rows.append(("selective + encoder", {"activation_checkpointing": "selective", "encoder": encoder}))
+    for name, update in rows:
         model = build_model(config.model_copy(update=update), graph, variables)
+        if name == TORCH_MODES:
+            for wrapper in model.modules():
+                if isinstance(wrapper, ActivationCheckpoint):
+                    wrapper.own_keeping = False
         model.load_state_dict(weights)
         model.to(device)
         if compiled:
@@ -129,12 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {1e3 * median[name]:.1f} | {1e3 * min(t):.1f} | {1e3 * max(t):.1f} | {same} |")
     print(f"\nselective vs full: {median['full'] / median['selective']:.2f}x faster (full ms / selective ms); "
           f"it keeps {kept / 2**20:.1f} MiB more per step (each layer's attention output and log-sum-exp)")
+    if TORCH_MODES in median:
+        print(f"selective, kernels keeping their outputs vs torch's modes: "
+              f"{median[TORCH_MODES] / median['selective']:.2f}x")
     print(f"selective + encoder vs full: {median['full'] / median['selective + encoder']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": dataclasses.asdict(size), "device": str(device), "times": times, "losses": losses,
                        "ratio": median["full"] / median["selective"],
-                       "ratio_encoder": median["full"] / median["selective + encoder"], "kept_bytes": kept}, f, indent=1)
+                       "ratio_encoder": median["full"] / median["selective + encoder"], "kept_bytes": kept,
+                       "ratio_own_keeping": median[TORCH_MODES] / median["selective"] if TORCH_MODES in median else None},
+                      f, indent=1)
     return 0 if same else 1
 
 

@@ -35,14 +35,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ATTENTION_OPERATORS", "keeps_outputs", "register_attention_op", "registered_attention_ops",
-           "selective_checkpoint_watching", "use_registered_op"]
+__all__ = ["ATTENTION_OPERATORS", "STORMSHARD_ATTENTION_OPERATORS", "keeps_outputs", "operator_name",
+           "register_attention_op", "registered_attention_ops", "registry_generation", "selective_checkpoint_watching",
+           "use_registered_op"]
 
-#: the schema names (and, for torch's higher-order operators, the names) of the built-in attention operators
-ATTENTION_OPERATORS: frozenset[str] = frozenset({
+#: stormshard's own kernels: their eager calls also keep their outputs without a dispatch mode
+#: (:mod:`stormshard.kernels.kept_outputs`)
+STORMSHARD_ATTENTION_OPERATORS: frozenset[str] = frozenset({
     "stormshard::banded_window_attention",
     "stormshard::fused_graph_attention",
     "stormshard::triton_graph_attention",
+})
+
+#: the schema names (and, for torch's higher-order operators, the names) of the built-in attention operators
+ATTENTION_OPERATORS: frozenset[str] = STORMSHARD_ATTENTION_OPERATORS | frozenset({
     "flex_attention",
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_efficient_attention",
@@ -53,6 +59,7 @@ ATTENTION_OPERATORS: frozenset[str] = frozenset({
 })
 
 _REGISTERED: set[str] = set()
+_GENERATION = [0]  # how many registrations have changed the set
 
 try:  # the two modes of torch's selective checkpointing (torch >= 2.4): recording, then replaying
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
@@ -62,7 +69,7 @@ except ImportError:  # pragma: no cover - an older torch: eager calls keep their
     _SELECTIVE_MODES = ()
 
 
-def _operator_name(op: object) -> str | None:
+def operator_name(op: object) -> str | None:
     """``op``'s schema name (``"ns::name"``, any overload), a higher-order operator's name, or None."""
     if isinstance(op, torch._ops.OpOverload):
         return op._schema.name
@@ -79,11 +86,13 @@ def register_attention_op(op: object) -> str:
 
     ``op``: a torch operator (``torch.ops.ns.name``, any overload, or the object ``torch.library.custom_op``
     returns), or its schema name ``"ns::name"``. Raise TypeError for anything else."""
-    name = op if isinstance(op, str) else _operator_name(op)
+    name = op if isinstance(op, str) else operator_name(op)
     if not name or (isinstance(op, str) and "::" not in op):
         raise TypeError(f"register_attention_op needs a torch operator (torch.ops.<namespace>.<name>, or a "
                         f"torch.library.custom_op) or its schema name 'namespace::name', got {op!r}")
-    _REGISTERED.add(name)
+    if name not in _REGISTERED:
+        _REGISTERED.add(name)
+        _GENERATION[0] += 1
     return name
 
 
@@ -92,9 +101,15 @@ def registered_attention_ops() -> frozenset[str]:
     return ATTENTION_OPERATORS | frozenset(_REGISTERED)
 
 
+def registry_generation() -> int:
+    """A number that changes whenever :func:`register_attention_op` adds a name (what a block learned about its
+    operators is stale then)."""
+    return _GENERATION[0]
+
+
 def keeps_outputs(op: object) -> bool:
     """Whether selective checkpointing keeps ``op``'s outputs (an attention operator, built in or registered)."""
-    name = _operator_name(op)
+    name = operator_name(op)
     return name is not None and (name in ATTENTION_OPERATORS or name in _REGISTERED)
 
 

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from stormshard.kernels.attention_ops import use_registered_op
+from stormshard.kernels.kept_outputs import kept_or_computed
 
 __all__ = ["banded_window_attention", "default_block_size"]
 
@@ -203,7 +204,7 @@ class _EagerBanded(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, window_size, shift, block, scale):  # noqa: ANN001, ANN205
-        out = _banded_forward(q, k, v, window_size, shift, block, scale)
+        out = kept_or_computed(lambda: _banded_forward(q, k, v, window_size, shift, block, scale), q, k, v)
         _banded_setup(ctx, (q, k, v, window_size, shift, block, scale), out)
         ctx.mark_non_differentiable(out[1])
         return out

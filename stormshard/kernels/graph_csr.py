@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from stormshard.kernels.attention_ops import use_registered_op
+from stormshard.kernels.kept_outputs import kept_or_computed
 from stormshard.kernels.reference import graph_operands
 
 __all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "cached_structures", "CsrStructure"]
@@ -464,7 +465,7 @@ class _EagerGraphAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attr3, w_e, b_e, edge_index, heads):  # noqa: ANN001, ANN205
-        out = _forward_outputs(q, k, v, attr3, w_e, b_e, edge_index, heads)
+        out = kept_or_computed(lambda: _forward_outputs(q, k, v, attr3, w_e, b_e, edge_index, heads), q, k, v, attr3)
         _graph_attention_setup(ctx, (q, k, v, attr3, w_e, b_e, edge_index, heads), out)
         ctx.mark_non_differentiable(*out[1:])
         return out

@@ -86,6 +86,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from stormshard.kernels.attention_ops import use_registered_op
+from stormshard.kernels.kept_outputs import kept_or_computed
 from stormshard.kernels.reference import graph_operands
 
 __all__ = ["triton_graph_attention", "triton_graph_unavailable", "triton_graph_structure", "TritonGraphStructure",
@@ -444,7 +445,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attr3, w_e, b_e, edge_index):  # noqa: ANN001, ANN205
-        out = _run_forward(q, k, v, attr3, w_e, b_e, edge_index)
+        out = kept_or_computed(lambda: _run_forward(q, k, v, attr3, w_e, b_e, edge_index), q, k, v, attr3)
         _setup(ctx, (q, k, v, attr3, w_e, b_e, edge_index), out)
         ctx.mark_non_differentiable(out[1])
         return out

@@ -19,6 +19,11 @@ Two modes (``model.activation_checkpointing``: ``true`` is ``"full"``, ``"select
   their communication in both modes. A block without an attention operator (a GNN block)
   recomputes everything, as in ``"full"``.
 
+  Eager calls: the first is watched by torch's dispatch modes (Python on every operator); when it shows
+  that the block's only attention operators are stormshard's kernels (banded, CSR, Triton graph), the
+  later calls let those kernels keep and replay their own outputs (:mod:`stormshard.kernels.kept_outputs`)
+  and run every other operator unwatched. Compiled calls use torch's modes inside the graph.
+
 The wrapper adopts the block's parameters, buffers and children instead of holding the block as
 a child, so parameter and state-dict names do not change: ``processor.blocks.0.attention.lin_qkv.weight``
 stays that name whether or not block 0 is wrapped (checkpoints, resharding and conversion rely on
@@ -36,7 +41,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from stormshard.kernels.attention_ops import keeps_outputs
+from stormshard.kernels.attention_ops import (
+    STORMSHARD_ATTENTION_OPERATORS,
+    keeps_outputs,
+    operator_name,
+    registry_generation,
+)
+from stormshard.kernels.kept_outputs import keeping_outputs
 
 __all__ = ["ActivationCheckpoint", "CheckpointMode", "CHECKPOINT_MODES", "checkpoint_blocks", "checkpoint_mode",
            "keep_attention_outputs", "unwrap_block", "unwrapped_modules"]
@@ -68,14 +79,18 @@ class ActivationCheckpoint(nn.Module):
     """``forward(*args) -> block(*args)``, recomputed in backward when gradients are enabled.
 
     ``mode``: ``"full"`` (recompute the block) or ``"selective"`` (keep its attention operators'
-    outputs, recompute the rest; module docstring).
+    outputs, recompute the rest; module docstring). ``own_keeping`` (selective, eager calls): once the
+    first call, watched by torch's selective checkpointing, shows that the block's only attention
+    operators are stormshard's kernels, later calls let the kernels keep their outputs themselves
+    (:mod:`stormshard.kernels.kept_outputs`) instead of a dispatch mode watching every operator; False:
+    always torch's mode. Compiled calls always use torch's mode (inside the compiled graph it costs nothing).
 
     Shares the block's ``_parameters``, ``_buffers`` and ``_modules`` (the same dict objects),
     so ``state_dict()``, ``named_parameters()``, ``load_state_dict`` and ``.to()`` see exactly the
     block's tree. ``train()`` / ``eval()`` reach the block too.
     """
 
-    def __init__(self, block: nn.Module, mode: CheckpointMode = "full") -> None:
+    def __init__(self, block: nn.Module, mode: CheckpointMode = "full", *, own_keeping: bool = True) -> None:
         if isinstance(block, ActivationCheckpoint):
             raise TypeError("block is already wrapped in ActivationCheckpoint: wrap each block once")
         if not isinstance(block, nn.Module):
@@ -84,6 +99,9 @@ class ActivationCheckpoint(nn.Module):
             raise ValueError(f"mode must be one of {CHECKPOINT_MODES}, got {mode!r}")
         super().__init__()
         self.mode = mode
+        self.own_keeping = own_keeping
+        # (registry generation, whether the block's kept operators are all stormshard's), from its first eager call
+        self._learned: tuple[int, bool] | None = None
         # adopt the block's tree: same dicts, so every traversal yields the block's own names
         self._parameters = block._parameters
         self._buffers = block._buffers
@@ -116,9 +134,36 @@ class ActivationCheckpoint(nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.block(*args)
-        if self.mode == "selective":
+        if self.mode == "full":
+            return checkpoint(self.block, *args, use_reentrant=False)
+        if torch.compiler.is_compiling() or not self.own_keeping:
             return checkpoint(self.block, *args, use_reentrant=False, context_fn=_SELECTIVE_CONTEXTS)
-        return checkpoint(self.block, *args, use_reentrant=False)
+        if self.keeps_own_outputs():
+            return checkpoint(self.block, *args, use_reentrant=False, context_fn=keeping_outputs)
+        return self._watched_call(*args)
+
+    def keeps_own_outputs(self) -> bool:
+        """Whether an eager selective call keeps the attention outputs through the kernels themselves
+        (:mod:`stormshard.kernels.kept_outputs`, no dispatch mode): true once a call watched by torch's
+        selective checkpointing found no attention operator in the block but stormshard's kernels, and no
+        operator was registered since (:func:`~stormshard.kernels.attention_ops.register_attention_op`)."""
+        return (self.own_keeping and self._learned is not None and self._learned[0] == registry_generation()
+                and self._learned[1])
+
+    def _watched_call(self, *args: Any) -> Any:
+        """The block under torch's selective checkpointing, noting which kept operators it runs."""
+        generation, seen = registry_generation(), set()
+
+        def policy(ctx: Any, op: object, *op_args: Any, **op_kwargs: Any) -> CheckpointPolicy:
+            decision = keep_attention_outputs(ctx, op, *op_args, **op_kwargs)
+            if decision == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+                seen.add(operator_name(op))
+            return decision
+
+        out = checkpoint(self.block, *args, use_reentrant=False,
+                         context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+        self._learned = (generation, seen <= STORMSHARD_ATTENTION_OPERATORS)
+        return out
 
 
 def checkpoint_blocks(blocks: nn.ModuleList, mode: CheckpointMode = "full") -> None:
