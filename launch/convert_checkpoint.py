@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from stormshard.checkpoint.anemoi_export import export_anemoi  # noqa: E402
 from stormshard.checkpoint.anemoi_import import import_anemoi  # noqa: E402
 from stormshard.checkpoint.consolidate import (  # noqa: E402
+    check_output_free,
     check_output_path,
     consolidate_checkpoint,
     save_consolidated,
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         check_arguments_not_empty(argv)  # an empty --out would mean the current directory
         out = getattr(args, "out", None)  # a failure leaves none of it behind (a full disk is named with it)
         # reshard may write into an existing --out: what it adds there goes too (its step, latest.part)
-        written = ("latest", "latest.part", "resume_config.json") if args.command == "reshard" else ()
+        reshard_files = ("latest", "latest.part", "resume_config.json", "resume_config.json.part")
+        written = reshard_files if args.command == "reshard" else ()
         with reporting(), no_partial_output(out, written) if out else contextlib.nullcontext():
             _run(args)  # standard error: a line per phase; standard output keeps the results (--json)
 
@@ -134,6 +136,7 @@ def _run(args: argparse.Namespace) -> None:
             print(f"{path}: {what}")
     elif args.command == "consolidate":
         check_output_path(args.checkpoint, args.out, args.overwrite)
+        check_output_free(args.out, args.overwrite)  # before the checkpoint is read
         ckpt = consolidate_checkpoint(args.checkpoint)
         out = save_consolidated(ckpt, args.out, overwrite=args.overwrite)
         print(f"consolidated step {ckpt.step} ({len(ckpt.model)} tensors) into {out}"

@@ -435,3 +435,84 @@ def test_the_graph_kernel_may_change_on_resume(world, capsys):
                               "model.graph_kernel=csr", "training.max_steps=4"]) == 0
     err = capsys.readouterr().err
     assert "resume: model.graph_kernel: stored 'auto', now 'csr' (allowed on --resume)" in err, err
+
+
+# ------------------------------------------------------------------------------ outputs: before any work, never an input
+
+
+def test_an_existing_out_is_refused_before_the_source_is_read(world, capsys):
+    """consolidate, export and import-anemoi name an existing ``--out`` (without ``--overwrite``) before they
+    read their source, not after consolidating it."""
+    for argv in (["consolidate", str(world.run / "checkpoints"), "--out", str(world.bundle)],
+                 ["export", str(world.run / "checkpoints"), "--out", str(world.bundle)],
+                 ["import-anemoi", str(FIXTURES / "gt" / "inference.ckpt"), "--out", str(world.bundle)]):
+        err = _refused(world, "convert_checkpoint", argv, capsys, f"--out {world.bundle} exists already",
+                       "--overwrite")
+        assert "checkpoint: read" not in err and "import-anemoi:" not in err, err
+
+
+def test_reshard_never_repoints_the_latest_of_a_run_in_out(world, capsys):
+    """An ``--out`` holding another run's checkpoints (``latest`` naming step 3): resharding step 2 there
+    would repoint its ``latest`` to step 2 and replace its ``resume_config.json``; refused unless ``--overwrite``."""
+    out = world.fresh("other-run") / "checkpoints"
+    shutil.copytree(world.run / "checkpoints", out)
+    shutil.rmtree(_step(out, 2))
+    (out / "resume_config.json").write_text("{}")
+    err = _refused(world, "convert_checkpoint", ["reshard", str(_step(world.run / "checkpoints", 2)),
+                                                 "--gpus-per-model", "1", "--out", str(out)], capsys,
+                   f"--out {out} already holds latest, resume_config.json, step_00000001", "--overwrite")
+    assert "checkpoint: read" not in err, err
+    assert (out / "latest").read_text().strip() == "step_00000003"
+
+
+def test_a_graph_cache_that_is_not_a_graph_file_is_never_overwritten(world, capsys):
+    """``data.graph_cache`` naming someone's file (the run would replace it with its graph), or a directory
+    (the save would fail after the graph build, naming a temporary file), and an output directory whose
+    ``checkpoints`` is a file (the first save would fail after training): each an error before any work."""
+    notes = world.fresh("notes.txt")
+    notes.write_text("mine")
+    _refused(world, "train", _train(world, f"data.graph_cache={notes}"), capsys,
+             f"data.graph_cache={str(notes)!r}", "is not a stormshard graph file", "choose another data.graph_cache")
+    assert notes.read_text() == "mine"
+    folder = world.fresh("graph-folder")
+    folder.mkdir()
+    _refused(world, "train", _train(world, f"data.graph_cache={folder}"), capsys,
+             f"data.graph_cache={str(folder)!r} is a directory", "name a file")
+    out = world.fresh("checkpoints-a-file")
+    out.mkdir()
+    (out / "checkpoints").write_text("mine")
+    _refused(world, "train", _train(world, out=out), capsys, f"holds {out / 'checkpoints'}, a file",
+             "set another training.output_dir")
+    from stormshard.graphs.builder import is_graph_file
+
+    assert is_graph_file(world.bundle / "graph.pt") and not is_graph_file(notes)  # a graph cache is rebuilt over
+
+
+def test_a_forecast_never_writes_into_its_dataset(world, capsys):
+    """A dataset at ``OUT/forecast.zarr`` (a forecast store is an anemoi dataset too): forecasting from it into
+    ``OUT`` with ``--overwrite`` would re-create the store it reads (the dataset lost, the forecast made from
+    fill values); an ``--out`` inside the dataset would write into its store. Both refused before any work."""
+    folder = world.fresh("chained")
+    store = folder / "forecast.zarr"
+    shutil.copytree(world.dataset, store)
+    args = ["--model", str(world.bundle), "--date", "2020-01-12T00", "--steps", "2", "--no-scores"]
+    _refused(world, "forecast", [*args, "--dataset", str(store), "--out", str(folder), "--overwrite"], capsys,
+             f"would re-create {store}", f"the dataset {store} the forecast reads")
+    _refused(world, "forecast", [*args, "--dataset", str(world.dataset), "--out", str(world.dataset / "fc")], capsys,
+             f"--out {world.dataset / 'fc'} is inside the dataset {world.dataset}", "choose an --out outside it")
+    shutil.rmtree(folder)
+
+
+def test_export_anemoi_never_replaces_the_anemoi_checkpoint_it_writes_into(world, capsys):
+    """A bundle fine-tuned from an anemoi checkpoint (``training.init_weights``) is written into that file:
+    ``--out`` naming it, even with ``--overwrite``, would replace the original; refused."""
+    bundle = world.fresh("finetuned-from-anemoi")
+    shutil.copytree(world.gt_bundle, bundle)
+    origin = world.fresh("origin.ckpt")
+    (bundle / "anemoi_source.ckpt").rename(origin)
+    meta = json.loads((bundle / "metadata.json").read_text())
+    meta["anemoi"]["template"] = None
+    meta["experiment"] = {**(meta.get("experiment") or {}), "training": {"init_weights": str(origin)}}
+    (bundle / "metadata.json").write_text(json.dumps(meta))
+    _refused(world, "convert_checkpoint", ["export-anemoi", str(bundle), "--out", str(origin), "--overwrite"],
+             capsys, f"--out {origin} is the anemoi checkpoint {bundle} descends from", "choose another --out")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 
 import pytest
 import torch
@@ -202,3 +203,24 @@ def test_the_triton_graph_kernel_keeps_its_outputs(monkeypatch):
         for a, b in zip(grads, reference, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert wrapped.keeps_own_outputs() and len(forwards) == 2  # once per step
+
+
+def test_a_backward_on_another_thread_replays(monkeypatch):
+    """CUDA runs the backward (and so the recompute) on autograd's device thread, not the forward's: the store is
+    found there too (here the backward runs on a thread of its own)."""
+    torch.manual_seed(0)
+    block = _WindowBlock(False)
+    x = torch.randn(1, 1, 11, 4, dtype=torch.float64, requires_grad=True)
+    reference = _grads(ActivationCheckpoint(block, "full"), x)[0]
+    wrapped = ActivationCheckpoint(block, "selective")
+    _grads(wrapped, x)
+    forwards = []
+    monkeypatch.setattr(banded, "_banded_forward", lambda *a: forwards.append(1) or banded_forward(*a))
+    loss = wrapped(x).square().sum()
+    grads: list[tuple[torch.Tensor, ...]] = []
+    worker = threading.Thread(target=lambda: grads.append(torch.autograd.grad(loss, [x, *block.parameters()])))
+    worker.start()
+    worker.join()
+    assert len(forwards) == 1 and wrapped.keeps_own_outputs()
+    for a, b in zip(grads[0], reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)

@@ -162,6 +162,10 @@ def export_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
     meta = _bundle_metadata(src)
     blocked = (meta.get("anemoi") or {}).get("not_exportable") if meta else None
     template = _template(src, meta) if meta and not blocked else None
+    if template is not None and target.resolve() == template.resolve():  # even with --overwrite
+        raise ConversionError(f"--out {target} is the anemoi checkpoint {src} descends from, which export-anemoi "
+                              "reads and writes the weights into: export never replaces its source",
+                              fix="choose another --out")
     if template is not None:
         return _write_into_template(src, meta, template, target)
     why = (f"{src} cannot be exported to anemoi by writing into its anemoi checkpoint ({blocked})" if blocked else

@@ -59,7 +59,7 @@ from stormshard.checkpoint.anemoi_pickle import (
     open_anemoi_checkpoint,
     stub_class_name,
 )
-from stormshard.checkpoint.consolidate import atomic_directory, save_safetensors
+from stormshard.checkpoint.consolidate import atomic_directory, check_output_free, save_safetensors
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.export import BUNDLE_FORMAT
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, save_graph
@@ -548,6 +548,7 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
     """Write a stormshard bundle (``load_model(out)``) from an anemoi checkpoint (inference or Lightning
     ``last.ckpt``), with a ``finetune_config.json`` (:func:`finetune_config`). Only a bundle imported
     from an anemoi-models 0.19 inference checkpoint keeps it (``anemoi_source.ckpt``) for export."""
+    check_output_free(out, overwrite)  # before the anemoi file is read
     imported = read_anemoi(source)
     meta = imported.metadata
     with atomic_directory(out, overwrite) as tmp:

@@ -96,6 +96,7 @@ __all__ = [
     "load_any",
     "atomic_directory",
     "check_output_path",
+    "check_output_free",
 ]
 
 CONSOLIDATED_FORMAT = "stormshard-consolidated"
@@ -478,6 +479,15 @@ def check_output_path(source: str | os.PathLike, out: str | os.PathLike, overwri
                                   fix="choose an --out that does not contain the checkpoint being converted")
 
 
+def check_output_free(out: str | os.PathLike, overwrite: bool = False) -> None:
+    """A :class:`ConversionError` naming ``--out`` unless it may be written: absent, an empty directory,
+    or ``overwrite``. The check :class:`atomic_directory` makes, for the callers to make before they
+    read their source (an existing output is bad input: no work first)."""
+    p = Path(out)
+    if p.exists() and not overwrite and (not p.is_dir() or any(p.iterdir())):
+        raise ConversionError(f"--out {out} exists already", fix="choose a new output path or pass --overwrite")
+
+
 class atomic_directory:  # noqa: N801 - used as a context manager
     """``with atomic_directory(out) as tmp:`` write into ``tmp``; on success it is renamed to
     ``out`` (which must not exist unless ``overwrite``); on an exception it is deleted."""
@@ -485,8 +495,7 @@ class atomic_directory:  # noqa: N801 - used as a context manager
     def __init__(self, out: str | os.PathLike, overwrite: bool = False) -> None:
         self.out = Path(out)
         self.overwrite = overwrite
-        if self.out.exists() and not overwrite and (not self.out.is_dir() or any(self.out.iterdir())):
-            raise ConversionError(f"{self.out} exists already", fix="choose a new output path or pass --overwrite")
+        check_output_free(self.out, overwrite)
         self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
 
     def __enter__(self) -> Path:

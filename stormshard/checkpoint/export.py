@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from stormshard.checkpoint.consolidate import (
     atomic_directory,
+    check_output_free,
     check_output_path,
     load_any,
     resolve_checkpoint,
@@ -94,6 +95,7 @@ def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset:
     the source (:func:`~stormshard.checkpoint.consolidate.check_output_path`). A builder the stored
     config names as ``"package.module:attribute"`` is imported only with ``trust_model_code``."""
     check_output_path(source, out, overwrite)
+    check_output_free(out, overwrite)  # before the checkpoint is read
     check_checkpoint_builder(source, trust_model_code)
     ckpt = load_any(source)
     src = model_sources(ckpt.config, resolve_checkpoint(source), dataset, graph)

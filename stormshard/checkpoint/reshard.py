@@ -69,7 +69,7 @@ from stormshard.parallel.shard import SHARD_STRATEGIES
 from stormshard.parallel.tensor import slice_partition
 from stormshard.progress import note
 
-__all__ = ["retarget_config", "reshard_checkpoint"]
+__all__ = ["retarget_config", "reshard_checkpoint", "check_reshard_out"]
 
 
 def retarget_config(config: Mapping[str, Any], gpus_per_model: int, shard_strategy: str | None) -> StoredConfig:
@@ -146,6 +146,24 @@ def _check_engine(ckpt: ConsolidatedCheckpoint, cfg: StoredConfig) -> None:
         raise ConversionError(f"unknown engine state {engine!r} in the checkpoint")
 
 
+RESUME_CONFIG = "resume_config.json"
+
+
+def check_reshard_out(out: str | os.PathLike, overwrite: bool = False) -> None:
+    """A :class:`ConversionError` naming ``--out`` when, without ``overwrite``, the checkpoints directory
+    ``out`` already holds a checkpoint (a ``step_NNNNNNNN``, ``latest``) or a ``resume_config.json``:
+    resharding there would repoint another run's ``latest`` and replace its files. Other files stay
+    allowed (reshard writes beside them)."""
+    p = Path(out)
+    if overwrite or not p.is_dir():
+        return
+    taken = sorted(c.name for c in p.iterdir() if c.name in (LATEST, RESUME_CONFIG) or c.name.startswith("step_"))
+    if taken:
+        raise ConversionError(f"--out {out} already holds {', '.join(taken[:4])}{' ...' if len(taken) > 4 else ''}: "
+                              f"reshard would replace its {LATEST} and {RESUME_CONFIG}",
+                              fix="choose a new --out (e.g. runs/NEW/checkpoints) or pass --overwrite")
+
+
 def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_per_model: int,
                        shard_strategy: str | None = None, *, world_size: int | None = None,
                        dataset: str | os.PathLike | None = None, graph: str | os.PathLike | None = None,
@@ -156,6 +174,7 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
     ``gpus_per_model x`` the source's replicas, which it must keep; ``trust_model_code``: the stored
     config may name a builder module to import. Returns the step directory."""
     check_output_path(source, out, overwrite)
+    check_reshard_out(out, overwrite)  # before the checkpoint is read
     check_checkpoint_builder(source, trust_model_code)
     ckpt = load_any(source)
     cfg = retarget_config(ckpt.config, gpus_per_model, shard_strategy)
@@ -234,5 +253,6 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
     resume = dict(config_json)
     if out.name == "checkpoints":
         resume["training"] = {**resume["training"], "output_dir": str(out.parent)}
-    (out / "resume_config.json").write_text(json.dumps(resume, indent=1))
+    (out / f"{RESUME_CONFIG}.part").write_text(json.dumps(resume, indent=1))  # never rewritten in place
+    os.replace(out / f"{RESUME_CONFIG}.part", out / RESUME_CONFIG)
     return out / step_name(step)

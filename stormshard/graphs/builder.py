@@ -60,6 +60,7 @@ __all__ = [
     "graph_hash",
     "save_graph",
     "load_graph",
+    "is_graph_file",
     "load_or_build_graph",
     "graph_node_counts",
     "ENCODER",
@@ -239,6 +240,16 @@ def load_graph(path: str | os.PathLike) -> HeteroGraph:
     graph.config_hash = payload["config_hash"]
     graph.coverage_edges = json.loads(payload["coverage_edges"])
     return graph
+
+
+def is_graph_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file :func:`save_graph` wrote (any format version, any config: a graph cache
+    that may be rebuilt over); memory-mapped, so its tensors are not read."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not a torch file, truncated, foreign objects: not a graph
+        return False
+    return isinstance(payload, dict) and "format" in payload and "config_hash" in payload
 
 
 # a graph over at least this many data nodes is built in a child process by load_or_build_graph(isolate=True)

@@ -157,6 +157,21 @@ def check_forecast_attention_kernel(kernel: str, device_type: str, precision: st
                          f"{'' if precision is None else ', ' + precision}): {problem}; or use 'auto' / 'banded'")
 
 
+def _check_not_into_dataset(dataset: str | os.PathLike, out: Path, date_dirs: Sequence[Path]) -> None:
+    """A forecast never writes into its dataset: ``--out`` equal to or inside the dataset, or a
+    ``forecast.zarr`` it writes (re-created, even with ``--overwrite``) that is or holds the dataset, is an
+    error naming both (the dataset would be lost while the forecast reads it)."""
+    source = Path(dataset).resolve()
+    target = out.resolve()
+    if target == source or source in target.parents:
+        raise ValueError(f"--out {out} is {'the' if target == source else 'inside the'} dataset {dataset}: a forecast "
+                         "never writes into its dataset; choose an --out outside it")
+    for store in (d / "forecast.zarr" for d in date_dirs):
+        if store.resolve() == source or store.resolve() in source.parents:
+            raise ValueError(f"--out {out} would re-create {store}, which is (or holds) the dataset {dataset} the "
+                             "forecast reads: choose another --out (or copy the dataset elsewhere first)")
+
+
 def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: HeteroGraph, variables: VariableIndex,
                   timestep: str | None, multistep: int, ensemble: bool, default_member_count: int,
                   dates: Sequence[Any], steps: int, out: str | os.PathLike, members: int | None, world_size: int,
@@ -230,6 +245,7 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
     check_writable_directory(out, "--out")
     several = len(init_dates) > 1
     date_dirs = tuple(date_directory(out, d, several) for d in init_dates)
+    _check_not_into_dataset(dataset, out, date_dirs)
     if not overwrite:
         taken = [str(d / "forecast.zarr") for d in date_dirs if (d / "forecast.zarr").exists()]
         taken += [str(out / "scores.json")] if (out / "scores.json").exists() else []

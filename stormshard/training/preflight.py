@@ -63,7 +63,7 @@ from stormshard.data.dataset import (
 from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.env import check_environment
 from stormshard.errors import check_writable_directory, nearest_existing_parent
-from stormshard.graphs.builder import KNNEdges
+from stormshard.graphs.builder import KNNEdges, is_graph_file
 from stormshard.models.parallelize import (
     check_attention_kernel_for_training,
     check_graph_kernel_for_device,
@@ -84,7 +84,7 @@ from stormshard.training.engine.build import check_engine_layout
 from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.finetune import InitWeights, check_finetune_inputs
 from stormshard.training.rollout_schedule import max_rollout
-from stormshard.training.run_dir import check_run_directory
+from stormshard.training.run_dir import METRICS_FILE, check_run_directory
 from stormshard.training.scaling import variable_loss_weights
 from stormshard.training.tasks import task_type
 
@@ -253,10 +253,30 @@ def check_resume(config: ExperimentConfig, world: int | None = None) -> tuple[st
 
 def check_output_dir(config: ExperimentConfig) -> None:
     """``training.output_dir`` and ``data.graph_cache`` can be created and written (checked on the nearest
-    existing directory; the probe directory is removed at once)."""
-    check_writable_directory(config.training.output_dir, "training.output_dir")
+    existing directory; the probe directory is removed at once); what the run writes there is not taken by
+    something else: ``checkpoints`` a directory, ``metrics.jsonl`` and ``config.json`` files, and the graph
+    cache absent or a graph file (the run rebuilds over it: any other file would be lost)."""
+    out = Path(config.training.output_dir)
+    check_writable_directory(out, "training.output_dir")
     if config.data.graph_cache:
         check_writable_directory(Path(config.data.graph_cache).parent, "data.graph_cache")
+    for name, is_dir in (("checkpoints", True), (METRICS_FILE, False), ("config.json", False)):
+        if (out / name).exists() and (out / name).is_dir() != is_dir:
+            raise ConfigError(f"training.output_dir={str(out)!r} holds {out / name}, a {'file' if is_dir else 'directory'} "
+                              f"where the run writes its {name} {'directory' if is_dir else 'file'}: move it aside or "
+                              "set another training.output_dir; nothing was started")
+    if config.data.graph_file:  # a fixed graph: no cache is written
+        return
+    cache = Path(config.data.graph_cache) if config.data.graph_cache else out / "graph.pt"
+    field = f"data.graph_cache={config.data.graph_cache!r}" if config.data.graph_cache else \
+        f"training.output_dir={str(out)!r} (its graph cache {cache})"
+    if cache.is_dir():
+        raise ConfigError(f"{field} is a directory, where the run caches its graph file: name a file (e.g. "
+                          f"data.graph_cache={str(cache / 'graph.pt')!r}); nothing was started")
+    if cache.exists() and not is_graph_file(cache):
+        raise ConfigError(f"{field}: {cache} exists and is not a stormshard graph file, which the run would overwrite "
+                          "with its graph: choose another data.graph_cache (or delete the file if it is a damaged "
+                          "graph cache); nothing was started")
 
 
 def open_dataset(config: ExperimentConfig) -> tuple[AnemoiDataset, VariableIndex]:
