@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from stormshard.kernels.dispatch import sliding_window_attention
 from stormshard.kernels.reference import dense_window_attention
 from stormshard.layers.attention import SlidingWindowAttention, split_qkv
+from stormshard.layers.checkpointing import ActivationCheckpoint
 from stormshard.layers.conditional import ConditionalTransformerBlock
 from stormshard.layers.mlp import MLP
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
@@ -319,6 +320,9 @@ def _run_cases(rank, world, cases):
     for case in cases:
         sizes = balanced_sizes(case[1], world)
         module, x, grad = _attention_case(case, SequenceShard(sizes, group))
+        if case[6] == "selective":  # a first, watched step; the checked one keeps the kernels' outputs without a mode
+            _sharded(module, x, grad, sizes, rank)
+            assert all(m.keeps_own_outputs() for m in module.modules() if isinstance(m, ActivationCheckpoint))
         results.append(_sharded(module, x, grad, sizes, rank))
     return results
 

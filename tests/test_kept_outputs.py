@@ -45,7 +45,7 @@ def watched_calls(monkeypatch) -> list[int]:
     return made
 
 
-@pytest.mark.parametrize("case", ["transformer", "graphtransformer", "gnn"])
+@pytest.mark.parametrize("case", ["transformer", "graphtransformer", "ensemble", "gnn"])
 def test_later_eager_steps_keep_kernel_outputs_without_a_dispatch_mode(case, kernel_calls,  # noqa: F811
                                                                        watched_calls):
     plain = _step(_model(case, False), case, kernel_calls)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+from stormshard.layers.checkpointing import ActivationCheckpoint
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
@@ -132,6 +133,11 @@ def _head_groups(config: ModelConfig):  # noqa: ANN202 - a context manager
     return tile_override(Tiles(heads_per_program=4, block_e=8, num_warps=2))
 
 
+def _selective(config: ModelConfig) -> bool:
+    return "selective" in (config.activation_checkpointing, config.encoder.activation_checkpointing,
+                           config.decoder.activation_checkpointing)
+
+
 def _check_model(rank, world, case):
     config, strategy = _config(case)
     graph = _graph(config.uses_graph_processor, small=config.graph_kernel == "triton")
@@ -167,6 +173,11 @@ def _check_model(rank, world, case):
     if case in LEAN:
         force_lean_paths(sharded)
     with _head_groups(config):
+        if _selective(config):  # a first, watched step; the checked one keeps the kernels' outputs without a mode
+            loss_of(_run(sharded, x[:, :, ds], noise), target[:, ds], area[ds], group).backward()
+            sharded.zero_grad(set_to_none=True)
+            assert all(m.keeps_own_outputs() for m in sharded.modules()
+                       if isinstance(m, ActivationCheckpoint) and m.mode == "selective")
         out = _run(sharded, x[:, :, ds], noise)
         loss = loss_of(out, target[:, ds], area[ds], group)
         loss.backward()
