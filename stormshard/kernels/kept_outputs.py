@@ -12,9 +12,11 @@ blocks that run nothing else worth keeping (its first call, watched by torch's m
 
 The kernels' eager paths call :func:`kept_or_computed`; nothing else needs to know. A replayed call checks
 that its inputs have the recorded shapes and dtypes and that nothing wrote to the kept outputs since (their
-version counters): otherwise it computes afresh, which is always right. The store lives as long as the
-checkpoint's recompute can run (the autograd graph of the step) and holds detached tensors that share the
-outputs' storage: the memory torch's selective checkpointing keeps, no more.
+version counters): otherwise it computes afresh, which is always right. The store holds detached tensors
+that share the outputs' storage, and lets go of each when the recompute takes it (from then on the
+recomputed autograd node holds it until its backward has run): the memory torch's selective checkpointing
+keeps, for as long. A second backward through a retained graph computes the outputs afresh (torch's
+selective checkpointing refuses it).
 
 Nothing is communicated here.
 """
@@ -42,7 +44,7 @@ class _Entry:
 
 class _Phase:
     """A context manager that makes a store the thread's active one, recording or replaying; reusable (a
-    second backward through a retained graph replays again from the first call)."""
+    second backward through a retained graph starts again from the first call)."""
 
     def __init__(self, store: KeptOutputs, replay: bool) -> None:
         self.store, self.replay = store, replay
@@ -66,7 +68,7 @@ class KeptOutputs:
     :func:`torch.utils.checkpoint.checkpoint` takes from its ``context_fn``."""
 
     def __init__(self) -> None:
-        self.entries: list[_Entry] = []
+        self.entries: list[_Entry | None] = []
         self.position = 0
 
     def recording(self) -> _Phase:
@@ -115,9 +117,11 @@ def kept_or_computed(compute: Callable[[], tuple[Tensor, ...]], *inputs: Tensor)
         return outputs
     position = store.position
     store.position += 1
-    if position < len(store.entries):
-        entry = store.entries[position]
-        if (entry.signature == _signature(inputs)
-                and all(t._version == v for t, v in zip(entry.outputs, entry.versions, strict=True))):
-            return tuple(t.detach() for t in entry.outputs)
+    entry = store.entries[position] if position < len(store.entries) else None
+    if entry is None:  # past the recorded calls, or taken by an earlier backward (a retained graph)
+        return compute()
+    store.entries[position] = None  # taken: from here on the recomputed autograd node alone holds the outputs
+    if (entry.signature == _signature(inputs)
+            and all(t._version == v for t, v in zip(entry.outputs, entry.versions, strict=True))):
+        return tuple(t.detach() for t in entry.outputs)
     return compute()
