@@ -7,10 +7,12 @@
   even ``config.json``). Moving the damaged step aside is the explicit decision to go back.
 - An empty value (an override or a file field) names the field; nothing lands in the current directory.
 - Every ``STORMSHARD_*`` variable: ``nan``, ``inf``, negative, non-numeric, unknown keys: one error.
-- Overrides: an error names the override that set the value; a key given twice is an error.
+- Overrides: an error names the override that set the value; a key given twice is an error; ``true`` / ``false``
+  for a number is an error (not 1 / 0).
 - ``training.init_weights``: damaged, another architecture (an error unless
   ``training.init_weights_partial``), ``training.freeze`` of every parameter: before any file.
 - ``forecast --attention-kernel flex`` on a graph-transformer model is an error.
+- A forecast replaces no file it writes (climatology, maps, score plots) without ``--overwrite``.
 - A full disk during conversion, import and forecasts: ``error: the disk is full`` naming the output, and
   no partial output (no ``.partial`` file of ``export-anemoi`` either).
 
@@ -516,3 +518,42 @@ def test_export_anemoi_never_replaces_the_anemoi_checkpoint_it_writes_into(world
     (bundle / "metadata.json").write_text(json.dumps(meta))
     _refused(world, "convert_checkpoint", ["export-anemoi", str(bundle), "--out", str(origin), "--overwrite"],
              capsys, f"--out {origin} is the anemoi checkpoint {bundle} descends from", "choose another --out")
+
+
+def test_a_forecast_never_replaces_an_output_file_without_overwrite(world, capsys):
+    """An ``--out`` holding a file the forecast writes beside its store (``climatology.npz``, a map, a score plot)
+    but no ``forecast.zarr`` or ``scores.json``: without ``--overwrite`` that file used to be replaced
+    silently; refused before any work, naming the file."""
+    args = ["--model", str(world.bundle), "--dataset", str(world.dataset), "--date", "2020-01-12T00", "--steps", "2"]
+    for name, extra in (("climatology.npz", []), ("maps/tracer_1_step002.png", ["--no-scores", "--plot", "tracer_1"]),
+                        ("plots/scores_tracer_1.png", [])):
+        folder = world.fresh(f"keeps-{name.replace('/', '-')}")
+        mine = folder / name
+        mine.parent.mkdir(parents=True)
+        mine.write_text("mine")
+        _refused(world, "forecast", [*args, *extra, "--out", str(folder)], capsys, f"{mine} exists",
+                 "the forecast would replace it", "--overwrite")
+        assert mine.read_text() == "mine"
+        shutil.rmtree(folder)
+
+
+def test_a_boolean_where_a_number_is_expected_is_an_error(world, tmp_path, capsys):
+    """``true`` / ``false`` for a number (an override or a file field) was read as 1 / 0 silently:
+    ``training.checkpoint_interval=true`` saved every step, ``training.lr=true`` trained at 1.0. Each an error
+    naming the override (or the file), the field and the value; real booleans and ``"auto"`` stay accepted."""
+    _refused(world, "train", _train(world, "training.checkpoint_interval=true"), capsys,
+             "override 'training.checkpoint_interval=true': training.checkpoint_interval = true is a boolean where "
+             "a number is expected")
+    _refused(world, "train", _train(world, "training.lr=true"), capsys, "override 'training.lr=true'")
+    _refused(world, "train", _train(world, "graph.processor.num_neighbours=false"), capsys,
+             "graph.processor.num_neighbours = false", "read as 0")
+    in_file = json.loads(world.config.read_text())
+    in_file["data"]["validation_samples"] = True
+    (tmp_path / "bool.json").write_text(json.dumps(in_file))
+    _refused(world, "train", ["--config", str(tmp_path / "bool.json"), f"training.output_dir={world.fresh('b')}"],
+             capsys, f"{tmp_path / 'bool.json'}: data.validation_samples = true is a boolean")
+    from stormshard.training.config import load_experiment_config
+
+    config = load_experiment_config(world.config, cli_overrides=["training.compile=false", "logging.progress=true",
+                                                                 "training.init_weights_partial=true"])
+    assert config.training.compile is False and config.training.init_weights_partial is True

@@ -302,6 +302,38 @@ def test_synthetic_cli_and_if_missing(tmp_path, capsys):
     assert os.path.isdir(broken)
 
 
+
+def test_synthetic_cli_never_loses_the_dataset_it_replaces(tmp_path, capsys, monkeypatch):
+    """Regenerating over an existing synthetic store: a bad option is one ``error:`` (status 2) before the
+    store is touched (it used to be deleted first, then the option failed with a traceback), and a failure
+    while writing (a full disk) leaves the old store as it was and nothing partial beside it."""
+    import errno
+
+    import stormshard.data.synthetic as synthetic
+
+    out = tmp_path / "s.zarr"
+    assert main(["--grid", "o4", "--steps", "6", "--out", str(out)]) == 0
+    files = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    for option, value, fragment in (("--grid", "q7", "--grid 'q7': unknown grid"), ("--steps", "1", "--steps 1"),
+                                    ("--frequency", "6x", "--frequency '6x'"),
+                                    ("--start-date", "soon", "--start-date 'soon'"), ("--members", "0", "--members 0")):
+        assert main(["--grid", "o4", "--steps", "6", "--out", str(out), option, value]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and err.count("error: ") == 1 and "Traceback" not in err, err
+        assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == files
+
+    def disk_full(path: str, **_kwargs: object) -> None:
+        os.makedirs(os.path.join(path, "data"))  # some of the new store is written, then the disk fills up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(synthetic, "generate_synthetic_dataset", disk_full)
+    with pytest.raises(OSError):
+        main(["--grid", "o4", "--steps", "8", "--out", str(out)])
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
 # ------------------------------------------------------------------------------------ samples
 
 

@@ -282,6 +282,20 @@ def test_resuming_a_finished_run_changes_nothing(dataset, tmp_path, capsys):  # 
     assert [r["step"] for r in records if "val_rmse/tracer_1" in r] == [2]
 
 
+def test_resuming_a_run_killed_in_its_final_validation_logs_that_validation(dataset, tmp_path):  # noqa: F811
+    """A run killed after its last checkpoint, during its final validation (before logging it): ``--resume`` trains
+    nothing, and the validation the run never logged is logged now, once (it used to be lost from metrics.jsonl)."""
+    cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2, "training.checkpoint_interval": 2})
+    run_training(cfg)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("".join(line + "\n" for line in lines if "val_rmse/" not in line))  # the kill came first
+    run_training(cfg, resume=True)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if "val_rmse/tracer_1" in r] == [2]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+
+
 def _damage(step_dir: Path, how: str) -> Path:
     """Damage one file of ``step_dir`` as a crash, a full disk or a bad copy would; returns the file."""
     if how == "truncated metadata.json":

@@ -40,6 +40,7 @@ import datetime
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -309,6 +310,23 @@ def generate_synthetic_dataset(
     return dynamics
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line's ``--grid``, ``--steps``, ``--frequency``, ``--members`` and
+    ``--start-date`` (naming the option, the value and the fix), or None."""
+    if args.steps < 2:
+        return f"--steps {args.steps}: a dataset needs at least 2 dates; give --steps 2 or more"
+    if args.members < 1:
+        return f"--members {args.members}: give at least 1 member"
+    for option, value, check in (("--grid", args.grid, grid_from_name), ("--frequency", args.frequency,
+                                                                         parse_frequency),
+                                 ("--start-date", args.start_date, as_datetime64)):
+        try:
+            check(value)
+        except (TypeError, ValueError) as exc:
+            return f"{option} {value!r}: {exc}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stormshard.data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--grid", default="o16", help="grid name: o<N> (octahedral) or a spacing in degrees")
@@ -323,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--if-missing", action="store_true",
                         help="do nothing when --out already holds a valid anemoi-layout dataset")
     args = parser.parse_args(argv)
+    problem = _argument_problem(args)
+    if problem:  # before anything is read, replaced or written
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     if os.path.exists(args.out):
         try:
@@ -339,13 +361,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {args.out} exists and was not written by this generator; remove it or choose "
                   "another --out", file=sys.stderr)
             return 2
-        shutil.rmtree(args.out)
     parent = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(parent, exist_ok=True)
     t0 = time.perf_counter()
-    generate_synthetic_dataset(args.out, grid=args.grid, steps=args.steps, frequency=args.frequency,
-                               seed=args.seed, members=args.members, start_date=args.start_date,
-                               sea_field=args.sea_field)
+    # written in a fresh folder beside --out, which is replaced only once the new store is complete: a failure
+    # (a full disk, an interrupt) leaves the old dataset as it was and no partial one
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(args.out))}.", suffix=".partial", dir=parent)
+    try:
+        store = os.path.join(work, "new.zarr")
+        generate_synthetic_dataset(store, grid=args.grid, steps=args.steps, frequency=args.frequency,
+                                   seed=args.seed, members=args.members, start_date=args.start_date,
+                                   sea_field=args.sea_field)
+        if os.path.exists(args.out):
+            os.replace(args.out, os.path.join(work, "old.zarr"))
+        os.replace(store, args.out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     ds = AnemoiDataset.open(args.out)
     print(f"wrote {args.out}: {ds.num_dates} dates every {frequency_to_string(ds.frequency)}, "
           f"{ds.num_variables} variables {ds.variables}, {ds.ensemble_size} member(s), {ds.num_cells} cells "

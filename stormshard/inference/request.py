@@ -28,7 +28,8 @@ from stormshard.inference.outputs import netcdf_engine
 from stormshard.models.config import ModelConfig
 from stormshard.models.variables import VariableIndex
 
-__all__ = ["FORMATS", "ForecastRequest", "check_request", "date_directory", "default_members", "in_sample_warning"]
+__all__ = ["FORMATS", "ForecastRequest", "check_request", "date_directory", "default_members", "forecast_outputs",
+           "in_sample_warning"]
 
 FORMATS = ("zarr", "netcdf")
 COORDINATE_TOLERANCE_DEG = 1e-4
@@ -172,6 +173,23 @@ def _check_not_into_dataset(dataset: str | os.PathLike, out: Path, date_dirs: Se
                              "forecast reads: choose another --out (or copy the dataset elsewhere first)")
 
 
+def forecast_outputs(out: Path, date_dirs: Sequence[Path], formats: Sequence[str], verify: bool,
+                     plot_variables: Sequence[str], plot_steps: Sequence[int], output_names: Sequence[str]) -> list[Path]:
+    """Every path a forecast writes (:mod:`stormshard.inference.forecast`): per date directory ``forecast.zarr``,
+    ``forecast.nc`` (netcdf), ``scores.json`` (verify) and ``maps/<variable>_step<k>.png``; in ``out`` the
+    combined ``scores.json``, ``climatology.npz`` and ``plots/scores_<variable>.png`` (verify)."""
+    paths = []
+    for d in date_dirs:
+        paths.append(d / "forecast.zarr")
+        paths += [d / "forecast.nc"] if "netcdf" in formats else []
+        paths += [d / "scores.json"] if verify else []
+        paths += [d / "maps" / f"{name}_step{k:03d}.png" for name in plot_variables for k in plot_steps]
+    paths.append(out / "scores.json")  # refused even with --no-scores (an earlier forecast's summary)
+    if verify:
+        paths += [out / "climatology.npz", *(out / "plots" / f"scores_{name}.png" for name in output_names)]
+    return list(dict.fromkeys(paths))
+
+
 def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: HeteroGraph, variables: VariableIndex,
                   timestep: str | None, multistep: int, ensemble: bool, default_member_count: int,
                   dates: Sequence[Any], steps: int, out: str | os.PathLike, members: int | None, world_size: int,
@@ -246,11 +264,13 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
     several = len(init_dates) > 1
     date_dirs = tuple(date_directory(out, d, several) for d in init_dates)
     _check_not_into_dataset(dataset, out, date_dirs)
-    if not overwrite:
-        taken = [str(d / "forecast.zarr") for d in date_dirs if (d / "forecast.zarr").exists()]
-        taken += [str(out / "scores.json")] if (out / "scores.json").exists() else []
+    if not overwrite:  # every file the forecast writes, not only its stores: none is replaced unasked
+        written = forecast_outputs(out, date_dirs, fmts, verify, plot_variables, plot_steps, variables.output_names)
+        taken = [p for p in written if p.exists() or p.is_symlink()]
         if taken:
-            raise FileExistsError(f"{taken[0]} exists: choose another --out or pass --overwrite")
+            more = f" (and {len(taken) - 1} more of its outputs)" if len(taken) > 1 else ""
+            raise FileExistsError(f"{taken[0]} exists{more}: the forecast would replace it; choose another --out or "
+                                  "pass --overwrite")
     req = ForecastRequest(str(dataset), tuple(init_idx), tuple(init_dates), stride, step_text, multistep, steps,
                           members, k, precision, fmts, out, date_dirs, tuple(plot_variables), tuple(plot_steps),
                           cells_per_chunk, verify, seed)

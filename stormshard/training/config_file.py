@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from stormshard.errors import format_validation_errors
 
 __all__ = ["ConfigError", "read_json_object", "loads_json", "parse_override", "apply_overrides", "schema_keys",
-           "empty_fields", "validate_config"]
+           "empty_fields", "boolean_numbers", "validate_config"]
 
 
 class ConfigError(ValueError):
@@ -299,6 +299,34 @@ def empty_fields(raw: Any, schema: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def _number_not_bool(annotation: Any) -> bool:
+    """Whether ``annotation`` takes a number (int or float) but not a boolean: pydantic would read ``true``
+    there as 1 silently (``bool`` is an ``int`` to Python)."""
+    alts = _unwrap(annotation)
+    takes_bool = any(alt is bool or alt is Any or (typing.get_origin(alt) is typing.Literal and any(
+        isinstance(a, bool) for a in typing.get_args(alt))) for alt in alts)
+    return not takes_bool and any(alt is int or alt is float for alt in alts)
+
+
+def boolean_numbers(raw: Any, schema: Any, prefix: str = "") -> list[tuple[str, bool]]:
+    """``(dotted field, value)`` of each field of ``raw`` (checked against ``schema``'s fields) that holds
+    ``true`` / ``false`` where the schema takes a number (``training.checkpoint_interval=true`` would be 1);
+    free sections and unknown keys are not looked into, as in :func:`empty_fields`."""
+    keys = schema_keys(schema)
+    if not isinstance(raw, dict) or not isinstance(keys, dict):
+        return []
+    out = []
+    for key, value in raw.items():
+        if key not in keys:
+            continue
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, bool) and _number_not_bool(keys[key]):
+            out.append((dotted, value))
+        elif isinstance(value, dict):
+            out += boolean_numbers(value, keys[key], dotted)
+    return out
+
+
 def _override_of(items: Sequence[str]) -> dict[str, str]:
     """``{dotted key: item}`` of the overrides ``items``."""
     return {item.partition("=")[0].strip(): item for item in items}
@@ -332,6 +360,12 @@ def validate_config(schema: type[BaseModel], raw: dict[str, Any], source: str,
         raise ConfigError(f"{where}: {field} is empty{more}: an empty value is never read as the current directory "
                           "or as 'not set' (an unset shell variable?); give a value, or leave the key out for its "
                           "default")
+    flags = boolean_numbers(raw, schema)
+    if flags:
+        field, value = flags[0]
+        where = _source_for(field, "", by_key) or source
+        raise ConfigError(f"{where}: {field} = {json.dumps(value)} is a boolean where a number is expected (it would be "
+                          f"read as {int(value)}): give a number, e.g. {field}={int(value) or 1}")
     try:
         return schema(**raw)
     except ValidationError as err:

@@ -53,6 +53,7 @@ from stormshard.training.metrics_log import (
     drop_records_after,
     format_table,
     lead_time_rows,
+    logged_keys,
     rmse_rows,
 )
 from stormshard.training.preflight import RESUME_MAY_CHANGE, RunInputs, checkpoint_dir, preflight
@@ -517,8 +518,11 @@ class Trainer:
                     last_saved = self.save(step + 1)
                     self.logger.write(f"checkpoint saved: {last_saved}")
             finished_before = self.resume and start >= self.total_steps  # resumed a run that had ended
+            logged: set[str] | None = None  # what a finished run logged at its last step (its final validation)
             if finished_before:
                 last_saved = Path(str(self.resumed_from))
+                if self.rank == 0 and start == self.total_steps:  # (a lowered max_steps: nothing is logged)
+                    logged = logged_keys(self.output_dir / METRICS_FILE, self.total_steps)
                 self.logger.write(f"the run had already trained its {self.total_steps} steps: nothing to train "
                                   "(raise training.max_steps to continue); validating the checkpoint, its metrics "
                                   "records kept as they are")
@@ -528,16 +532,18 @@ class Trainer:
             result.checkpoint = str(last_saved)
             result.data_wait = self.data_wait
             result.validation = self.validate()
-            if not finished_before:  # the finished run logged this validation already
-                self.logger.log(self.total_steps, self.validation_metrics(result.validation))
+            metrics = self.validation_metrics(result.validation)
+            if not finished_before or _never_logged(logged, "val_rmse/"):  # once: a finished run killed in its
+                self.logger.log(self.total_steps, metrics)  # final validation (before logging it) logs it now
             table = self.validation_table(result.validation)
             count = min(self.config.data.validation_samples, len(self.val_samples))
             self.logger.write(f"\nvalidation RMSE against persistence ({count} windows):\n{table}")
             if self.test_samples is not None:
                 count = min(self.config.data.validation_samples, len(self.test_samples))
                 result.test = self.validate(self.test_samples)
-                if not finished_before:
-                    self.logger.log(self.total_steps, self.validation_metrics(result.test, prefix="test"))
+                metrics = self.validation_metrics(result.test, prefix="test")
+                if not finished_before or _never_logged(logged, "test_rmse/"):
+                    self.logger.log(self.total_steps, metrics)
                 self.logger.write(f"\ntest RMSE against persistence ({count} windows of data.test):\n"
                                   f"{self.validation_table(result.test)}")
             self.logger.write(f"checkpoint: {last_saved}\nmetrics:    {self.output_dir / 'metrics.jsonl'}")
@@ -545,6 +551,11 @@ class Trainer:
             self.close()
             self.logger.close()
         return result
+
+
+def _never_logged(logged: set[str] | None, prefix: str) -> bool:
+    """Whether the metric names ``logged`` (None: not looked at) hold none starting with ``prefix``."""
+    return logged is not None and not any(k.startswith(prefix) for k in logged)
 
 
 def train(config: ExperimentConfig, resume: bool = False, inputs: RunInputs | None = None) -> TrainResult:

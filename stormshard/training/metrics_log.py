@@ -34,7 +34,7 @@ from torch import Tensor
 
 from stormshard.progress import PeriodicLine
 
-__all__ = ["MetricsLogger", "format_table", "rmse_rows", "lead_time_rows", "drop_records_after"]
+__all__ = ["MetricsLogger", "format_table", "rmse_rows", "lead_time_rows", "drop_records_after", "logged_keys"]
 
 
 def _number(value: Any) -> Any:
@@ -74,6 +74,23 @@ def drop_records_after(path: str | os.PathLike, step: int) -> int:
             os.fsync(f.fileno())
         os.replace(tmp, p)
     return dropped
+
+
+def logged_keys(path: str | os.PathLike, step: int) -> set[str]:
+    """The metric names the JSON-lines file ``path`` holds at ``step`` (empty without a file; lines that
+    do not parse are skipped): whether a validation was logged there already."""
+    p = Path(path)
+    if not p.is_file():
+        return set()
+    keys: set[str] = set()
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step") == step:
+            keys.update(record)
+    return keys
 
 
 class MetricsLogger:
