@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -557,3 +560,78 @@ def test_a_boolean_where_a_number_is_expected_is_an_error(world, tmp_path, capsy
     config = load_experiment_config(world.config, cli_overrides=["training.compile=false", "logging.progress=true",
                                                                  "training.init_weights_partial=true"])
     assert config.training.compile is False and config.training.init_weights_partial is True
+
+
+# ------------------------------------------------------------------------- a hostile state skeleton
+
+
+@pytest.mark.parametrize("skeleton", [
+    {"device": "warp-drive"},  # torch.device raised a RuntimeError
+    {"npscalar": "<i4", "value": 10**20},  # numpy raised an OverflowError
+    "[" * 100_000 + "]" * 100_000,  # json raised a RecursionError
+    {"enum": "deepspeed.runtime.fp16.loss_scaler.LossScaler", "value": 3},  # called the scaler's constructor
+], ids=["device", "npscalar-overflow", "deep-nesting", "enum-of-a-class"])
+def test_a_hostile_state_skeleton_is_an_error_naming_the_file(tmp_path, skeleton):
+    """A state file (``rank_NNNNN.pt``, ``optimizer.pt``, ``trainer.pt``) whose JSON skeleton was crafted: one
+    :class:`CheckpointError` naming the file, never a raw exception from inside the decoder, and no class of
+    ``STATE_CLASSES`` constructed through a node that is not its kind."""
+    import torch
+
+    from stormshard.checkpoint.format import CheckpointError
+    from stormshard.checkpoint.state_codec import read_state_file
+
+    path = tmp_path / "rank_00000.pt"
+    text = skeleton if isinstance(skeleton, str) else json.dumps(skeleton)
+    torch.save({"stormshard": "state", "format": 2, "skeleton": text, "tensors": {}}, path)
+    with pytest.raises(CheckpointError, match=r"rank_00000\.pt: its state skeleton is malformed"):
+        read_state_file(path)
+
+
+def test_a_state_skeletons_dtype_is_looked_up_not_got_from_torch():
+    """``{"dtype": name}`` names one of torch's dtypes: a name from the file is never ``getattr(torch, name)``,
+    which imported ``torch._dynamo`` for ``"_dynamo"`` (any lazy submodule, any attribute)."""
+    code = ("import json, sys\nfrom stormshard.checkpoint.state_codec import decode_state\n"
+            "import torch\nassert decode_state(json.dumps({'dtype': 'bfloat16'}), {}) is torch.bfloat16\n"
+            "try:\n    decode_state(json.dumps({'dtype': '_dynamo'}), {})\nexcept ValueError:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def _bundle_metadata_without_variables(meta: Path) -> None:
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "variables"}))
+
+
+def _bundle_metadata_with_a_string_of_roles(meta: Path) -> None:
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "variables": {"dataset": "t2m", "forcing": [],
+                                                                              "diagnostic": []}}))
+
+
+def _bundle_metadata_not_utf8(meta: Path) -> None:
+    meta.write_bytes(b'{"format": "stormshard-bundle", "model": "\xff\xfe"}')
+
+
+@pytest.mark.parametrize(("damage", "fragment"), [
+    (_bundle_metadata_without_variables, "variables: missing, expected a JSON object"),
+    (_bundle_metadata_with_a_string_of_roles, "variables.dataset: 't2m', expected a list of variable names"),
+    (_bundle_metadata_not_utf8, "can't decode byte 0xff"),
+], ids=["no-variables", "roles-not-a-list", "not-utf8"])
+def test_a_damaged_bundle_metadata_is_an_error_naming_it(world, capsys, damage, fragment):
+    """A bundle whose ``metadata.json`` lacks a section loading reads, holds one of another type or is not UTF-8:
+    ``forecast.py --model`` and ``stormshard.load_model`` name the file and what is wrong (status 2), instead of
+    ``error: KeyError: 'variables'`` (status 1) or a decoding error that names no file."""
+    from stormshard.checkpoint.errors import ConversionError
+    from stormshard.checkpoint.export import load_model
+
+    bundle = world.fresh(f"bundle_{damage.__name__}")
+    shutil.copytree(world.bundle, bundle)
+    damage(bundle / "metadata.json")
+    argv = ["--model", str(bundle), "--dataset", str(world.dataset), "--date", "2020-01-12T00", "--steps", "1",
+            "--no-scores", "--out", str(world.fresh("fc_damaged"))]
+    _refused(world, "forecast", argv, capsys, str(bundle / "metadata.json"), fragment)
+    with pytest.raises(ConversionError, match="metadata.json") as err:
+        load_model(bundle)
+    assert fragment in str(err.value)
+    shutil.rmtree(bundle)

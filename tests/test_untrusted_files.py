@@ -407,3 +407,54 @@ def test_every_code_global_is_refused_by_name(tmp_path, monkeypatch, payload, na
     with pytest.raises(UnsafeAnemoiCheckpoint, match=re.escape(f"bad.ckpt names {named}")):
         open_anemoi_checkpoint(path)
     assert not (tmp_path / "PWNED").exists()
+
+
+def _text(value: str) -> bytes:
+    """A protocol-2 ``BINUNICODE`` opcode pushing ``value``."""
+    raw = value.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def _raw_anemoi_zip(payload: bytes, path: Path) -> Path:
+    """A torch-zip-shaped anemoi file whose ``data.pkl`` is ``{"state_dict": {}, "payload": <payload opcodes>}``."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}(" + _text("state_dict") + b"}" + _text("payload") + payload + b"u.")
+        z.writestr("archive/version", "3\n")
+        z.writestr("archive/anemoi-metadata/anemoi.json", '{"version": "2.0"}')
+    return path
+
+
+def _call(func: bytes, *args: str) -> bytes:
+    """The opcodes of ``func(*args)`` (``func``: the opcodes pushing the callable)."""
+    return func + b"(" + b"".join(_text(a) for a in args) + b"tR"
+
+
+def _getattr(obj: bytes, name: str) -> bytes:
+    """The opcodes of ``getattr(obj, name)``."""
+    return b"c__builtin__\ngetattr\n" + obj + _text(name) + b"\x86R"
+
+
+@pytest.mark.parametrize(("payload", "named"), [
+    # a module an allowed package imports (torch.nn.parallel.distributed imports os): getattr(os, 'system')(...)
+    (_call(_getattr(b"ctorch.nn.parallel.distributed\nos\n", "system"), "touch PWNED"),
+     "builtins.getattr of 'system' on 'torch.nn.parallel.distributed.os'"),
+    (_call(_getattr(b"ctorch_geometric.profile.utils\nsp\n", "getoutput"), "touch PWNED"),
+     "builtins.getattr of 'getoutput' on 'torch_geometric.profile.utils.sp'"),
+    # a function of an allowed package that deletes files
+    (_call(b"ctorch_geometric.io.fs\nrm\n", "PWNED"), "torch_geometric.io.fs.rm called with arguments"),
+    # a method of an allowed class, called: OmegaConf.save(config, path) writes a file
+    (_call(_getattr(b"comegaconf.omegaconf\nOmegaConf\n", "save"), "config", "PWNED"),
+     "a call of getattr(omegaconf.omegaconf.OmegaConf, 'save')"),
+], ids=["module-of-a-package", "subprocess-of-a-package", "package-function", "package-method"])
+def test_a_package_global_that_is_no_class_is_refused(tmp_path, monkeypatch, payload, named):
+    """The stub allow-list names packages (anemoi's, torch.nn, torch-geometric, omegaconf): besides their classes,
+    their modules import ``os`` and ``subprocess`` and define functions that touch files. Reaching into such a
+    module, calling such a function or calling a method would run under the real unpickler anemoi-inference uses
+    on the file export-anemoi writes; each is refused, as the anemoi fixtures do none of them."""
+    monkeypatch.chdir(tmp_path)
+    path = _raw_anemoi_zip(payload, tmp_path / "bad.ckpt")
+    with pytest.raises(UnsafeAnemoiCheckpoint, match=re.escape(f"bad.ckpt names {named}")):
+        open_anemoi_checkpoint(path)
+    assert not (tmp_path / "PWNED").exists()

@@ -114,6 +114,18 @@ def may_stub(module: str, name: str) -> bool:
     return any(module == p or module.startswith(f"{p}.") for p in _STUB_PACKAGES)
 
 
+def _in_stub_packages(name: str) -> bool:
+    """Whether the dotted ``name`` lies in one of :data:`_STUB_PACKAGES`."""
+    return any(name == p or name.startswith(f"{p}.") for p in _STUB_PACKAGES)
+
+
+def _names_class(name: str) -> bool:
+    """Whether the last part of the dotted ``name`` is spelled as a class (``GELU``, ``_DeferredTarget``): a
+    global of :data:`_STUB_PACKAGES` spelled otherwise is a function or a module (``torch_geometric.io.fs.rm``,
+    the ``os`` that ``torch.nn.parallel.distributed`` imports), which a real unpickler would call or reach into."""
+    return name.rsplit(".", 1)[-1].lstrip("_")[:1].isupper()
+
+
 def runs_code(module: str, name: str) -> bool:
     """Whether the global ``module.name`` of a pickle runs code (or reaches processes, files, sockets)
     when a real unpickler resolves it and the pickle calls it: the globals a file is refused for."""
@@ -131,6 +143,10 @@ class Stub:
     _stub_name = "?"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        name = type(self)._stub_name
+        if (args or kwargs) and _in_stub_packages(name) and not _names_class(name):
+            raise _CodeGlobal(f"{name} called with arguments (a function or module, not a class: a real unpickler "
+                              "would run it)")
         self.__dict__["_stub_args"] = (args, kwargs)
 
     def __setstate__(self, state: Any) -> None:
@@ -142,6 +158,12 @@ class Stub:
             self.__dict__["_stub_state"] = state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Stub:
+        target = _stub_target(self)
+        if isinstance(self, _PublicGetattr):  # a method (OmegaConf.save, X.from_pretrained) or a module's function
+            args = (*self.__dict__["_stub_args"][0], "?", "?")
+            target = f"getattr({_stub_target(args[0]) or '?'}, {args[1]!r:.60})"
+        if isinstance(self, _PublicGetattr) or not (_in_stub_packages(target) and _names_class(target)):
+            raise _CodeGlobal(f"a call of {target:.120} (a real unpickler would run it)")
         out = Stub()
         out.__dict__.update(_stub_called=self._stub_name, _stub_args=(args, kwargs))
         return out
@@ -177,7 +199,7 @@ class _PublicGetattr(Stub):
         if len(args) > 1 and (not isinstance(args[1], str) or args[1].startswith("_")):
             raise _CodeGlobal(f"builtins.getattr of the private attribute {args[1]!r:.60}")
         target = _stub_target(args[0]) if args else ""
-        if args and not any(target == p or target.startswith(f"{p}.") for p in _STUB_PACKAGES):
+        if args and not (_in_stub_packages(target) and _names_class(target)):
             # a method of a model class (anemoi's files hold getattr(<model class>, 'forward')); a method of a
             # path, a date or a container (Path(...).touch) would act when a real unpickler calls it
             raise _CodeGlobal(f"builtins.getattr of {args[1] if len(args) > 1 else '?'!r:.60} on "

@@ -55,7 +55,7 @@ from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
 __all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model", "build_normalisers",
-           "bundle_shard_strategy"]
+           "bundle_shard_strategy", "check_bundle_metadata"]
 
 BUNDLE_FORMAT = "stormshard-bundle"
 _STATS = ("mean", "stdev", "minimum", "maximum")
@@ -123,6 +123,23 @@ def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset:
     return Path(out)
 
 
+def check_bundle_metadata(meta: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """``meta`` (a bundle's parsed ``metadata.json`` at ``path``) holds the sections loading reads (``model``,
+    ``normalisation``, ``variables`` with its three lists of names); else a :class:`ConversionError` listing
+    each that is missing or mistyped."""
+    problems = [f"{key}: {type(meta[key]).__name__ if key in meta else 'missing'}, expected a JSON object"
+                for key in ("model", "variables", "normalisation") if not isinstance(meta.get(key), dict)]
+    roles = meta.get("variables")
+    if isinstance(roles, dict):
+        problems += [f"variables.{role}: {str(roles.get(role))[:40]!r}, expected a list of variable names"
+                     for role in ("dataset", "forcing", "diagnostic")
+                     if not (isinstance(roles.get(role), list) and all(isinstance(v, str) for v in roles[role]))]
+    if problems:
+        raise ConversionError(f"{path} is not the metadata of a stormshard bundle:", problems,
+                              fix="the bundle is damaged or was edited: export it again")
+    return meta
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
                trust_model_code: bool = False) -> InferenceModel:
     """Load an inference bundle written by :func:`export_bundle`: the model (CPU, eval mode,
@@ -134,11 +151,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
     p = Path(path)
     try:
         meta = json.loads((p / "metadata.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{p} is not a stormshard inference bundle: {exc}",
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise ConversionError(f"{p} is not a stormshard inference bundle: {p / 'metadata.json'}: {exc}",
                               fix="create one with `python launch/convert_checkpoint.py export CHECKPOINT --out DIR`") from None
-    if meta.get("format") != BUNDLE_FORMAT:
-        raise ConversionError(f"{p}/metadata.json has format {meta.get('format')!r}, not {BUNDLE_FORMAT!r}")
+    if not isinstance(meta, dict) or meta.get("format") != BUNDLE_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else f"none (a JSON {type(meta).__name__})"
+        raise ConversionError(f"{p}/metadata.json has format {found!r}, not {BUNDLE_FORMAT!r}")
+    check_bundle_metadata(meta, p / "metadata.json")
     check_model_builder(meta.get("model"), str(p / "metadata.json"), trust_model_code)
     try:
         weights = load_file(str(p / "model.safetensors"))

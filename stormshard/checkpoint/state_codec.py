@@ -166,6 +166,13 @@ def _class(name: str) -> Any:
     return obj
 
 
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """torch's dtypes by the name :func:`encode_state` stores (``float32``): looked up, never ``getattr(torch, ...)``
+    of a name from the file (which could reach any attribute, or import a lazy submodule)."""
+    return {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 def _decode(node: Any, tensors: Mapping[str, Tensor]) -> Any:  # noqa: C901, PLR0911, PLR0912
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
@@ -193,16 +200,19 @@ def _decode(node: Any, tensors: Mapping[str, Tensor]) -> Any:  # noqa: C901, PLR
     if "npscalar" in node:
         return np.dtype(node["npscalar"]).type(_decode(node["value"], tensors))
     if "dtype" in node:
-        dtype = getattr(torch, node["dtype"])
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"names the dtype {node['dtype']!r}")
+        dtype = _torch_dtypes().get(node["dtype"]) if isinstance(node["dtype"], str) else None
+        if dtype is None:
+            raise ValueError(f"names the dtype {node['dtype']!r:.60}")
         return dtype
     if "device" in node:
         return torch.device(node["device"])
     if "size" in node:
         return torch.Size(node["size"])
     if "enum" in node:
-        return _class(node["enum"])(_decode(node["value"], tensors))
+        cls = _class(node["enum"])
+        if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):  # else calling it would run its constructor
+            raise ValueError(f"names {node['enum']} as an enum")
+        return cls(_decode(node["value"], tensors))
     if "object" in node:
         cls = _class(node["object"])
         obj = cls.__new__(cls)
@@ -239,7 +249,8 @@ def read_state_file(path: str | os.PathLike, map_location: Any = "cpu") -> Any:
         raise CheckpointError(f"{p} has state format {raw.get('format')!r}; this stormshard reads {STATE_FORMAT}")
     try:
         return decode_state(raw["skeleton"], raw["tensors"])
-    except (ValueError, KeyError, TypeError, AttributeError, ImportError) as exc:
+    except Exception as exc:  # noqa: BLE001 - decoding builds plain data only: any error (an unknown device, a number
+        # out of a numpy type's range, nesting past the recursion limit) means a malformed skeleton
         raise CheckpointError(f"{p}: its state skeleton is malformed ({type(exc).__name__}: {_first_line(exc)}): "
                               "the file is damaged or was not written by stormshard") from None
 

@@ -40,6 +40,7 @@ from stormshard.checkpoint.export import (
     InferenceModel,
     build_normalisers,
     bundle_shard_strategy,
+    check_bundle_metadata,
 )
 from stormshard.checkpoint.sources import full_shapes, state_differences
 from stormshard.checkpoint.stored_config import (
@@ -171,10 +172,11 @@ def open_model_source(source: str | os.PathLike, *, dataset: str | os.PathLike |
     if bundle_meta.is_file():
         try:
             meta = json.loads(bundle_meta.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
             raise ConversionError(f"{bundle_meta} cannot be read: {exc}", fix="the source is damaged") from None
-        if meta.get("format") == BUNDLE_FORMAT:
-            check_model_builder(meta.get("model"), str(bundle_meta), trust_model_code)
+        if isinstance(meta, dict) and meta.get("format") == BUNDLE_FORMAT:
+            check_bundle_metadata(meta, bundle_meta)
+            check_model_builder(meta["model"], str(bundle_meta), trust_model_code)
             return _open_bundle(p, meta)
     check_checkpoint_builder(p, trust_model_code)
     return _open_checkpoint(p, dataset, graph)
