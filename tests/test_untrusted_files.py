@@ -436,23 +436,43 @@ def _getattr(obj: bytes, name: str) -> bytes:
     return b"c__builtin__\ngetattr\n" + obj + _text(name) + b"\x86R"
 
 
+_OUTSIDE = "(not a class or type an anemoi checkpoint holds"
+
+
 @pytest.mark.parametrize(("payload", "named"), [
-    # a module an allowed package imports (torch.nn.parallel.distributed imports os): getattr(os, 'system')(...)
+    # modules, functions and classes of torch, torch-geometric and anemoi-training outside the submodules anemoi's
+    # models, graphs and tasks come from: refused by name (torch.nn.parallel.distributed imports os; torch-geometric's
+    # profile utilities import subprocess; its fs.rm deletes; its Sequential generates and runs code; its
+    # SQLiteDatabase creates a file; DistributedDataParallel communicates; anemoi-training's MLflow logger connects)
     (_call(_getattr(b"ctorch.nn.parallel.distributed\nos\n", "system"), "touch PWNED"),
-     "builtins.getattr of 'system' on 'torch.nn.parallel.distributed.os'"),
+     f"torch.nn.parallel.distributed.os {_OUTSIDE}"),
     (_call(_getattr(b"ctorch_geometric.profile.utils\nsp\n", "getoutput"), "touch PWNED"),
-     "builtins.getattr of 'getoutput' on 'torch_geometric.profile.utils.sp'"),
-    # a function of an allowed package that deletes files
-    (_call(b"ctorch_geometric.io.fs\nrm\n", "PWNED"), "torch_geometric.io.fs.rm called with arguments"),
-    # a method of an allowed class, called: OmegaConf.save(config, path) writes a file
+     f"torch_geometric.profile.utils.sp {_OUTSIDE}"),
+    (_call(b"ctorch_geometric.io.fs\nrm\n", "PWNED"), f"torch_geometric.io.fs.rm {_OUTSIDE}"),
+    (_call(b"ctorch_geometric.nn.sequential\nSequential\n", "x", "PWNED"),
+     f"torch_geometric.nn.sequential.Sequential {_OUTSIDE}"),
+    (_call(b"ctorch_geometric.data.database\nSQLiteDatabase\n", "PWNED", "t"),
+     f"torch_geometric.data.database.SQLiteDatabase {_OUTSIDE}"),
+    (_call(b"ctorch.nn.parallel.distributed\nDistributedDataParallel\n", "m"),
+     f"torch.nn.parallel.distributed.DistributedDataParallel {_OUTSIDE}"),
+    (_call(b"canemoi.training.diagnostics.mlflow.logger\nAnemoiMLflowLogger\n", "PWNED"),
+     f"anemoi.training.diagnostics.mlflow.logger.AnemoiMLflowLogger {_OUTSIDE}"),
+    # inside the allowed submodules, anything that is not a class: a module one of them imports (reached into), a
+    # function (called), a method of an allowed class (called: OmegaConf.save(config, path) writes a file)
+    (_call(_getattr(b"ctorch.nn.modules.module\nos\n", "system"), "touch PWNED"),
+     "builtins.getattr of 'system' on 'torch.nn.modules.module.os'"),
+    (_call(b"ctorch.nn.modules.module\nregister_module_forward_hook\n", "PWNED"),
+     "torch.nn.modules.module.register_module_forward_hook called with arguments"),
     (_call(_getattr(b"comegaconf.omegaconf\nOmegaConf\n", "save"), "config", "PWNED"),
      "a call of getattr(omegaconf.omegaconf.OmegaConf, 'save')"),
-], ids=["module-of-a-package", "subprocess-of-a-package", "package-function", "package-method"])
+], ids=["module-of-torch", "subprocess-of-pyg", "pyg-function", "pyg-sequential", "pyg-database", "ddp",
+        "anemoi-logger", "module-of-an-allowed-module", "allowed-module-function", "allowed-class-method"])
 def test_a_package_global_that_is_no_class_is_refused(tmp_path, monkeypatch, payload, named):
-    """The stub allow-list names packages (anemoi's, torch.nn, torch-geometric, omegaconf): besides their classes,
-    their modules import ``os`` and ``subprocess`` and define functions that touch files. Reaching into such a
-    module, calling such a function or calling a method would run under the real unpickler anemoi-inference uses
-    on the file export-anemoi writes; each is refused, as the anemoi fixtures do none of them."""
+    """The stub allow-list names the submodules anemoi's files are built from (its models, graphs and tasks, torch.nn's
+    layers, torch-geometric's graph data and layers, omegaconf): anything else is refused by name, and inside them
+    reaching into an imported module, calling a function or calling a method, which would run under the real
+    unpickler anemoi-inference uses on the file export-anemoi writes, is refused too; the anemoi fixtures do none
+    of these."""
     monkeypatch.chdir(tmp_path)
     path = _raw_anemoi_zip(payload, tmp_path / "bad.ckpt")
     with pytest.raises(UnsafeAnemoiCheckpoint, match=re.escape(f"bad.ckpt names {named}")):

@@ -82,11 +82,22 @@ _CODE_SUBMODULES = ("torch.serialization", "torch.hub", "torch.package", "torch.
                     "numpy.lib.npyio", "hydra._internal.instantiate", "hydra._internal.utils")
 
 
-#: the packages whose classes and functions a stub may stand for (an allow-list): what an anemoi checkpoint's
+#: the modules whose classes and functions a stub may stand for (an allow-list): what an anemoi checkpoint's
 #: model, config and graph are built from. A global outside them and outside :data:`_STUB_GLOBALS` is refused
-#: (a real unpickler would import it, and anemoi-inference loads with one)
-_STUB_PACKAGES = ("anemoi.models", "anemoi.training", "anemoi.utils.config", "anemoi.graphs", "torch.nn",
-                  "torch_geometric", "omegaconf", "hydra._internal.target_policy", "torch._C._nn")
+#: (a real unpickler would import it, and anemoi-inference loads with one). Of torch.nn, torch-geometric and
+#: anemoi-training only the submodules of layers, graph data and tasks: not the classes whose constructors act
+#: (torch-geometric's ``Sequential`` generates and runs code, its datasets download, ``SQLiteDatabase`` creates
+#: a file, ``DistributedDataParallel`` communicates, anemoi-training's loggers and trainer start services)
+_STUB_PACKAGES = ("anemoi.models", "anemoi.graphs", "anemoi.utils.config",
+                  "anemoi.training.tasks", "anemoi.training.train.forecaster", "anemoi.training.losses",
+                  "anemoi.training.schemas",
+                  "anemoi.training.diagnostics.callbacks.plot_adapter",
+                  "torch.nn.modules", "torch.nn.parameter", "torch.nn.attention", "torch._C._nn",
+                  "torch_geometric.data.data", "torch_geometric.data.hetero_data", "torch_geometric.data.storage",
+                  "torch_geometric.data.feature_store", "torch_geometric.data.graph_store",
+                  "torch_geometric.data.view", "torch_geometric.inspector", "torch_geometric.typing",
+                  "torch_geometric.nn.aggr", "torch_geometric.nn.conv",
+                  "omegaconf", "hydra._internal.target_policy")
 #: plain data types and a few harmless functions, per module (Python 3 names)
 _STUB_GLOBALS: dict[str, frozenset[str]] = {
     "builtins": frozenset({"dict", "list", "tuple", "set", "frozenset", "getattr", "type", "int", "float", "str",
@@ -342,7 +353,8 @@ class RestrictedUnpickler(pickle.Unpickler):
             return _numpy_dtype
         if not may_stub(py3, name):
             raise _CodeGlobal(f"{py3}.{name} (not a class or type an anemoi checkpoint holds: the allow-list is "
-                              "anemoi's, torch.nn's, torch-geometric's and the config's classes and plain types)")
+                              "anemoi's model, graph and task classes, torch.nn's layers, torch-geometric's graph "
+                              "data and layers, the config's classes and plain types)")
         self.stubbed.add(f"{module}.{name}")
         return _stub_class(f"{module}.{name}")
 
