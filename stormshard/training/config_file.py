@@ -277,25 +277,27 @@ def apply_overrides(raw: dict[str, Any], items: Sequence[str], schema: type[Base
 # ---------------------------------------------------------------------------------------------- validation
 
 
-def empty_fields(raw: Any, schema: Any, prefix: str = "") -> list[str]:
-    """The dotted fields of ``raw`` (checked against ``schema``'s fields) that hold an empty or blank
-    string, list items included (``data.forcing[0]``); free sections (``deepspeed``, ``model.options``)
-    and unknown keys (validation names those) are not looked into."""
+def _known_fields(raw: Any, schema: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """``(dotted field, value, the field's schema)`` of each key of ``raw`` that ``schema`` has; free sections
+    (``deepspeed``, ``model.options``) and unknown keys (validation names those) are not looked into."""
     keys = schema_keys(schema)
     if not isinstance(raw, dict) or not isinstance(keys, dict):
         return []
+    return [(f"{prefix}.{key}" if prefix else key, value, keys[key]) for key, value in raw.items() if key in keys]
+
+
+def empty_fields(raw: Any, schema: Any, prefix: str = "") -> list[str]:
+    """The dotted fields of ``raw`` (checked against ``schema``'s fields) that hold an empty or blank
+    string, list items included (``data.forcing[0]``); free sections and unknown keys are not looked into."""
     out = []
-    for key, value in raw.items():
-        if key not in keys:
-            continue
-        dotted = f"{prefix}.{key}" if prefix else key
+    for dotted, value, field in _known_fields(raw, schema, prefix):
         items = [(dotted, value)] if not isinstance(value, list) else \
             [(f"{dotted}[{i}]", v) for i, v in enumerate(value)]
         for where, item in items:
             if isinstance(item, str) and not item.strip():
                 out.append(where)
             elif isinstance(item, dict):
-                out += empty_fields(item, keys[key], where)
+                out += empty_fields(item, field, where)
     return out
 
 
@@ -312,18 +314,12 @@ def boolean_numbers(raw: Any, schema: Any, prefix: str = "") -> list[tuple[str, 
     """``(dotted field, value)`` of each field of ``raw`` (checked against ``schema``'s fields) that holds
     ``true`` / ``false`` where the schema takes a number (``training.checkpoint_interval=true`` would be 1);
     free sections and unknown keys are not looked into, as in :func:`empty_fields`."""
-    keys = schema_keys(schema)
-    if not isinstance(raw, dict) or not isinstance(keys, dict):
-        return []
     out = []
-    for key, value in raw.items():
-        if key not in keys:
-            continue
-        dotted = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, bool) and _number_not_bool(keys[key]):
+    for dotted, value, field in _known_fields(raw, schema, prefix):
+        if isinstance(value, bool) and _number_not_bool(field):
             out.append((dotted, value))
         elif isinstance(value, dict):
-            out += boolean_numbers(value, keys[key], dotted)
+            out += boolean_numbers(value, field, dotted)
     return out
 
 
