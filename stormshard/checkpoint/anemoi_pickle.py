@@ -122,7 +122,7 @@ def may_stub(module: str, name: str) -> bool:
         return False
     if name in _STUB_GLOBALS.get(module, ()):
         return True
-    return any(module == p or module.startswith(f"{p}.") for p in _STUB_PACKAGES)
+    return _in_stub_packages(module)
 
 
 def _in_stub_packages(name: str) -> bool:
@@ -169,11 +169,12 @@ class Stub:
             self.__dict__["_stub_state"] = state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Stub:
-        target = _stub_target(self)
         if isinstance(self, _PublicGetattr):  # a method (OmegaConf.save, X.from_pretrained) or a module's function
-            args = (*self.__dict__["_stub_args"][0], "?", "?")
-            target = f"getattr({_stub_target(args[0]) or '?'}, {args[1]!r:.60})"
-        if isinstance(self, _PublicGetattr) or not (_in_stub_packages(target) and _names_class(target)):
+            owner, attribute = (*self.__dict__["_stub_args"][0], "?", "?")[:2]
+            raise _CodeGlobal(f"a call of getattr({_stub_target(owner) or '?'}, {attribute!r:.60}) (a real unpickler "
+                              "would run it)")
+        target = _stub_target(self)
+        if not (_in_stub_packages(target) and _names_class(target)):
             raise _CodeGlobal(f"a call of {target:.120} (a real unpickler would run it)")
         out = Stub()
         out.__dict__.update(_stub_called=self._stub_name, _stub_args=(args, kwargs))
