@@ -18,6 +18,7 @@ from stormshard.data.anemoi_layout import AnemoiDataset, write_anemoi_dataset
 from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.inference.forecast import run_forecast
 from stormshard.inference.outputs import netcdf_engine
+from stormshard.inference.request import forecast_outputs
 from stormshard.training.launch import run_training
 from tests.tiny_run import BASE
 
@@ -102,6 +103,10 @@ def test_forecast_outputs_scores_and_maps(setup, tmp_path):
     assert all(_png(out / "maps" / name) for name in maps)
     assert sorted(p.name for p in (out / "plots").iterdir()) == [f"scores_{n}.png" for n in sorted(names)]
     assert all(_png(p) for p in (out / "plots").iterdir())
+    # what the request check refuses to replace is exactly what the forecast wrote
+    listed = forecast_outputs(out, [out], ["zarr"], True, ["tracer_1", "tracer_product"], [1, 3], names)
+    written = {p for p in out.rglob("*") if p.is_file() and "forecast.zarr" not in p.parts} | {out / "forecast.zarr"}
+    assert set(listed) == written
 
 
 def test_several_dates_and_netcdf(setup, tmp_path):

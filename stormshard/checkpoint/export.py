@@ -55,7 +55,7 @@ from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
 __all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model", "build_normalisers",
-           "bundle_shard_strategy", "check_bundle_metadata"]
+           "bundle_shard_strategy", "check_bundle_metadata", "read_bundle_metadata"]
 
 BUNDLE_FORMAT = "stormshard-bundle"
 _STATS = ("mean", "stdev", "minimum", "maximum")
@@ -140,6 +140,30 @@ def check_bundle_metadata(meta: dict[str, Any], path: str | os.PathLike) -> dict
     return meta
 
 
+def read_bundle_metadata(directory: str | os.PathLike, *, trust_model_code: bool = False,
+                         other_formats: bool = False) -> dict[str, Any] | None:
+    """The bundle ``metadata.json`` in ``directory``, read and checked: JSON, format ``stormshard-bundle``,
+    the sections loading reads (:func:`check_bundle_metadata`) and the model builder it names (imported only
+    with ``trust_model_code``). A file of another format (a training checkpoint's ``metadata.json``) gives
+    None with ``other_formats``, else a :class:`ConversionError`, as does a missing or unreadable file."""
+    p = Path(directory)
+    path = p / "metadata.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise ConversionError(f"{p} is not a stormshard inference bundle: {path}: {exc}",
+                              fix="export one (again, if this one is damaged) with "
+                                  "`python launch/convert_checkpoint.py export CHECKPOINT --out DIR`") from None
+    if not isinstance(meta, dict) or meta.get("format") != BUNDLE_FORMAT:
+        if other_formats:
+            return None
+        found = meta.get("format") if isinstance(meta, dict) else f"none (a JSON {type(meta).__name__})"
+        raise ConversionError(f"{path} has format {found!r}, not {BUNDLE_FORMAT!r}")
+    check_bundle_metadata(meta, path)
+    check_model_builder(meta.get("model"), str(path), trust_model_code)
+    return meta
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
                trust_model_code: bool = False) -> InferenceModel:
     """Load an inference bundle written by :func:`export_bundle`: the model (CPU, eval mode,
@@ -149,16 +173,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
     from safetensors.torch import load_file
 
     p = Path(path)
-    try:
-        meta = json.loads((p / "metadata.json").read_text())
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
-        raise ConversionError(f"{p} is not a stormshard inference bundle: {p / 'metadata.json'}: {exc}",
-                              fix="create one with `python launch/convert_checkpoint.py export CHECKPOINT --out DIR`") from None
-    if not isinstance(meta, dict) or meta.get("format") != BUNDLE_FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else f"none (a JSON {type(meta).__name__})"
-        raise ConversionError(f"{p}/metadata.json has format {found!r}, not {BUNDLE_FORMAT!r}")
-    check_bundle_metadata(meta, p / "metadata.json")
-    check_model_builder(meta.get("model"), str(p / "metadata.json"), trust_model_code)
+    meta = read_bundle_metadata(p, trust_model_code=trust_model_code)
     try:
         weights = load_file(str(p / "model.safetensors"))
         stats_json = json.loads((p / "statistics.json").read_text())

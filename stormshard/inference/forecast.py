@@ -42,6 +42,7 @@ from stormshard.data.anemoi_layout import AnemoiDataset, parse_frequency
 from stormshard.env import check_environment
 from stormshard.errors import no_partial_output
 from stormshard.inference.loader import PRECISIONS, ModelSource, build_forecaster, open_model_source
+from stormshard.inference.output_paths import OUTPUT_NAMES, DateOutputs, RunOutputs
 from stormshard.inference.outputs import (
     ChunkExchange,
     ForecastStore,
@@ -69,8 +70,6 @@ from stormshard.progress import format_duration, note, phase, reporting
 
 __all__ = ["ForecastResult", "run_forecast", "format_scores", "OUTPUT_NAMES"]
 
-#: what a forecast writes in ``out`` or its date directories (a failed forecast removes what it rewrote)
-OUTPUT_NAMES = ("forecast.zarr", "forecast.nc", "scores.json", "maps", "plots", "climatology.npz")
 
 
 @dataclass
@@ -247,7 +246,7 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
     v = forecaster.variables
     names = list(v.output_names)
     frequency = parse_frequency(req.step_text)
-    stores = [d / "forecast.zarr" for d in req.date_dirs]
+    stores = [DateOutputs(d).store for d in req.date_dirs]
     valid = [ds.dates[req.indices(i)[req.multistep:]] for i in range(len(stores))]
     if rank == 0:
         for i, path in enumerate(stores):
@@ -318,7 +317,8 @@ def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecast
                  result: ForecastResult, valid: list[np.ndarray], names: list[str], rank: int, world: int,
                  verbose: bool) -> None:
     """netCDF, scores and maps per date (dates dealt over the ranks); combined scores on rank 0."""
-    clim_path = req.out / "climatology.npz"
+    run = RunOutputs(req.out)
+    clim_path = run.climatology
     if req.verify:
         if rank == 0:
             with phase(f"forecast: climatology of the training period {clim_path}"):
@@ -332,11 +332,11 @@ def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecast
     for i, path in enumerate(result.stores):
         if i % world != rank:
             continue
-        directory = req.date_dirs[i]
+        date = DateOutputs(req.date_dirs[i])
         when = req.init_dates[i]
         if "netcdf" in req.formats:
-            with phase(f"forecast {when}: wrote {directory / 'forecast.nc'}"):
-                files["netcdf"].append(write_netcdf(path, directory / "forecast.nc", init_date=when,
+            with phase(f"forecast {when}: wrote {date.netcdf}"):
+                files["netcdf"].append(write_netcdf(path, date.netcdf, init_date=when,
                                                     units=units, attributes={"members": req.members}))
         if not (req.verify or req.plot_variables):
             continue
@@ -345,31 +345,31 @@ def _postprocess(req: ForecastRequest, info: _Model, ds: AnemoiDataset, forecast
         obs = rearrange(ds.read(idx[req.multistep - 1:])[:, out_cols, 0].astype(np.float64), "t v c -> t c v")
         truth, persistence = obs[1:], obs[0]
         if req.verify:
-            with phase(f"forecast {when}: scored, {directory / 'scores.json'}"):
+            with phase(f"forecast {when}: scored, {date.scores}"):
                 scores = score_forecast(members.astype(np.float64), truth, persistence, clim.at(valid[i]), weights,
                                         names)
                 result.per_date[str(when)] = scores
-                (directory / "scores.json").write_text(json.dumps(
+                date.scores.write_text(json.dumps(
                     _report(req, [when], valid[i], result.lead_hours, scores, clim), indent=1))
-                files["scores"].append(directory / "scores.json")
+                files["scores"].append(date.scores)
         if req.plot_variables:
-            with phase(f"forecast {when}: maps in {directory / 'maps'}"):
+            with phase(f"forecast {when}: maps in {date.maps}"):
                 files["maps"] += plot_maps(members.mean(axis=0), truth, names, list(req.plot_variables),
                                            list(req.plot_steps), ds.latitudes, ds.longitudes, when,
-                                           valid[i], directory / "maps")
+                                           valid[i], date.maps)
     _barrier()
     if req.verify and rank == 0:
-        per_date = [json.loads((d / "scores.json").read_text())["scores"] for d in req.date_dirs]
+        per_date = [json.loads(DateOutputs(d).scores.read_text())["scores"] for d in req.date_dirs]
         result.per_date = {str(d): s for d, s in zip(req.init_dates, per_date, strict=True)}
         result.scores = combine_scores(per_date, req.members)
         report = _report(req, list(req.init_dates), valid[0] if len(valid) == 1 else None, result.lead_hours,
                          result.scores, clim)
         if len(req.date_dirs) > 1:
-            (req.out / "scores.json").write_text(json.dumps(report, indent=1))
+            run.summary.write_text(json.dumps(report, indent=1))
         title = f"{len(req.init_dates)} initial date(s), {req.members} member(s)"
-        with phase(f"forecast: score plots in {req.out / 'plots'}"):
-            files["plots"] = plot_scores(result.scores, result.lead_hours, req.out / "plots", title)
-        files["summary"] = req.out / "scores.json"
+        with phase(f"forecast: score plots in {run.plots}"):
+            files["plots"] = plot_scores(result.scores, result.lead_hours, run.plots, title)
+        files["summary"] = run.summary
         if verbose:
             print(format_scores(report))
     result.files = files

@@ -36,16 +36,14 @@ from torch import Tensor
 
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.export import (
-    BUNDLE_FORMAT,
     InferenceModel,
     build_normalisers,
     bundle_shard_strategy,
-    check_bundle_metadata,
+    read_bundle_metadata,
 )
 from stormshard.checkpoint.sources import full_shapes, state_differences
 from stormshard.checkpoint.stored_config import (
     check_checkpoint_builder,
-    check_model_builder,
     stored_model_config,
 )
 from stormshard.data.anemoi_layout import Statistics
@@ -168,15 +166,9 @@ def open_model_source(source: str | os.PathLike, *, dataset: str | os.PathLike |
     if not p.exists():
         raise ConversionError(f"the model source {p} does not exist",
                               fix="pass an exported bundle or a training checkpoint directory")
-    bundle_meta = p / "metadata.json"
-    if bundle_meta.is_file():
-        try:
-            meta = json.loads(bundle_meta.read_text())
-        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
-            raise ConversionError(f"{bundle_meta} cannot be read: {exc}", fix="the source is damaged") from None
-        if isinstance(meta, dict) and meta.get("format") == BUNDLE_FORMAT:
-            check_bundle_metadata(meta, bundle_meta)
-            check_model_builder(meta["model"], str(bundle_meta), trust_model_code)
+    if (p / "metadata.json").is_file():
+        meta = read_bundle_metadata(p, trust_model_code=trust_model_code, other_formats=True)
+        if meta is not None:
             return _open_bundle(p, meta)
     check_checkpoint_builder(p, trust_model_code)
     return _open_checkpoint(p, dataset, graph)

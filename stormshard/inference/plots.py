@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from stormshard.inference.output_paths import map_file_name, score_plot_file_name
+
 __all__ = ["plot_maps", "plot_scores"]
 
 
@@ -48,7 +50,7 @@ def plot_maps(forecast: np.ndarray, truth: np.ndarray, names: list[str], variabl
                 ax.set_ylabel("latitude")
                 fig.colorbar(sc, ax=ax, shrink=0.8)
             fig.suptitle(f"init {init_date}, lead step {k} (valid {valid_dates[k - 1]})")
-            path = out / f"{name}_step{k:03d}.png"
+            path = out / map_file_name(name, k)
             fig.savefig(path, dpi=80)
             plt.close(fig)
             paths.append(path)
@@ -86,7 +88,7 @@ def plot_scores(scores: dict[str, dict[str, list[float]]], lead_hours: list[floa
             ax.legend()
         if title:
             fig.suptitle(title)
-        path = out / f"scores_{name}.png"
+        path = out / score_plot_file_name(name)
         fig.savefig(path, dpi=80)
         plt.close(fig)
         paths.append(path)

@@ -24,6 +24,7 @@ from stormshard.data.dataset import date_range_bounds
 from stormshard.errors import check_writable_directory
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.inference.loader import PRECISIONS
+from stormshard.inference.output_paths import DateOutputs, RunOutputs
 from stormshard.inference.outputs import netcdf_engine
 from stormshard.models.config import ModelConfig
 from stormshard.models.variables import VariableIndex
@@ -167,7 +168,7 @@ def _check_not_into_dataset(dataset: str | os.PathLike, out: Path, date_dirs: Se
     if target == source or source in target.parents:
         raise ValueError(f"--out {out} is {'the' if target == source else 'inside the'} dataset {dataset}: a forecast "
                          "never writes into its dataset; choose an --out outside it")
-    for store in (d / "forecast.zarr" for d in date_dirs):
+    for store in (DateOutputs(d).store for d in date_dirs):
         if store.resolve() == source or store.resolve() in source.parents:
             raise ValueError(f"--out {out} would re-create {store}, which is (or holds) the dataset {dataset} the "
                              "forecast reads: choose another --out (or copy the dataset elsewhere first)")
@@ -175,18 +176,19 @@ def _check_not_into_dataset(dataset: str | os.PathLike, out: Path, date_dirs: Se
 
 def forecast_outputs(out: Path, date_dirs: Sequence[Path], formats: Sequence[str], verify: bool,
                      plot_variables: Sequence[str], plot_steps: Sequence[int], output_names: Sequence[str]) -> list[Path]:
-    """Every path a forecast writes (:mod:`stormshard.inference.forecast`): per date directory ``forecast.zarr``,
+    """Every path a forecast writes (:mod:`stormshard.inference.output_paths`): per date directory ``forecast.zarr``,
     ``forecast.nc`` (netcdf), ``scores.json`` (verify) and ``maps/<variable>_step<k>.png``; in ``out`` the
     combined ``scores.json``, ``climatology.npz`` and ``plots/scores_<variable>.png`` (verify)."""
     paths = []
-    for d in date_dirs:
-        paths.append(d / "forecast.zarr")
-        paths += [d / "forecast.nc"] if "netcdf" in formats else []
-        paths += [d / "scores.json"] if verify else []
-        paths += [d / "maps" / f"{name}_step{k:03d}.png" for name in plot_variables for k in plot_steps]
-    paths.append(out / "scores.json")  # refused even with --no-scores (an earlier forecast's summary)
+    for date in map(DateOutputs, date_dirs):
+        paths.append(date.store)
+        paths += [date.netcdf] if "netcdf" in formats else []
+        paths += [date.scores] if verify else []
+        paths += [date.map(name, k) for name in plot_variables for k in plot_steps]
+    run = RunOutputs(out)
+    paths.append(run.summary)  # refused even with --no-scores (an earlier forecast's summary)
     if verify:
-        paths += [out / "climatology.npz", *(out / "plots" / f"scores_{name}.png" for name in output_names)]
+        paths += [run.climatology, *(run.score_plot(name) for name in output_names)]
     return list(dict.fromkeys(paths))
 
 
