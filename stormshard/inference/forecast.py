@@ -71,7 +71,6 @@ from stormshard.progress import format_duration, note, phase, reporting
 __all__ = ["ForecastResult", "run_forecast", "format_scores", "OUTPUT_NAMES"]
 
 
-
 @dataclass
 class ForecastResult:
     """What a forecast wrote. ``scores``: combined over the initial dates (rank 0; ``{}`` elsewhere
