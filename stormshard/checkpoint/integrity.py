@@ -3,8 +3,9 @@
 Every writer of a checkpoint records, in the ``files`` table of ``metadata.json`` (written last,
 atomically), the size and sha256 of each other file of the step directory. Verifying a checkpoint
 (:func:`checkpoint_problems`) lists, file by file: ``metadata.json`` unreadable (truncated or
-overwritten), a rank file missing, a size that differs from the one recorded (truncated), and, with
-``contents=True``, a sha256 that differs (overwritten or corrupted). A checkpoint written before
+overwritten) or without the ``world_size``, ``step``, ``layout`` and ``config`` a resume reads, a rank
+file missing, a size that differs from the one recorded (truncated), and, with ``contents=True``, a
+sha256 that differs (overwritten or corrupted). A checkpoint written before
 checksums (no ``files`` table) gets what can be checked without them: the rank files of its world
 are there and non-empty.
 
@@ -41,6 +42,7 @@ __all__ = ["FILES", "file_record", "record_files", "file_problems", "checkpoint_
            "damaged_checkpoint_error", "ResumeTarget", "resume_target"]
 
 FILES = "files"  # the metadata.json key: {file name: {"bytes": n, "sha256": hex}}
+_READ_KEYS: dict[str, type] = {"step": int, "layout": dict, "config": dict}  # besides world_size, what a resume reads
 _CHUNK = 1 << 22
 
 
@@ -94,6 +96,11 @@ def _metadata(step_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(meta, dict) or not isinstance(meta.get("world_size"), int) or \
             isinstance(meta.get("world_size"), bool):
         return None, f"{file}: holds no world_size: not the metadata of a stormshard training checkpoint"
+    wrong = [key for key, kind in _READ_KEYS.items()
+             if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool)]
+    if wrong:  # what loading reads: met here rather than as a KeyError once the run has started
+        return None, (f"{file}: {', '.join(f'{k} missing or not a JSON {_READ_KEYS[k].__name__}' for k in wrong)}: "
+                      "edited or overwritten (a training save writes them)")
     return meta, None
 
 

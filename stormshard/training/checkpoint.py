@@ -8,14 +8,18 @@ the checks of a resume against the current layout and config, and the RNG states
 Saving (:func:`save_checkpoint`, called by every rank with its own ``state``):
 
 1. rank 0 clears a stale ``step_NNNNNNNN.tmp`` and creates it; barrier;
-2. every rank writes its files (each through a temporary name and ``os.replace``); barrier;
+2. every rank writes its files (each through a temporary name, fsync and ``os.replace``); barrier;
    Each rank records the size and sha256 of its files in its ``rank_NNNNN.json``;
 3. rank 0 merges the parameter tables and the file records into ``metadata.json``, renames the
    ``.tmp`` directory to ``step_NNNNNNNN``, rewrites ``latest`` (temporary file + ``os.replace``),
    fsyncs and deletes all but the last ``keep_last`` checkpoints; barrier.
 
 A crash anywhere before the rename leaves only a ``.tmp`` directory, which loading ignores, so
-the previous checkpoint stays the latest. :func:`load_checkpoint` reads the latest complete one,
+the previous checkpoint stays the latest. A full disk (or quota) on any rank while it writes its
+files or ``metadata.json`` stops every rank at the next barrier (which carries each rank's problem)
+with the same :class:`~stormshard.training.diskspace.DiskSpaceError`: rank 0 removes the ``.tmp``
+directory (its space is free again for ``--resume``) and the message names the checkpoint ``latest``
+still names. :func:`load_checkpoint` reads the latest complete one,
 checks the stored layout and config against the current ones (an error lists every difference),
 verifies each rank's files against their recorded sha256 (a damaged file on any rank stops every
 rank with the same error, naming the file and the previous complete checkpoint) and restores
@@ -58,6 +62,8 @@ from stormshard.checkpoint.format import (
 )
 from stormshard.checkpoint.integrity import FILES, checkpoint_problems, damaged_checkpoint_error, record_files
 from stormshard.checkpoint.state_codec import read_state_file, write_state_file
+from stormshard.errors import is_disk_full
+from stormshard.training.diskspace import DiskSpaceError
 
 __all__ = [
     "LoadedCheckpoint",
@@ -180,6 +186,8 @@ def _write_safetensors(model: nn.Module, path: Path, metadata: dict[str, str]) -
     tensors = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
     tmp = path.with_name(path.name + ".part")
     save_file(tensors, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:  # on the disk before the rename, as every other file of the checkpoint
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -188,6 +196,43 @@ def _barrier(group: Any, world: int) -> None:
         if not dist.is_initialized():
             raise CheckpointError(f"world={world} but torch.distributed is not initialised: cannot synchronise ranks")
         dist.barrier(group=group)
+
+
+def _shared(problems: list[str], group: Any, world: int) -> list[str]:
+    """Every rank's ``problems`` on every rank of the save (a barrier that carries them), so that one rank's
+    full disk stops every rank with the same error instead of leaving the others waiting."""
+    if world == 1:
+        return problems
+    if not dist.is_initialized():
+        raise CheckpointError(f"world={world} but torch.distributed is not initialised: cannot synchronise ranks")
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, problems, group=group)
+    return [p for rank_problems in everyone for p in rank_problems]
+
+
+def _full_disk(exc: BaseException, rank: int, tmp: Path) -> str:
+    """The problem line of ``exc``, a full disk or quota (:func:`~stormshard.errors.is_disk_full`) met while
+    rank ``rank`` wrote into ``tmp``."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no space left on device"
+    where = exc.filename if isinstance(exc, OSError) and exc.filename else tmp
+    return f"rank {rank}: {reason} writing {where}"
+
+
+def _stop_if_full(problems: list[str], root: Path, tmp: Path, step: int, rank: int) -> None:
+    """After a full disk on any rank (``problems``), rank 0 removes what was written of the checkpoint (every
+    rank is past its writes) and every rank raises the same :class:`DiskSpaceError`, naming the checkpoint
+    ``latest`` still names, which ``--resume`` continues."""
+    if not problems:
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    last = latest_checkpoint(root)
+    kept = (f"the last complete checkpoint is {last}: free space (or lower training.keep_checkpoints, or point "
+            "training.output_dir at a larger file system), then run with --resume to continue from it"
+            if last is not None else "no checkpoint was saved yet: free space, or point training.output_dir at a "
+            "larger file system, and start the run again in a new training.output_dir (or delete this one)")
+    raise DiskSpaceError(f"training.output_dir: the disk is full: the checkpoint of step {step} could not be written "
+                         f"in {root} ({'; '.join(problems)}); what was written of it is removed and {kept}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,13 +283,20 @@ def save_checkpoint(
 
     name = rank_name(rank)
     table = parameter_table(model) if model is not None else None
-    _write_torch({"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world, "state": state,
-                  "rng": capture_rng_state()}, tmp / f"{name}.pt")
-    if model is not None and weights_safetensors:
-        _write_safetensors(model, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
-    files = record_files([tmp / f"{name}.pt", tmp / f"{name}.safetensors"])
-    _atomic_write_bytes(tmp / f"{name}.json", json.dumps({"rank": rank, "parameters": table, FILES: files}).encode())
-    _barrier(group, world)
+    problems: list[str] = []
+    try:
+        _write_torch({"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world, "state": state,
+                      "rng": capture_rng_state()}, tmp / f"{name}.pt")
+        if model is not None and weights_safetensors:
+            _write_safetensors(model, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
+        files = record_files([tmp / f"{name}.pt", tmp / f"{name}.safetensors"])
+        _atomic_write_bytes(tmp / f"{name}.json",
+                            json.dumps({"rank": rank, "parameters": table, FILES: files}).encode())
+    except (OSError, RuntimeError) as exc:
+        if not is_disk_full(exc):
+            raise
+        problems = [_full_disk(exc, rank, tmp)]
+    _stop_if_full(_shared(problems, group, world), root, tmp, step, rank)  # the barrier: every rank wrote its files
 
     if rank == 0:
         ranks, records = [], {}
@@ -258,7 +310,13 @@ def save_checkpoint(
             "format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
             "layout": layout_json, "config": config_json, "ranks": ranks, FILES: records,
         }
-        _atomic_write_bytes(tmp / METADATA, json.dumps(metadata, indent=1).encode())
+        try:
+            _atomic_write_bytes(tmp / METADATA, json.dumps(metadata, indent=1).encode())
+        except (OSError, RuntimeError) as exc:
+            if not is_disk_full(exc):
+                raise
+            problems = [_full_disk(exc, rank, tmp)]
+    if rank == 0 and not problems:
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step: move the old one aside, then drop it
             old = root / (step_name(step) + ".old")
@@ -276,7 +334,7 @@ def save_checkpoint(
             for old in list_checkpoints(root)[:-keep_last]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
-    _barrier(group, world)
+    _stop_if_full(_shared(problems, group, world), root, tmp, step, rank)  # rank 0's full disk stops every rank
     return final
 
 

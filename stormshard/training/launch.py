@@ -410,6 +410,7 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
             if found is not None:
                 verify_resume_files(found.path, rank, world)
         trainer = build_trainer(cfg, rank, resume=resume, inputs=inputs)
+        trainer.prepare()  # the checkpoint loaded (--resume), room for the first checkpoint: nothing written yet
         if rank == 0:  # after the graph, model and init weights are built and checked
             save_resolved_config(cfg)
         result = trainer.fit()

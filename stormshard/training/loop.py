@@ -188,6 +188,7 @@ class Trainer:
         self._last_key: BatchKey | None = None  # the last micro-batch used: the checkpointed data position
         self._start_step = 0
         self.resumed_from: Path | None = None  # the checkpoint a resumed run continues
+        self._prepared: int | None = None  # the step training starts at, once :meth:`prepare` ran
 
     def _graph(self):  # noqa: ANN202
         if self.config.data.graph_file:  # fixed (an imported model's): used as it is, never rebuilt
@@ -415,10 +416,21 @@ class Trainer:
         self.engine.load_state_dict(loaded.state["engine"])
         self.sampler.load_state_dict(loaded.state["data"])
         self._keys, self._last_key = None, None  # the key stream restarts from the restored position
-        step = int(loaded.state["step"])
-        if self.rank == 0:  # the steps after the checkpoint are trained again: their old records go
-            drop_records_after(self.output_dir / METRICS_FILE, step)
-        return step
+        return int(loaded.state["step"])
+
+    def prepare(self) -> int:
+        """What can still stop the run once it is built, before it writes anything (``run_training`` calls it
+        before ``config.json`` is written; :meth:`fit` when not called yet): at ``--resume`` the checkpoint is
+        loaded (config, layout, every rank's files checked), and the checkpoint directory has room for the
+        first checkpoint this run saves (none when a resumed run has nothing left to train). Collective;
+        returns the step training starts at."""
+        if self._prepared is None:
+            start, t = self._maybe_resume(), self.config.training
+            if start < self.total_steps:  # no step is trained that could not be saved
+                self.check_checkpoint_space(min(self.total_steps,
+                                                (start // t.checkpoint_interval + 1) * t.checkpoint_interval))
+            self._prepared = start
+        return self._prepared
 
     # ------------------------------------------------------------------ the loop
     def non_finite_message(self, loss: float, step: int) -> str:
@@ -468,8 +480,10 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Resume if asked, run the steps with logging, validation and checkpoints, validate at the end."""
         t, lg = self.config.training, self.config.logging
-        start = self._maybe_resume()
+        start = self.prepare()
         self._start_step = start
+        if self.resume and self.rank == 0:  # the steps after the checkpoint are trained again: their old records go
+            drop_records_after(self.output_dir / METRICS_FILE, start)
         result = TrainResult(output_dir=str(self.output_dir))
         self.logger = MetricsLogger(self.output_dir, rank=self.rank, total_steps=self.total_steps,
                                     initial_step=start, progress=lg.progress, wandb=lg.wandb,
@@ -482,8 +496,6 @@ class Trainer:
             self.logger.write(note)
         self.engine.train()
         samples_per_step = self.plan_batch.effective_batch
-        # no step is trained that could not be saved: room for the first checkpoint, before the first step
-        self.check_checkpoint_space(min(self.total_steps, (start // t.checkpoint_interval + 1) * t.checkpoint_interval))
         last_saved = None
         # on CUDA a step's loss is read after the next step is queued (reading it waits for its kernels);
         # never across a validation, a checkpoint or the end, so nothing is saved before its loss is checked

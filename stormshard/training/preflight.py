@@ -45,6 +45,7 @@ before anything is written, ``config.json`` included.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,8 +255,9 @@ def check_resume(config: ExperimentConfig, world: int | None = None) -> tuple[st
 def check_output_dir(config: ExperimentConfig) -> None:
     """``training.output_dir`` and ``data.graph_cache`` can be created and written (checked on the nearest
     existing directory; the probe directory is removed at once); what the run writes there is not taken by
-    something else: ``checkpoints`` a directory, ``metrics.jsonl`` and ``config.json`` files, and the graph
-    cache absent or a graph file (the run rebuilds over it: any other file would be lost)."""
+    something else: ``checkpoints`` a directory, ``metrics.jsonl`` and ``config.json`` files (``config.json``
+    absent or a stormshard config: the run replaces it), and the graph cache absent or a graph file (the run
+    rebuilds over it: any other file would be lost)."""
     out = Path(config.training.output_dir)
     check_writable_directory(out, "training.output_dir")
     if config.data.graph_cache:
@@ -265,6 +267,11 @@ def check_output_dir(config: ExperimentConfig) -> None:
             raise ConfigError(f"training.output_dir={str(out)!r} holds {out / name}, a {'file' if is_dir else 'directory'} "
                               f"where the run writes its {name} {'directory' if is_dir else 'file'}: move it aside or "
                               "set another training.output_dir; nothing was started")
+    config_file = out / "config.json"
+    if config_file.is_file() and not _is_experiment_config(config_file):
+        raise ConfigError(f"training.output_dir={str(out)!r} holds {config_file}, which is not a stormshard config, and "
+                          "the run would overwrite it with the config it resolved: move it aside or set another "
+                          "training.output_dir; nothing was started")
     if config.data.graph_file:  # a fixed graph: no cache is written
         return
     cache = Path(config.data.graph_cache) if config.data.graph_cache else out / "graph.pt"
@@ -277,6 +284,16 @@ def check_output_dir(config: ExperimentConfig) -> None:
         raise ConfigError(f"{field}: {cache} exists and is not a stormshard graph file, which the run would overwrite "
                           "with its graph: choose another data.graph_cache (or delete the file if it is a damaged "
                           "graph cache); nothing was started")
+
+
+def _is_experiment_config(path: Path) -> bool:
+    """Whether ``path`` reads as a stormshard experiment config (a JSON object of its sections only), such as
+    the ``config.json`` an earlier start of the run wrote, which the run may replace."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(raw, dict) and set(raw) <= set(ExperimentConfig.model_fields)
 
 
 def open_dataset(config: ExperimentConfig) -> tuple[AnemoiDataset, VariableIndex]:

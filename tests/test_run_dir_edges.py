@@ -1,0 +1,258 @@
+"""A training run's files over its lifetime (the fourth audit): starting in a folder that holds something,
+a save that fails half-way, ``--resume``, and the end of a run.
+
+- A full disk (or quota) while a checkpoint is written, in a rank file or in ``metadata.json``: every rank
+  stops with one ``error:`` naming the step, the checkpoints folder and the last complete checkpoint; the
+  half-written ``step_NNNNNNNN.tmp`` is removed (its space is free for ``--resume``), ``latest`` and the
+  previous checkpoint stay (even with ``training.keep_checkpoints=1``), and ``--resume`` continues from it.
+  (It used to be ``error: the disk is full ... writing the output`` with the partial step left behind, and
+  a full disk on a rank other than 0 left rank 0 waiting at the save's barrier.)
+- ``--resume`` on a disk without room for the next checkpoint stops before ``config.json`` is rewritten and
+  before ``metrics.jsonl`` loses the records past the checkpoint (both used to be rewritten first).
+- A ``metadata.json`` without the ``config`` (or ``layout``, ``step``) a resume reads is a damaged checkpoint,
+  named before any work (it used to be ``KeyError: 'config'`` after ``config.json`` was rewritten).
+- A ``config.json`` in ``training.output_dir`` that is not a stormshard config is never overwritten; the
+  config of an earlier start that never trained is replaced, and other files there are left alone.
+- The weights file of a checkpoint is on the disk (fsync) before the step is renamed, as every other file.
+- A failure in the final validation leaves the final checkpoint complete and ``latest`` on it; ``--resume``
+  trains nothing and logs that validation once.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+import torch
+
+import stormshard.training.checkpoint as checkpoint_module
+import stormshard.training.diskspace as diskspace
+from stormshard.checkpoint.format import latest_checkpoint, list_checkpoints
+from stormshard.data.synthetic import generate_synthetic_dataset
+from stormshard.training.checkpoint import save_checkpoint
+from stormshard.training.launch import run_training
+from stormshard.training.loop import Trainer
+from tests.bad_input_helpers import run_main
+from tests.test_cli_errors import _one_process  # noqa: F401 - autouse: a one-process environment
+from tests.tiny_run import tiny_config
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
+    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
+    return str(path)
+
+
+def _local(data: str, out: Path, **changes) -> dict:  # noqa: ANN003
+    return tiny_config(data, out, **{"training.max_steps": 3, "training.checkpoint_interval": 1,
+                                     "training.keep_checkpoints": 3, "data.validation_samples": 1,
+                                     "engine": "local", "deepspeed": {}, **changes})
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    """The sha256 of every file under ``root`` (directories as ''), by relative path."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+            for p in sorted(root.rglob("*"))}
+
+
+def _train(tmp_path: Path, cfg: dict, capsys, *args: str) -> tuple[int, str]:
+    """``launch/train.py`` in-process with ``cfg``; its exit status and standard error."""
+    config = tmp_path / "config_in.json"
+    config.write_text(json.dumps(cfg))
+    capsys.readouterr()
+    code = run_main("train", ["--config", str(config), *args])
+    return code, capsys.readouterr().err
+
+
+def _one_error(err: str, *fragments: str) -> None:
+    assert "Traceback" not in err and len([line for line in err.splitlines() if "error:" in line]) == 1, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in:\n{err}"
+
+
+def _disk_full() -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it: no file name
+
+
+# ------------------------------------------------------------------------------ a save that fails half-way
+
+
+@pytest.mark.parametrize("where", ["rank-file", "metadata"])
+def test_a_full_disk_in_a_save_keeps_the_previous_checkpoint_and_removes_the_partial_one(dataset, tmp_path, capsys,
+                                                                                        monkeypatch, where):
+    run = tmp_path / "run"
+    cfg = _local(dataset, run, **{"training.keep_checkpoints": 1})
+    real_torch, real_bytes = checkpoint_module._write_torch, checkpoint_module._atomic_write_bytes
+
+    def write_torch(obj, path: Path) -> None:  # noqa: ANN001
+        if where == "rank-file" and path.parent.name == "step_00000002.tmp":
+            path.with_name(path.name + ".part").write_bytes(b"\0" * 4096)  # what a full disk leaves
+            raise _disk_full()
+        real_torch(obj, path)
+
+    def write_bytes(path: Path, data: bytes) -> None:
+        if where == "metadata" and path.parent.name == "step_00000002.tmp" and path.name == "metadata.json":
+            raise _disk_full()
+        real_bytes(path, data)
+
+    monkeypatch.setattr(checkpoint_module, "_write_torch", write_torch)
+    monkeypatch.setattr(checkpoint_module, "_atomic_write_bytes", write_bytes)
+    code, err = _train(tmp_path, cfg, capsys)
+    checkpoints = run / "checkpoints"
+    assert code == 2, err
+    _one_error(err, "the disk is full", "checkpoint of step 2 could not be written", str(checkpoints),
+               f"the last complete checkpoint is {checkpoints / 'step_00000001'}", "--resume")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000001"]  # no .tmp left behind
+    assert latest_checkpoint(checkpoints).name == "step_00000001"
+    monkeypatch.undo()
+    result = run_training(cfg, resume=True)  # the disk has room again: steps 2 and 3
+    assert len(result.losses) == 2 and Path(result.checkpoint).name == "step_00000003"
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step_00000003"]
+
+
+def _save_with_a_full_disk_on_rank_1(rank: int, world: int, directory: str) -> str:
+    """Save step 1, then step 2 with rank 1's disk full; what each rank raised at step 2."""
+    from stormshard.training.diskspace import DiskSpaceError
+
+    def save(step: int) -> None:
+        save_checkpoint(directory, step, {"x": torch.zeros(2)}, {}, {"world_size": world}, rank, world,
+                        model=torch.nn.Linear(2, 2))
+
+    def full(obj, path: Path) -> None:  # noqa: ANN001
+        raise _disk_full()
+
+    save(1)
+    real = checkpoint_module._write_torch
+    if rank == 1:
+        checkpoint_module._write_torch = full
+    try:
+        save(2)
+    except DiskSpaceError as exc:
+        return str(exc)
+    finally:
+        checkpoint_module._write_torch = real
+    return "no error"
+
+
+def test_a_full_disk_on_one_rank_stops_every_rank_with_one_message(tmp_path):
+    from tests.distributed import run_distributed
+
+    messages = run_distributed(_save_with_a_full_disk_on_rank_1, 2, str(tmp_path), timeout=60)
+    assert messages[0] == messages[1], messages  # not rank 0 waiting at a barrier for a rank that is gone
+    assert "checkpoint of step 2 could not be written" in messages[0] and "rank 1: No space left" in messages[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_a_checkpoints_weights_are_on_the_disk_before_the_rename(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save_checkpoint(tmp_path, 1, {"x": torch.zeros(2)}, {}, {"world_size": 1}, 0, 1, model=torch.nn.Linear(2, 2))
+    assert {"rank_00000.pt.part", "rank_00000.safetensors.part", "metadata.json.part"} <= set(synced), synced
+
+
+# ------------------------------------------------------------------------------ --resume
+
+
+def _killed_after_step_4(dataset: str, run: Path) -> dict:
+    """A run with checkpoints at steps 2 and 4 whose step-4 checkpoint was lost (a kill during that save):
+    ``latest`` names step 2, ``metrics.jsonl`` holds steps 1-4."""
+    cfg = _local(dataset, run, **{"training.max_steps": 4, "training.checkpoint_interval": 2})
+    run_training(cfg)
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    return cfg
+
+
+def test_resume_without_room_for_a_checkpoint_rewrites_nothing(dataset, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    cfg = _killed_after_step_4(dataset, run)
+    before = _hashes(run)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(diskspace.shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
+    code, err = _train(tmp_path, _local(dataset, run, **{"training.max_steps": 6, "training.checkpoint_interval": 2}),
+                       capsys, "--resume")
+    assert code == 2, err
+    _one_error(err, "has 1000 B free but the checkpoint of step 4 needs", "step_00000002")
+    assert _hashes(run) == before  # config.json (max_steps 4) and the records of steps 3 and 4 kept
+    monkeypatch.undo()
+    run_training(cfg, resume=True)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("key", ["config", "layout", "step"])
+def test_a_metadata_json_without_what_resume_reads_stops_before_any_work(dataset, tmp_path, capsys, key):
+    run = tmp_path / "run"
+    cfg = _local(dataset, run, **{"training.max_steps": 2})
+    run_training(cfg)
+    meta_file = run / "checkpoints" / "step_00000002" / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    del meta[key]
+    meta_file.write_text(json.dumps(meta, indent=1))
+    before = _hashes(run)
+    code, err = _train(tmp_path, _local(dataset, run, **{"training.max_steps": 3}), capsys, "--resume")
+    assert code == 2, err
+    _one_error(err, f"checkpoint {meta_file.parent} is damaged", f"{meta_file}: {key} missing",
+               "the previous complete checkpoint is", "step_00000001")
+    assert _hashes(run) == before
+
+
+# ------------------------------------------------------------------------------ what the output_dir holds
+
+
+def test_a_foreign_config_json_in_the_output_dir_is_never_overwritten(dataset, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"editor.fontSize": 12}\n')  # the project's own config.json
+    (run / "notes.txt").write_text("mine\n")
+    before = _hashes(run)
+    code, err = _train(tmp_path, _local(dataset, run, **{"training.max_steps": 1}), capsys)
+    assert code == 2, err
+    _one_error(err, f"training.output_dir={str(run)!r} holds {run / 'config.json'}, which is not a stormshard config",
+               "move it aside or set another training.output_dir")
+    assert _hashes(run) == before
+    # the config.json of an earlier start that never trained (a stormshard config) is replaced; other files stay
+    (run / "config.json").write_text(json.dumps({"name": "earlier", "training": {"max_steps": 9}}))
+    code, err = _train(tmp_path, _local(dataset, run, **{"training.max_steps": 1}), capsys)
+    assert code == 0, err
+    assert json.loads((run / "config.json").read_text())["training"]["max_steps"] == 1
+    assert (run / "notes.txt").read_text() == "mine\n"
+
+
+# ------------------------------------------------------------------------------ the end of a run
+
+
+def test_a_failed_final_validation_leaves_the_final_checkpoint(dataset, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    cfg = _local(dataset, run, **{"training.max_steps": 2, "training.checkpoint_interval": 2})
+
+    def broken(self, samples=None):  # noqa: ANN001, ANN202
+        raise RuntimeError("validation ran out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "validate", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            run_training(cfg)
+    checkpoints = run / "checkpoints"
+    assert latest_checkpoint(checkpoints).name == "step_00000002"
+    assert not [p for p in checkpoints.iterdir() if p.name.endswith((".tmp", ".old"))]
+    result = run_training(cfg, resume=True)  # nothing trained, the validation logged once
+    assert result.losses == [] and Path(result.checkpoint).name == "step_00000002"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_rmse/tracer_1" in r] == [2]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
