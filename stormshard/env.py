@@ -155,6 +155,7 @@ VARIABLES: dict[str, EnvVariable] = {v.name: v for v in (
     EnvVariable("STORMSHARD_HEARTBEAT_S", 1.0, "seconds"),  # 0 turns the rank monitor off
     EnvVariable("STORMSHARD_DEAD_AFTER_S", 10.0, "seconds", positive=True),
     EnvVariable("STORMSHARD_MALLOC_TUNING", "1", "switch"),  # 0 leaves glibc's malloc alone
+    EnvVariable("STORMSHARD_RUN_LOCK_STALE_S", 120.0, "seconds", positive=True),  # an output_dir lock left unrefreshed
 )}
 
 

@@ -58,7 +58,8 @@ from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import Trainer, TrainResult
 from stormshard.training.malloc_tuning import tune_malloc
 from stormshard.training.preflight import RunInputs, checkpoint_dir, preflight
-from stormshard.training.rank_zero import RankZeroFailed
+from stormshard.training.rank_zero import RankZeroFailed, rank_zero_first
+from stormshard.training.run_lock import RunLock
 from stormshard.training.watchdog import RankFailure, RankMonitor, monitor_settings
 
 __all__ = ["LaunchError", "LaunchEnvironment", "RendezvousError", "detect_launch", "init_distributed",
@@ -404,7 +405,10 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
     monitor = None
     if owns_group and world > 1 and interval > 0:
         monitor = RankMonitor(launch.rank, world, launch.master_addr, launch.master_port, interval, dead_after)
+    lock = RunLock(cfg.training.output_dir) if rank == 0 else None
     try:
+        # one run per output_dir, from before its first file (graph cache, config.json) to its end
+        rank_zero_first(lambda: lock.acquire() if lock is not None else None, "taking training.output_dir's lock")
         if resume:  # every rank hashes its files of the checkpoint before anything is written (config.json too)
             found = resume_target(checkpoint_dir(cfg))
             if found is not None:
@@ -428,6 +432,8 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
                 monitor.report_failed()
         raise
     finally:
+        if lock is not None:
+            lock.release()
         if monitor is not None:
             monitor.stop()
         if owns_group and dist.is_initialized():
