@@ -256,3 +256,23 @@ def test_plan_moves_with_the_block(kind):
     plan = block.plan
     assert {t.device.type for t in (plan.edge_index, plan.edge_ids, plan.send_index, plan.halo_ids)} == {"meta"}
     assert {ids.device.type for _, _, ids in block.edge_chunks} == {"meta"}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("kind", ["transformer_mapper", "transformer_processor", "gnn_processor"])
+def test_plan_moves_with_a_checkpointed_block(kind, mode):
+    """A block wrapped in :class:`ActivationCheckpoint` (``model.activation_checkpointing``, a checkpointed mapper)
+    moves its plan, edge chunks and chunk edge indices with ``.to(device)`` as the bare block does: the wrapper
+    adopts the block's tree, not its ``_apply``, and left them on the CPU (a checkpointed graph model on CUDA then
+    met CPU edge indices)."""
+    from stormshard.layers.checkpointing import ActivationCheckpoint
+
+    edge_index = random_graph(20, 15, 80, seed=3)
+    wrapped = ActivationCheckpoint(make_block(kind, make_plan(kind, edge_index, 20, 15), num_chunks=2), mode)
+    assert wrapped.to("meta") is wrapped
+    block, plan = wrapped.block, wrapped.block.plan
+    held = [plan.edge_index, plan.edge_ids, plan.send_index, plan.halo_ids, *(ids for _, _, ids in block.edge_chunks),
+            *(getattr(block, "chunk_index", None) or {}).values()]
+    assert {t.device.type for t in held} == {"meta"}
+    assert {t.device.type for t in (*wrapped.parameters(), *wrapped.buffers())} == {"meta"}
+    assert wrapped.to(torch.float32).block.plan.edge_index.dtype == torch.int64  # a dtype change leaves indices

@@ -1,6 +1,7 @@
 """Layering: checkpoint conversion, inference and the entry points' error handling stand below
 training (importing them loads no ``stormshard.training`` module, and no import in them, even inside
-a function, names one), and the module import graph of ``stormshard/`` has no cycle."""
+a function, names one), the module import graph of ``stormshard/`` has no cycle, and the GPU-only code
+(``tests/gpu/``, ``benchmarks/``) imports only stormshard modules and names that exist."""
 
 from __future__ import annotations
 
@@ -228,3 +229,50 @@ def test_no_hidden_cycle_through_imports_inside_functions():
             graph.setdefault(imp.importer, set()).add(imp.target)
     cycles = _cycles(graph)
     assert not cycles, "import cycles (counting imports inside functions):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The names a module binds at its top level (definitions, assignments, imports; in ``if`` / ``try`` too)."""
+    names: set[str] = set()
+    body = list(ast.parse(path.read_text(), str(path)).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
+    return names
+
+
+def _missing_stormshard_names(path: Path) -> list[str]:
+    """The stormshard imports of ``path`` (inside functions too) that name no module of ``stormshard/`` or no
+    name its module binds: ``file:line module.name``."""
+    sources = _sources()
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            missing += [f"{path.name}:{node.lineno} {a.name}" for a in node.names
+                        if a.name.startswith("stormshard") and a.name not in sources]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("stormshard"):
+            if node.module not in sources:
+                missing.append(f"{path.name}:{node.lineno} {node.module}")
+                continue
+            bound = _top_level_names(sources[node.module])
+            missing += [f"{path.name}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                        if a.name not in bound and f"{node.module}.{a.name}" not in sources]
+    return missing
+
+
+def test_gpu_tests_and_benchmarks_import_what_exists():
+    """Every stormshard import of ``tests/gpu/`` and ``benchmarks/``, those inside functions included (code that
+    runs only on a GPU, never here), names an existing module and a name it binds: a module renamed or moved
+    fails here, not in a lent GPU's few minutes (``tests/gpu/test_cuda_layers.py`` imported a removed
+    ``stormshard.layers.window``)."""
+    files = sorted((ROOT / "tests" / "gpu").glob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py"))
+    assert [m for f in files for m in _missing_stormshard_names(f)] == []

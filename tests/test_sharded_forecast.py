@@ -261,3 +261,29 @@ def test_attention_kernel_for_a_model_without_window_attention_is_refused_before
                                          r"attention layer to run it: leave --attention-kernel out"):
         run_forecast(setup["bundle"], setup["dataset"], DATES[0], 2, tmp_path / "y", attention_kernel="banded")
     assert not (tmp_path / "y").exists()
+
+
+def test_forecast_builds_the_model_and_its_normalisers_on_the_cuda_device(setup, tmp_path, monkeypatch):
+    """With CUDA, a forecast builds the model on this rank's GPU, where its kernel checks assumed it runs and where
+    NCCL (a CUDA machine's backend) takes its tensors: it was built on the CPU, so a multi-rank forecast on GPUs
+    sent CPU tensors to NCCL and a stored ``graph_kernel: "triton"`` passed the check, then failed on CPU tensors.
+    The normalisers go with the model (here to the meta device: no GPU on this machine)."""
+    from stormshard.inference import forecast
+    from stormshard.inference.loader import build_forecaster, open_model_source
+
+    devices = []
+
+    def record(*args, device="cpu", **kwargs):  # noqa: ANN002, ANN003, ANN202
+        devices.append(torch.device(device))
+        raise InterruptedError("stop after the build's arguments")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(forecast, "build_forecaster", record)
+    with pytest.raises(InterruptedError):
+        run_forecast(setup["bundle"], setup["dataset"], DATES[0], 2, tmp_path / "cuda", verbose=False)
+    assert devices == [torch.device("cuda", 0)]
+    monkeypatch.undo()
+    built = build_forecaster(open_model_source(setup["bundle"]), device="meta")
+    assert {t.device.type for m in (built.model, built.normaliser, built.output_normaliser)
+            for t in (*m.parameters(), *m.buffers())} == {"meta"}

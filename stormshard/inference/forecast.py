@@ -233,7 +233,11 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
     groups = build_process_groups(layout)
     with phase(f"forecast: built the model ({req.gpus_per_model} rank(s) per model, {world // req.gpus_per_model} "
                f"replica(s), {req.precision})"):
-        forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision])
+        # on this rank's GPU where there is one: the kernel checks above assumed it, and NCCL (the backend of a
+        # CUDA machine) takes no CPU tensor
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision],
+                                                       device=device)
         if attention_kernel is not None and not set_attention_kernel(forecaster.model, attention_kernel) and \
                 attention_kernel != "auto":  # a custom model without sliding-window attention: nothing to switch
             raise ValueError(f"--attention-kernel {attention_kernel!r}: the model ({info.name}) has no sliding-window "

@@ -177,7 +177,8 @@ def open_model_source(source: str | os.PathLike, *, dataset: str | os.PathLike |
 def build_forecaster(source: ModelSource, model_group: dist.ProcessGroup | None = None,
                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> InferenceModel:
     """This rank's shard of the model (``model_group``: the K ranks that hold one model; None:
-    the whole model here), in eval mode and ``dtype``, with this rank's slice of the weights."""
+    the whole model here), in eval mode and ``dtype``, with this rank's slice of the weights; the model and
+    its normalisers on ``device``."""
     model = build_model(source.config, source.graph, source.variables, model_group,
                         shard_strategy=source.shard_strategy)
     problems = state_differences({n: torch.empty(s, device="meta") for n, s in source.shapes.items()}, full_shapes(model))
@@ -190,7 +191,7 @@ def build_forecaster(source: ModelSource, model_group: dist.ProcessGroup | None 
     v = source.variables
     stats = Statistics(*(np.array([source.statistics[n][s] for n in v.variables])
                          for s in ("mean", "stdev", "minimum", "maximum")))
-    normaliser, output_normaliser = build_normalisers(stats, v, source.normalisation)
+    normaliser, output_normaliser = (n.to(device) for n in build_normalisers(stats, v, source.normalisation))
     return InferenceModel(model=model, normaliser=normaliser, output_normaliser=output_normaliser, variables=v,
                           graph=source.graph, config=source.config, timestep=source.timestep,
                           metadata=source.metadata)

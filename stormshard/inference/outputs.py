@@ -119,12 +119,15 @@ def reduce_statistics(stats: list[StoreStatistics], group: Any = None) -> list[S
     """Sum / min / max every store's statistics over ``group`` (all ranks: 3 all-reduces in total)."""
     if not stats or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return stats
-    summed = torch.from_numpy(np.stack([np.stack([s.sums, s.squares, s.count]) for s in stats]))
-    low = torch.from_numpy(np.stack([s.minimum for s in stats]))
-    high = torch.from_numpy(np.stack([s.maximum for s in stats]))
+    # NCCL takes tensors on this rank's GPU only; gloo CPU ones
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    summed = torch.from_numpy(np.stack([np.stack([s.sums, s.squares, s.count]) for s in stats])).to(device)
+    low = torch.from_numpy(np.stack([s.minimum for s in stats])).to(device)
+    high = torch.from_numpy(np.stack([s.maximum for s in stats])).to(device)
     dist.all_reduce(summed, group=group)
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    summed, low, high = summed.cpu(), low.cpu(), high.cpu()
     for i, s in enumerate(stats):
         s.sums, s.squares, s.count = (summed[i, j].numpy() for j in range(3))
         s.minimum, s.maximum = low[i].numpy(), high[i].numpy()

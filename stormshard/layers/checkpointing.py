@@ -124,6 +124,13 @@ class ActivationCheckpoint(nn.Module):
         self.block.training = mode
         return self
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        """The block's own ``_apply`` on the shared tree: ``.to(device)`` / ``.cuda()`` also move what the block
+        holds besides parameters and buffers (a graph block's plan and edge chunks,
+        :class:`~stormshard.layers.graph_inputs.PlanFollowsModule`), which the wrapper's would leave behind."""
+        self.block._apply(fn, recurse)
+        return self
+
     def _get_name(self) -> str:
         return f"ActivationCheckpoint[{self.block._get_name()}]"
 

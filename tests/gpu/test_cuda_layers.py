@@ -107,7 +107,7 @@ def test_window_kernel_on_cuda(dtype):
 def test_flash_attn_window_matches_banded():
     """flash-attn's window path (bf16, when importable and >= 2.3) against the banded kernel, forward
     and backward, at the offsets shard_sequence passes (no shift, a halo shift, the last rank)."""
-    from stormshard.layers import window as W
+    from stormshard.kernels import dispatch as W
 
     if W.flash_attn_window_func() is None:
         pytest.skip("flash-attn >= 2.3 is not importable: the banded kernel is the CUDA path")
