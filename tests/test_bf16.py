@@ -28,7 +28,6 @@ import pytest
 import torch
 from torch import nn
 
-from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.training.config import ConfigError, load_experiment_config, merge_deepspeed_file
 from stormshard.training.engine import EngineSettings, resolve_deepspeed_config
 from stormshard.training.engine.precision import cast_floating
@@ -37,13 +36,6 @@ from tests.distributed import run_distributed
 from tests.tiny_run import tiny_config
 
 BF16 = {"training.precision": "bf16"}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 def _train(rank, world, cfg, resume=False):  # noqa: ANN001

@@ -14,7 +14,6 @@ import pytest
 import zarr
 
 from stormshard.cli import report_failure
-from stormshard.data.synthetic import generate_synthetic_dataset
 from tests.tiny_run import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,13 +25,6 @@ def _cli(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from stormshard.data.synthetic import generate_synthetic_dataset  # noqa: E402
 from stormshard.models.compile import (  # noqa: E402
     BACKEND_VARIABLE,
     compile_blocks,
@@ -50,13 +49,6 @@ MODELS = {  # model config changes per case: every processor kind, checkpointing
     "gnn": dict(name="gnn", activation_checkpointing=True),
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=2)),
 }
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 # ------------------------------------------------------------------------------ blocks, no graph breaks

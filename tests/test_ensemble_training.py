@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.training.config import load_experiment_config
 from stormshard.training.launch import run_training
 from stormshard.training.loop import Trainer
@@ -21,13 +20,6 @@ from tests.distributed import run_distributed
 from tests.tiny_run import tiny_config
 
 MEMBERS = 4  # members of one initial state
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 def _ensemble_config(dataset: str, out, world: int, gpus_per_model: int, **changes) -> dict:

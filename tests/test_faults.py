@@ -26,7 +26,7 @@ from stormshard.training.diskspace import DiskSpaceError
 from stormshard.training.launch import run_training
 from tests.distributed import run_distributed
 from tests.test_checkpoint import to_pickled_format
-from tests.test_launch import ROOT, dataset, finish, start_ranks, write_config  # noqa: F401 - dataset is a fixture
+from tests.test_launch import ROOT, finish, start_ranks, write_config
 from tests.tiny_run import tiny_config, train_losses
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -46,7 +46,7 @@ def _wait_for(predicate, timeout: float, procs: list[subprocess.Popen]) -> None:
         time.sleep(0.2)
 
 
-def test_killed_rank_ends_the_job_naming_it(dataset, tmp_path):  # noqa: F811
+def test_killed_rank_ends_the_job_naming_it(dataset, tmp_path):
     config = write_config(tmp_path, dataset, **{"training.max_steps": 100000, "training.checkpoint_interval": 100000,
                                                 "training.validation_interval": 100000, "training.warmup_steps": 1})
     procs = start_ranks("slurm", ["--config", str(config)], logs=tmp_path)
@@ -83,7 +83,7 @@ _DIE_IN_SAVE = textwrap.dedent(
 )
 
 
-def test_killed_save_keeps_the_previous_checkpoint_for_resume(dataset, tmp_path):  # noqa: F811
+def test_killed_save_keeps_the_previous_checkpoint_for_resume(dataset, tmp_path):
     cfg = tiny_config(dataset, tmp_path / "run", **{"training.max_steps": 3, "training.checkpoint_interval": 1,
                                                     "data.validation_samples": 1, "engine": "local", "deepspeed": {}})
     config = tmp_path / "config.json"
@@ -106,7 +106,7 @@ def test_killed_save_keeps_the_previous_checkpoint_for_resume(dataset, tmp_path)
     assert not (checkpoints / "step_00000002.tmp").exists()
 
 
-def test_output_dir_that_cannot_be_written_fails_before_anything(dataset, tmp_path, capsys):  # noqa: F811
+def test_output_dir_that_cannot_be_written_fails_before_anything(dataset, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     config = write_config(tmp_path, dataset, **{"training.output_dir": str(blocker / "run")})
@@ -145,7 +145,7 @@ def _fake_disk(monkeypatch, free_per_call):
     return calls
 
 
-def test_disk_too_small_stops_before_the_first_step(dataset, tmp_path, monkeypatch):  # noqa: F811
+def test_disk_too_small_stops_before_the_first_step(dataset, tmp_path, monkeypatch):
     cfg = tiny_config(dataset, tmp_path / "run", **{"training.max_steps": 3, "training.checkpoint_interval": 1,
                                                     "data.validation_samples": 1, "engine": "local", "deepspeed": {}})
     _fake_disk(monkeypatch, [1000])
@@ -159,7 +159,7 @@ def test_disk_too_small_stops_before_the_first_step(dataset, tmp_path, monkeypat
     assert latest_checkpoint(tmp_path / "run" / "checkpoints") is None
 
 
-def test_disk_filling_up_stops_before_the_save_that_cannot_fit(dataset, tmp_path, monkeypatch):  # noqa: F811
+def test_disk_filling_up_stops_before_the_save_that_cannot_fit(dataset, tmp_path, monkeypatch):
     cfg = tiny_config(dataset, tmp_path / "run", **{"training.max_steps": 3, "training.checkpoint_interval": 1,
                                                     "data.validation_samples": 1, "engine": "local", "deepspeed": {}})
     _fake_disk(monkeypatch, [10**11, 10**11, 1000])  # start, save of step 1, save of step 2
@@ -184,7 +184,7 @@ _FAIL_GRAPH_ON_RANK0 = textwrap.dedent(
 )
 
 
-def test_graph_build_failure_on_rank_zero_ends_every_rank(dataset, tmp_path):  # noqa: F811
+def test_graph_build_failure_on_rank_zero_ends_every_rank(dataset, tmp_path):
     config = write_config(tmp_path, dataset)
     procs = start_ranks("slurm", ["--config", str(config)], prefix=["-c", _FAIL_GRAPH_ON_RANK0], logs=tmp_path)
     (rc0, out0), (rc1, out1) = finish(procs, timeout=120)
@@ -217,7 +217,7 @@ def _train_cli():
     return cli
 
 
-def test_a_new_run_in_an_earlier_runs_output_dir_is_refused(dataset, tmp_path, capsys):  # noqa: F811
+def test_a_new_run_in_an_earlier_runs_output_dir_is_refused(dataset, tmp_path, capsys):
     cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2})
     run_training(cfg)
     before = _snapshot(tmp_path / "run")
@@ -239,7 +239,7 @@ def test_a_new_run_in_an_earlier_runs_output_dir_is_refused(dataset, tmp_path, c
         run_training(_local(dataset, tmp_path / "other"))
 
 
-def test_resume_logs_every_step_once(dataset, tmp_path):  # noqa: F811
+def test_resume_logs_every_step_once(dataset, tmp_path):
     """A run stopped after its step-2 checkpoint but with metrics up to step 4 (a kill after step 4, before its
     save) resumes from step 2: the records past step 2 are dropped, so each step appears once."""
     cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 4, "training.checkpoint_interval": 2,
@@ -263,7 +263,7 @@ def test_resume_logs_every_step_once(dataset, tmp_path):  # noqa: F811
     assert [r["loss"] for r in records if "loss" in r][2:] == pytest.approx(full[2:], rel=0, abs=0)
 
 
-def test_resuming_a_finished_run_changes_nothing(dataset, tmp_path, capsys):  # noqa: F811
+def test_resuming_a_finished_run_changes_nothing(dataset, tmp_path, capsys):
     """``--resume`` of a run that already trained its ``max_steps``: nothing is trained or saved again, the
     final validation is computed (returned) but not logged a second time, and the run says so."""
     cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2, "training.checkpoint_interval": 2})
@@ -282,7 +282,7 @@ def test_resuming_a_finished_run_changes_nothing(dataset, tmp_path, capsys):  # 
     assert [r["step"] for r in records if "val_rmse/tracer_1" in r] == [2]
 
 
-def test_resuming_a_run_killed_in_its_final_validation_logs_that_validation(dataset, tmp_path):  # noqa: F811
+def test_resuming_a_run_killed_in_its_final_validation_logs_that_validation(dataset, tmp_path):
     """A run killed after its last checkpoint, during its final validation (before logging it): ``--resume`` trains
     nothing, and the validation the run never logged is logged now, once (it used to be lost from metrics.jsonl)."""
     cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2, "training.checkpoint_interval": 2})
@@ -312,7 +312,7 @@ def _damage(step_dir: Path, how: str) -> Path:
     return f
 
 
-def test_damaged_newest_checkpoint_stops_resume_naming_the_file(dataset, tmp_path, capsys):  # noqa: F811
+def test_damaged_newest_checkpoint_stops_resume_naming_the_file(dataset, tmp_path, capsys):
     import shutil
 
     base = tmp_path / "base"
@@ -361,7 +361,7 @@ def _resume_message(rank: int, world: int, cfg: dict) -> str:
     return "resumed"
 
 
-def test_a_damaged_file_of_one_rank_stops_every_rank(dataset, tmp_path):  # noqa: F811
+def test_a_damaged_file_of_one_rank_stops_every_rank(dataset, tmp_path):
     cfg = _local(dataset, tmp_path / "run", **{"training.max_steps": 2, "parallel.gpus_per_model": 2})
     run_distributed(train_losses, 2, cfg)
     f = tmp_path / "run" / "checkpoints" / "step_00000002" / "rank_00001.pt"

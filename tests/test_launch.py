@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.training.engine.deepspeed_keys import (
     DEEPSPEED_KEYS,
     DEEPSPEED_SUBSECTION_KEYS,
@@ -169,13 +168,6 @@ def test_deepspeed_key_tables_match_the_installed_deepspeed():
 
 
 # ------------------------------------------------------------------ 2-process starts of launch/train.py
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 def _free_port() -> int:

@@ -8,18 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from stormshard.data.synthetic import generate_synthetic_dataset
 from tests.distributed import run_distributed
 from tests.tiny_run import tiny_config
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 def _train(rank: int, world: int, cfg: dict, late: bool, poison_step: int | None = None,

@@ -10,19 +10,11 @@ import numpy as np
 import pytest
 
 from stormshard.data.anemoi_layout import AnemoiDataset
-from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.training.config import ConfigError, load_experiment_config
 from stormshard.training.launch import run_training
 from stormshard.training.preflight import activation_estimate, check_activation_memory
 from stormshard.training.rollout_schedule import RolloutSchedule, max_rollout, rollout_at
 from tests.tiny_run import tiny_config
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 def test_rollout_at():

@@ -34,7 +34,6 @@ import torch
 import stormshard.training.checkpoint as checkpoint_module
 import stormshard.training.diskspace as diskspace
 from stormshard.checkpoint.format import latest_checkpoint, list_checkpoints
-from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.training.checkpoint import save_checkpoint
 from stormshard.training.launch import run_training
 from stormshard.training.loop import Trainer
@@ -43,13 +42,6 @@ from tests.test_cli_errors import _one_process  # noqa: F401 - autouse: a one-pr
 from tests.tiny_run import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 def _local(data: str, out: Path, **changes) -> dict:  # noqa: ANN003

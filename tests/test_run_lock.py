@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 import stormshard.training.run_lock as run_lock
-from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.env import EnvError, check_environment
 from stormshard.training.config import ConfigError
 from stormshard.training.launch import run_training
@@ -30,13 +29,6 @@ from tests.test_cli_errors import _one_process  # noqa: F401 - autouse: a one-pr
 from tests.tiny_run import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 @pytest.fixture()

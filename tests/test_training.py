@@ -9,18 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from stormshard.data.synthetic import generate_synthetic_dataset
 from stormshard.training.config import ConfigError, load_experiment_config
 from stormshard.training.launch import run_training
 from tests.distributed import run_distributed
 from tests.tiny_run import tiny_config
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("data") / "synthetic.zarr"
-    generate_synthetic_dataset(path, grid="o8", steps=64, seed=1)
-    return str(path)
 
 
 def _config(dataset: str, out: Path, **changes) -> dict:
