@@ -65,7 +65,7 @@ from stormshard.layers.attention import set_attention_kernel, window_attention_l
 from stormshard.layers.graph_transformer import set_graph_kernel
 from stormshard.models.parallelize import check_graph_kernel_for_device, check_parallel_strategy
 from stormshard.models.registry import build_model
-from stormshard.parallel.topology import ParallelLayout, build_process_groups
+from stormshard.parallel.topology import ParallelLayout, build_process_groups, rank_device
 from stormshard.progress import format_duration, note, phase, reporting
 
 __all__ = ["ForecastResult", "run_forecast", "format_scores", "OUTPUT_NAMES"]
@@ -235,9 +235,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
                f"replica(s), {req.precision})"):
         # on this rank's GPU where there is one: the kernel checks above assumed it, and NCCL (the backend of a
         # CUDA machine) takes no CPU tensor
-        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         forecaster = info.prebuilt or build_forecaster(info.source, groups.model_group, PRECISIONS[req.precision],
-                                                       device=device)
+                                                       device=rank_device())
         if attention_kernel is not None and not set_attention_kernel(forecaster.model, attention_kernel) and \
                 attention_kernel != "auto":  # a custom model without sliding-window attention: nothing to switch
             raise ValueError(f"--attention-kernel {attention_kernel!r}: the model ({info.name}) has no sliding-window "

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from stormshard.data.anemoi_layout import LAYOUT_VERSION, AnemoiDataset, frequency_to_string
 from stormshard.parallel.shapes import group_rank, group_size
+from stormshard.parallel.topology import collective_device
 
 __all__ = ["ChunkExchange", "ForecastStore", "StoreStatistics", "netcdf_engine", "write_netcdf", "variable_units"]
 
@@ -119,8 +120,7 @@ def reduce_statistics(stats: list[StoreStatistics], group: Any = None) -> list[S
     """Sum / min / max every store's statistics over ``group`` (all ranks: 3 all-reduces in total)."""
     if not stats or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return stats
-    # NCCL takes tensors on this rank's GPU only; gloo CPU ones
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    device = collective_device(group)  # NCCL takes tensors on this rank's GPU only, gloo CPU ones
     summed = torch.from_numpy(np.stack([np.stack([s.sums, s.squares, s.count]) for s in stats])).to(device)
     low = torch.from_numpy(np.stack([s.minimum for s in stats])).to(device)
     high = torch.from_numpy(np.stack([s.maximum for s in stats])).to(device)

@@ -25,9 +25,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["LayoutError", "ParallelLayout", "BatchPlan", "batch_arithmetic", "ProcessGroups", "build_process_groups"]
+__all__ = ["LayoutError", "ParallelLayout", "BatchPlan", "batch_arithmetic", "ProcessGroups", "build_process_groups",
+           "rank_device", "collective_device"]
+
+
+def rank_device() -> torch.device:
+    """This rank's compute device: its current CUDA device where CUDA is available (the launch sets it per
+    local rank), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``group``'s backend takes tensors: this rank's CUDA device for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
 
 
 class LayoutError(ValueError):

@@ -36,7 +36,7 @@ from stormshard.graphs.builder import load_graph, load_or_build_graph
 from stormshard.models.compile import begin_graphed_step, compile_blocks, wants_compile
 from stormshard.models.registry import build_model
 from stormshard.parallel.comm import all_reduce_sum
-from stormshard.parallel.topology import ProcessGroups, build_process_groups
+from stormshard.parallel.topology import ProcessGroups, build_process_groups, rank_device
 from stormshard.training.checkpoint import load_checkpoint, save_checkpoint
 from stormshard.training.config import ExperimentConfig, stored_config_dump
 from stormshard.training.diskspace import check_checkpoint_space
@@ -78,12 +78,6 @@ class TrainResult:
     data_wait: float = 0.0  # seconds the training loop waited for input data in total
     checkpoint: str | None = None
     output_dir: str = ""
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _world() -> tuple[int, int]:
@@ -136,7 +130,7 @@ class Trainer:
 
         # ---- process groups, graph, model, engine
         self.groups: ProcessGroups = build_process_groups(self.layout)
-        self.device = _device()
+        self.device = rank_device()
         self.graph = self._graph()
         torch.manual_seed(t.seed)
         model = build_model(config.model, self.graph, self.variables, self.groups.model_group,

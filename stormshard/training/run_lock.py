@@ -12,8 +12,9 @@ writes its first file (the graph cache, ``config.json``) until it ends, with or 
 A lock is **stale**, and the new run takes it over, when its run cannot be alive: its process is gone (same
 host, pid not running), it is this SLURM job's (a requeued job restarts under the same id), or it was not
 refreshed for ``STORMSHARD_RUN_LOCK_STALE_S`` seconds (default 120: a run killed on another host). A
-live lock is bad input before any work (:func:`check_run_lock`, in the preflight): the error names the
-holder and the fix. Nothing is communicated.
+live lock is bad input: :meth:`RunLock.acquire` (which ``run_training`` runs on rank 0 through
+:func:`~stormshard.training.rank_zero.rank_zero_first`, so every rank stops) raises an error naming the
+holder and the fix before the run writes anything. Nothing is communicated here.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 from stormshard.env import VARIABLES
 from stormshard.training.config import ConfigError
 
-__all__ = ["LOCK_NAME", "REFRESH_S", "LockHolder", "RunLock", "check_run_lock", "live_holder"]
+__all__ = ["LOCK_NAME", "REFRESH_S", "LockHolder", "RunLock", "live_holder"]
 
 LOCK_NAME = ".stormshard-run.lock"
 #: seconds between two refreshes of a held lock's modification time
@@ -105,14 +106,6 @@ def _held_error(output_dir: Path, holder: LockHolder) -> ConfigError:
         f"one output_dir would overwrite each other's checkpoints and metrics. Wait for it to end, or set another "
         f"training.output_dir; if that run is dead, delete {output_dir / LOCK_NAME} (a lock not refreshed for "
         f"{stale:g} s, {_STALE_VARIABLE}, counts as dead); nothing was started")
-
-
-def check_run_lock(output_dir: str | os.PathLike) -> None:
-    """A :class:`~stormshard.training.config.ConfigError` naming the holder when another run that may be alive
-    holds ``output_dir``'s lock (read only: nothing is written)."""
-    holder = live_holder(output_dir)
-    if holder is not None:
-        raise _held_error(Path(output_dir), holder)
 
 
 class RunLock:
