@@ -199,15 +199,11 @@ def _barrier(group: Any, world: int) -> None:
 
 
 def _shared(problems: list[str], group: Any, world: int) -> list[str]:
-    """Every rank's ``problems`` on every rank of the save (a barrier that carries them), so that one rank's
-    full disk stops every rank with the same error instead of leaving the others waiting."""
-    if world == 1:
-        return problems
-    if not dist.is_initialized():
+    """:func:`_gather` as the save's barrier: every rank's ``problems`` on every rank of the save, so that one
+    rank's full disk stops every rank with the same error instead of leaving the others waiting."""
+    if world > 1 and not dist.is_initialized():
         raise CheckpointError(f"world={world} but torch.distributed is not initialised: cannot synchronise ranks")
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, problems, group=group)
-    return [p for rank_problems in everyone for p in rank_problems]
+    return _gather(problems, world, group)
 
 
 def _full_disk(exc: BaseException, rank: int, tmp: Path) -> str:
@@ -436,11 +432,12 @@ def _read_rank(target: Path, rank: int, step: int, map_location: Any) -> tuple[d
     return payload, []
 
 
-def _gather(problems: list[str], world: int) -> list[str]:
-    """Every rank's ``problems`` (on every rank), when all ``world`` ranks of the checkpoint load it
-    together; one rank's damaged file then stops all of them with the same message."""
-    if world > 1 and dist.is_initialized() and dist.get_world_size() == world:
+def _gather(problems: list[str], world: int, group: Any = None) -> list[str]:
+    """Every rank's ``problems`` (on every rank), when all ``world`` ranks of ``group`` (None: the world) save or
+    load the checkpoint together; one rank's damaged file or full disk then stops all of them with the same
+    message. Otherwise (one process, or a checkpoint read by another world) this rank's own."""
+    if world > 1 and dist.is_initialized() and dist.get_world_size(group) == world:
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, problems)
+        dist.all_gather_object(everyone, problems, group=group)
         return [p for rank_problems in everyone for p in rank_problems]
     return problems
