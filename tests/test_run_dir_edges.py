@@ -7,6 +7,15 @@ a save that fails half-way, ``--resume``, and the end of a run.
   previous checkpoint stay (even with ``training.keep_checkpoints=1``), and ``--resume`` continues from it.
   (It used to be ``error: the disk is full ... writing the output`` with the partial step left behind, and
   a full disk on a rank other than 0 left rank 0 waiting at the save's barrier.)
+- A full disk (or another ``OSError``) while ``latest`` is rewritten, after the step was renamed into place: every
+  rank stops with one ``error:`` naming the saved step (complete, kept), the folder and ``--resume``; ``latest``
+  keeps its old name (no ``latest.part`` left), no older checkpoint is deleted, and ``--resume`` continues from
+  the new step, saying so. (It used to be ``error: the disk is full ... writing the output``, with
+  ``latest.part`` left behind, the other ranks waiting at the save's barrier, and ``--resume`` refusing to
+  choose between ``latest`` and the newer step.)
+- Any other I/O error (``EIO``, a permission) on any rank while it writes its files stops every rank with one
+  error naming that rank, the file, the OS error and the last complete checkpoint, the ``.tmp`` step removed.
+  (It used to be raised by the failing rank only, reported by the rank monitor as a rank that stopped.)
 - ``--resume`` on a disk without room for the next checkpoint stops before ``config.json`` is rewritten and
   before ``metrics.jsonl`` loses the records past the checkpoint (both used to be rewritten first).
 - A ``metadata.json`` without the ``config`` (or ``layout``, ``step``) a resume reads is a damaged checkpoint,
@@ -34,6 +43,7 @@ import torch
 import stormshard.training.checkpoint as checkpoint_module
 import stormshard.training.diskspace as diskspace
 from stormshard.checkpoint.format import latest_checkpoint, list_checkpoints
+from stormshard.checkpoint.integrity import checkpoint_problems
 from stormshard.training.checkpoint import save_checkpoint
 from stormshard.training.launch import run_training
 from stormshard.training.loop import Trainer
@@ -142,6 +152,127 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_one_message(tmp_path):
     assert messages[0] == messages[1], messages  # not rank 0 waiting at a barrier for a rank that is gone
     assert "checkpoint of step 2 could not be written" in messages[0] and "rank 1: No space left" in messages[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+
+
+def _fsync_fails_for(name: str, when, error: OSError):  # noqa: ANN001, ANN202
+    """An ``os.fsync`` that raises ``error`` for a file called ``name`` while ``when()`` (the data is written
+    but not on the disk: what a full disk reports at fsync on NFS or with delayed allocation)."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name and when():
+            raise error
+        real(fd)
+
+    return fsync
+
+
+def test_a_full_disk_writing_latest_keeps_the_saved_step_and_resume_continues_from_it(dataset, tmp_path, capsys,
+                                                                                        monkeypatch):
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    step_2 = checkpoints / "step_00000002"
+    cfg = _local(dataset, run, **{"training.keep_checkpoints": 1})
+    monkeypatch.setattr(os, "fsync", _fsync_fails_for("latest.part", step_2.is_dir, _disk_full()))
+    code, err = _train(tmp_path, cfg, capsys)
+    assert code == 2, err
+    _one_error(err, "the disk is full", f"the checkpoint of step 2 is saved, complete, as {step_2}",
+               f"{checkpoints / 'latest'} could not be rewritten", "No space left on device",
+               "latest still names step_00000001", "no older checkpoint was deleted",
+               "run with --resume, which continues from step_00000002")
+    # the old name or the new one, never a partial one; the saved step kept and the previous one too (keep 1)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000001", "step_00000002"]
+    assert (checkpoints / "latest").read_text() == "step_00000001\n"
+    assert checkpoint_problems(step_2, contents=True) == []
+    monkeypatch.undo()
+    code, err = _train(tmp_path, _local(dataset, run, **{"training.keep_checkpoints": 1}), capsys, "--resume")
+    assert code == 0, err
+    assert "continuing from step_00000002" in err and "resumed from step 2" in err, err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000003"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+
+
+def test_resume_takes_a_newer_complete_step_only_when_latest_is_older_than_it(tmp_path):
+    from stormshard.checkpoint.format import CheckpointError
+    from stormshard.checkpoint.integrity import resume_target
+
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, {"x": torch.zeros(2)}, {}, {"world_size": 1}, 0, 1, keep_last=None)
+    pointer = tmp_path / "latest"
+    saved = (tmp_path / "step_00000002" / "metadata.json").stat().st_mtime_ns
+    pointer.write_text("step_00000001\n")  # written after step 2 was saved: someone chose step 1
+    os.utime(pointer, ns=(saved + 10**9, saved + 10**9))
+    with pytest.raises(CheckpointError, match="names step_00000001 but step_00000002 is newer .* does not choose"):
+        resume_target(tmp_path)
+    os.utime(pointer, ns=(saved - 10**9, saved - 10**9))  # older than step 2: a save stopped before rewriting it
+    found = resume_target(tmp_path)
+    assert found.path.name == "step_00000002" and "continuing from step_00000002" in found.note, found
+    (tmp_path / "step_00000002" / "rank_00000.pt").write_bytes(b"")  # a damaged newer step is never taken
+    with pytest.raises(CheckpointError, match="does not choose"):
+        resume_target(tmp_path)
+
+
+def _save_with_io_errors(rank: int, world: int, directory: str) -> list[tuple[str, str, list[str]]]:
+    """Save step 1, then: step 2 with an I/O error on rank 1 (its rank file, no file name), step 3 with a
+    permission refused on rank 1 (its weights, named), step 4 with rank 0's ``latest`` not written (EIO at
+    fsync). Per failed step: the error class, the message, and the folder after it (rank 0, past its cleanup)."""
+    from stormshard.checkpoint.format import CheckpointError
+
+    root = Path(directory)
+    real_torch, real_weights, real_fsync = (checkpoint_module._write_torch, checkpoint_module._write_safetensors,
+                                            os.fsync)
+
+    def save(step: int) -> None:
+        save_checkpoint(directory, step, {"x": torch.zeros(2)}, {}, {"world_size": world}, rank, world,
+                        model=torch.nn.Linear(2, 2), keep_last=1)
+
+    def eio(obj, path: Path) -> None:  # noqa: ANN001
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def refused(model, path: Path, metadata) -> None:  # noqa: ANN001
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path.with_name(path.name + ".part")))
+
+    out = []
+    save(1)
+    for step, fault in ((2, "eio"), (3, "refused"), (4, "latest")):
+        if rank == 1 and fault == "eio":
+            checkpoint_module._write_torch = eio
+        if rank == 1 and fault == "refused":
+            checkpoint_module._write_safetensors = refused
+        if rank == 0 and fault == "latest":
+            os.fsync = _fsync_fails_for("latest.part", lambda: True, OSError(errno.EIO, os.strerror(errno.EIO)))
+        try:
+            save(step)
+            out.append(("none", "no error", []))
+        except CheckpointError as exc:
+            out.append((type(exc).__name__, str(exc), sorted(p.name for p in root.iterdir())))
+        finally:
+            checkpoint_module._write_torch, checkpoint_module._write_safetensors = real_torch, real_weights
+            os.fsync = real_fsync
+    return out
+
+
+def test_an_io_error_on_one_rank_stops_every_rank_with_one_message(tmp_path):
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_save_with_io_errors, 2, str(tmp_path), timeout=60)
+    assert [(kind, text) for kind, text, _ in results[0]] == [(kind, text) for kind, text, _ in results[1]], results
+    (eio, eio_text, eio_left), (refused, refused_text, refused_left), (latest, latest_text, latest_left) = results[0]
+    last = f"the last complete checkpoint is {tmp_path / 'step_00000001'}"
+    assert eio == "CheckpointError" and "the disk is full" not in eio_text, eio_text
+    for fragment in ("checkpoint of step 2 could not be written", "rank 1: Input/output error (EIO) writing "
+                     f"{tmp_path / 'step_00000002.tmp' / 'rank_00001.pt'}", "what was written of it is removed",
+                     last, "--resume"):
+        assert fragment in eio_text, eio_text
+    assert "rank 1: Permission denied (EACCES) writing " \
+           f"{tmp_path / 'step_00000003.tmp' / 'rank_00001.safetensors.part'}" in refused_text, refused_text
+    assert last in refused_text, refused_text
+    assert eio_left == refused_left == ["latest", "step_00000001"]  # no .tmp; latest and step 1 kept (keep 1)
+    assert (tmp_path / "latest").read_text() == "step_00000001\n"
+    assert latest == "CheckpointError" and "Input/output error (EIO) writing" in latest_text, latest_text
+    assert f"the checkpoint of step 4 is saved, complete, as {tmp_path / 'step_00000004'}" in latest_text
+    assert latest_left == ["latest", "step_00000001", "step_00000004"]
 
 
 def test_a_checkpoints_weights_are_on_the_disk_before_the_rename(tmp_path, monkeypatch):

@@ -14,7 +14,10 @@ damaged ``latest`` or one naming a missing step stops the run (:func:`damaged_ch
 every damaged file and the previous complete checkpoint to continue from: stormshard does not fall
 back on its own, since the next save would then replace the damaged step and the steps after the
 previous checkpoint would be trained again without anyone deciding so. Moving the damaged step aside
-(``mv step_N step_N.damaged``) is that decision.
+(``mv step_N step_N.damaged``) is that decision. It goes forward on its own in one case: a complete
+step newer than the one ``latest`` names and saved after ``latest`` was last written (a save that
+stopped between renaming its step and rewriting ``latest``: a kill, a full disk), which nobody chose
+against.
 """
 
 from __future__ import annotations
@@ -234,6 +237,25 @@ def _moved_aside(pointer: Path, name: str, step: int) -> ResumeTarget:
                                   f"continuing from {previous.name}")
 
 
+def _saved_after_pointer(pointer: Path, name: str, newest: Path) -> ResumeTarget | None:
+    """The step ``newest`` (newer than the one ``pointer`` names) to continue from when it is what an interrupted
+    save leaves: complete, and its ``metadata.json`` (written by the save before it renames the step and rewrites
+    the pointer) not older than the pointer, both by the file system's clock; else None (damaged, or the pointer
+    was written after it: someone chose an older step, which :func:`resume_target` refuses to guess about)."""
+    try:
+        if not newest.is_dir() or checkpoint_problems(newest):
+            return None
+        if (newest / METADATA).stat().st_mtime_ns < pointer.stat().st_mtime_ns:
+            return None
+    except (OSError, CheckpointError):
+        return None
+    return ResumeTarget(newest, f"resume: {pointer} names {name}, but {newest.name} is newer, "
+                                "complete and was saved after the pointer was written (a save stopped after it wrote "
+                                f"the step, before it updated {pointer.name}): continuing from {newest.name}; to "
+                                "continue from the older step instead, move the newer one(s) aside (mv "
+                                f"{newest} {newest}.aside) and run with --resume again")
+
+
 def resume_target(directory: str | os.PathLike) -> ResumeTarget | None:
     """The checkpoint ``--resume`` continues from ``directory``: the step ``latest`` names (without a
     ``latest``, the newest step), complete (readable ``metadata.json``, current format, every file there
@@ -241,8 +263,10 @@ def resume_target(directory: str | os.PathLike) -> ResumeTarget | None:
     no checkpoint at all. Every kind of damage stops with a :class:`CheckpointError` naming it and the
     checkpoint to continue from instead (:func:`damaged_checkpoint_error`): a damaged or empty
     ``latest``, a step it names that is missing, not a directory or incomplete, a step newer than the
-    one it names. The one fallback is the user's own decision: a step moved aside (``step_N.damaged``)
-    gives way to the newest older step (which must be complete), with a note saying so."""
+    one it names (unless that newest step is complete and was saved after ``latest`` was written: an
+    interrupted save left ``latest`` behind, and the newest step is taken, with a note saying so). The one
+    fallback is the user's own decision: a step moved aside (``step_N.damaged``) gives way to the newest
+    older step (which must be complete), with a note saying so."""
     root = Path(directory)
     pointer = root / LATEST
     if not root.is_dir():
@@ -266,10 +290,14 @@ def resume_target(directory: str | os.PathLike) -> ResumeTarget | None:
         if not target.exists() and not target.is_symlink():
             return _moved_aside(pointer, name, step)
         newer = [p.name for s, p in _step_entries(root) if s > step]
+        ahead = _saved_after_pointer(pointer, name, root / newer[-1]) if newer else None
+        if ahead is not None:
+            return ahead
         if newer:
             raise CheckpointError(
-                f"{pointer} names {name} but {', '.join(newer)} is newer (a save interrupted after it renamed the step, "
-                f"or {pointer.name} was edited): stormshard does not choose between them; to continue from {newer[-1]} "
+                f"{pointer} names {name} but {', '.join(newer)} is newer (and not a complete step saved after "
+                f"{pointer.name} was written, which --resume would take: {pointer.name} was edited, or the step is "
+                f"damaged): stormshard does not choose between them; to continue from {newer[-1]} "
                 f"write its name into the pointer (echo {newer[-1]} > {pointer}), to continue from {name} move the "
                 f"newer one(s) aside (mv {root / newer[-1]} {root / newer[-1]}.aside), then run with --resume again")
     if not target.is_dir():

@@ -11,15 +11,20 @@ Saving (:func:`save_checkpoint`, called by every rank with its own ``state``):
 2. every rank writes its files (each through a temporary name, fsync and ``os.replace``); barrier;
    Each rank records the size and sha256 of its files in its ``rank_NNNNN.json``;
 3. rank 0 merges the parameter tables and the file records into ``metadata.json``, renames the
-   ``.tmp`` directory to ``step_NNNNNNNN``, rewrites ``latest`` (temporary file + ``os.replace``),
-   fsyncs and deletes all but the last ``keep_last`` checkpoints; barrier.
+   ``.tmp`` directory to ``step_NNNNNNNN``, rewrites ``latest`` (temporary file, fsync, ``os.replace``,
+   fsync of the directory: it holds the old name or the new one, never a partial one), and deletes all
+   but the last ``keep_last`` checkpoints; barrier.
 
 A crash anywhere before the rename leaves only a ``.tmp`` directory, which loading ignores, so
-the previous checkpoint stays the latest. A full disk (or quota) on any rank while it writes its
-files or ``metadata.json`` stops every rank at the next barrier (which carries each rank's problem)
-with the same :class:`~stormshard.training.diskspace.DiskSpaceError`: rank 0 removes the ``.tmp``
-directory (its space is free again for ``--resume``) and the message names the checkpoint ``latest``
-still names. :func:`load_checkpoint` reads the latest complete one,
+the previous checkpoint stays the latest. A full disk (or quota), or any other ``OSError`` (``EIO``, a
+permission), on any rank while it writes its files, ``metadata.json`` or renames the step stops every rank
+at the next barrier (which carries each rank's problem) with the same error (a
+:class:`~stormshard.training.diskspace.DiskSpaceError` for a full disk) naming the rank, the file and the
+OS error: rank 0 removes the ``.tmp`` directory (its space is free again for ``--resume``) and the message
+names the checkpoint ``latest`` still names. When only ``latest`` cannot be rewritten, the step is complete
+and kept: every rank stops with an error naming it, the pointer keeps its old name, no older checkpoint is
+deleted, and ``--resume`` continues from the new step (a pointer written before the newest step was saved
+gives way to it: :func:`~stormshard.checkpoint.integrity.resume_target`). :func:`load_checkpoint` reads the latest complete one,
 checks the stored layout and config against the current ones (an error lists every difference),
 verifies each rank's files against their recorded sha256 (a damaged file on any rank stops every
 rank with the same error, naming the file and the previous complete checkpoint) and restores
@@ -31,6 +36,8 @@ with ``torch.load(weights_only=True)``: opening a checkpoint runs no code from i
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -161,12 +168,19 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``data`` into ``path`` through a temporary name, fsynced before the rename: ``path`` holds its old
+    contents or ``data``, never part of it; a failed write leaves no temporary file behind."""
     tmp = path.with_name(path.name + ".part")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _write_torch(obj: Any, path: Path) -> None:
@@ -198,37 +212,98 @@ def _barrier(group: Any, world: int) -> None:
         dist.barrier(group=group)
 
 
-def _shared(problems: list[str], group: Any, world: int) -> list[str]:
+def _shared(problems: list[Any], group: Any, world: int) -> list[Any]:
     """:func:`_gather` as the save's barrier: every rank's ``problems`` on every rank of the save, so that one
-    rank's full disk stops every rank with the same error instead of leaving the others waiting."""
+    rank's full disk or I/O error stops every rank with the same error instead of leaving the others waiting."""
     if world > 1 and not dist.is_initialized():
         raise CheckpointError(f"world={world} but torch.distributed is not initialised: cannot synchronise ranks")
     return _gather(problems, world, group)
 
 
-def _full_disk(exc: BaseException, rank: int, tmp: Path) -> str:
-    """The problem line of ``exc``, a full disk or quota (:func:`~stormshard.errors.is_disk_full`) met while
-    rank ``rank`` wrote into ``tmp``."""
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no space left on device"
-    where = exc.filename if isinstance(exc, OSError) and exc.filename else tmp
-    return f"rank {rank}: {reason} writing {where}"
+_WRITE, _POINTER = "write", "latest"  # the two phases of a save a problem can belong to
 
 
-def _stop_if_full(problems: list[str], root: Path, tmp: Path, step: int, rank: int) -> None:
-    """After a full disk on any rank (``problems``), rank 0 removes what was written of the checkpoint (every
-    rank is past its writes) and every rank raises the same :class:`DiskSpaceError`, naming the checkpoint
-    ``latest`` still names, which ``--resume`` continues."""
+def _is_write_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed write a save reports for every rank: any ``OSError`` (a full disk, ``EIO``,
+    a permission...), or ``torch.save``'s ``RuntimeError`` of a failed write (:func:`is_disk_full`)."""
+    return isinstance(exc, OSError) or is_disk_full(exc)
+
+
+def _problem(phase: str, exc: BaseException, rank: int, writing: Path) -> tuple[str, bool, str]:
+    """``(phase, disk full, line)`` of ``exc``, met while rank ``rank`` wrote ``writing``: the line names the
+    rank, the OS error and the path (``exc``'s own file name, else the file being written)."""
+    full = is_disk_full(exc)
+    if isinstance(exc, OSError):
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        code = errno.errorcode.get(exc.errno or 0)
+        if code and not full:
+            reason += f" ({code})"
+        where = exc.filename or writing
+    else:
+        reason, where = ("no space left on device" if full else str(exc)), writing
+    return phase, full, f"rank {rank}: {reason} writing {where}"
+
+
+def _current_latest(root: Path) -> str:
+    """What ``latest`` names now, for a message."""
+    try:
+        name = (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return "what it named before (or nothing: this is the run's first checkpoint)"
+    return name or "nothing"
+
+
+def _stop_if_failed(problems: list[tuple[str, bool, str]], root: Path, tmp: Path, final: Path, step: int,
+                    rank: int) -> None:
+    """After a failed write on any rank (``problems``, gathered), every rank raises the same error: a
+    :class:`DiskSpaceError` when every problem is a full disk (or quota), else a :class:`CheckpointError`.
+
+    A problem while the checkpoint's files were written or the step renamed: rank 0 removes what was written
+    of it (every rank is past its writes) and the error names the checkpoint ``latest`` still names, which
+    ``--resume`` continues. A problem only with ``latest``: the step is complete and stays; the error names
+    it and says how ``--resume`` continues from it."""
     if not problems:
         return
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    last = latest_checkpoint(root)
-    kept = (f"the last complete checkpoint is {last}: free space (or lower training.keep_checkpoints, or point "
-            "training.output_dir at a larger file system), then run with --resume to continue from it"
-            if last is not None else "no checkpoint was saved yet: free space, or point training.output_dir at a "
-            "larger file system, and start the run again in a new training.output_dir (or delete this one)")
-    raise DiskSpaceError(f"training.output_dir: the disk is full: the checkpoint of step {step} could not be written "
-                         f"in {root} ({'; '.join(problems)}); what was written of it is removed and {kept}")
+    lines = "; ".join(line for _, _, line in problems)
+    full = all(is_full for _, is_full, _ in problems)
+    error = DiskSpaceError if full else CheckpointError
+    what = "the disk is full: " if full else ""
+    if any(phase == _WRITE for phase, _, _ in problems):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(root)
+        fix = ("free space (or lower training.keep_checkpoints, or point training.output_dir at a larger file system)"
+               if full else "fix what that OS error says about the file system (its permissions, the device)")
+        kept = (f"the last complete checkpoint is {last}: {fix}, then run with --resume to continue from it"
+                if last is not None else f"no checkpoint was saved yet: {fix}, and start the run again in a new "
+                "training.output_dir (or delete this one)")
+        raise error(f"training.output_dir: {what}the checkpoint of step {step} could not be written in {root} "
+                    f"({lines}); what was written of it is removed and {kept}")
+    pointer = root / LATEST
+    fix = "free space there" if full else "fix what that OS error says about the file system"
+    raise error(f"training.output_dir: {what}the checkpoint of step {step} is saved, complete, as {final}, but "
+                f"{pointer} could not be rewritten to name it ({lines}): {pointer.name} still names "
+                f"{_current_latest(root)} (it is replaced whole or not at all) and no older checkpoint was deleted. "
+                f"The run stops here: {fix}, then run with --resume, which continues from {final.name}, the newest "
+                f"complete checkpoint in {root} (or write its name into the pointer first: echo {final.name} > {pointer})")
+
+
+def _put_in_place(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``; a step saved again moves its old copy aside first (and back
+    if the rename fails), deleted by the caller once the new one is in place."""
+    if not final.exists():
+        os.replace(tmp, final)
+        return
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.replace(old, final)
+        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,58 +354,61 @@ def save_checkpoint(
 
     name = rank_name(rank)
     table = parameter_table(model) if model is not None else None
-    problems: list[str] = []
+    problems: list[tuple[str, bool, str]] = []
+    writing = tmp / f"{name}.pt"
     try:
         _write_torch({"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world, "state": state,
-                      "rng": capture_rng_state()}, tmp / f"{name}.pt")
+                      "rng": capture_rng_state()}, writing)
         if model is not None and weights_safetensors:
-            _write_safetensors(model, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
+            writing = tmp / f"{name}.safetensors"
+            _write_safetensors(model, writing, {"step": str(step), "rank": str(rank)})
+        writing = tmp / f"{name}.json"
         files = record_files([tmp / f"{name}.pt", tmp / f"{name}.safetensors"])
-        _atomic_write_bytes(tmp / f"{name}.json",
-                            json.dumps({"rank": rank, "parameters": table, FILES: files}).encode())
+        _atomic_write_bytes(writing, json.dumps({"rank": rank, "parameters": table, FILES: files}).encode())
     except (OSError, RuntimeError) as exc:
-        if not is_disk_full(exc):
+        if not _is_write_failure(exc):
             raise
-        problems = [_full_disk(exc, rank, tmp)]
-    _stop_if_full(_shared(problems, group, world), root, tmp, step, rank)  # the barrier: every rank wrote its files
+        problems = [_problem(_WRITE, exc, rank, writing)]
+    # the barrier: every rank wrote its files; one rank's failed write stops every rank
+    _stop_if_failed(_shared(problems, group, world), root, tmp, final, step, rank)
 
     if rank == 0:
-        ranks, records = [], {}
-        for r in range(world):
-            table_file = tmp / f"{rank_name(r)}.json"
-            entry = json.loads(table_file.read_text())
-            records.update(entry.pop(FILES, {}))
-            records.update(record_files([table_file]))
-            ranks.append(entry)
-        metadata = {
-            "format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
-            "layout": layout_json, "config": config_json, "ranks": ranks, FILES: records,
-        }
+        writing = tmp / METADATA
         try:
-            _atomic_write_bytes(tmp / METADATA, json.dumps(metadata, indent=1).encode())
+            ranks, records = [], {}
+            for r in range(world):
+                table_file = tmp / f"{rank_name(r)}.json"
+                entry = json.loads(table_file.read_text())
+                records.update(entry.pop(FILES, {}))
+                records.update(record_files([table_file]))
+                ranks.append(entry)
+            metadata = {
+                "format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
+                "layout": layout_json, "config": config_json, "ranks": ranks, FILES: records,
+            }
+            _atomic_write_bytes(writing, json.dumps(metadata, indent=1).encode())
+            _fsync_dir(tmp)
+            writing = final
+            _put_in_place(tmp, final)
+            _fsync_dir(root)
         except (OSError, RuntimeError) as exc:
-            if not is_disk_full(exc):
+            if not _is_write_failure(exc):
                 raise
-            problems = [_full_disk(exc, rank, tmp)]
+            problems = [_problem(_WRITE, exc, rank, writing)]
+        if not problems:  # a step saved again: its old copy (kept if the new one is not in place)
+            shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
     if rank == 0 and not problems:
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving a step: move the old one aside, then drop it
-            old = root / (step_name(step) + ".old")
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
-        _atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
-        _fsync_dir(root)
-        if keep_last is not None:
+        try:  # the step is complete and in place: a failure from here on keeps it
+            _atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
+            _fsync_dir(root)
+        except OSError as exc:
+            problems = [_problem(_POINTER, exc, rank, root / LATEST)]
+        if keep_last is not None and not problems:  # not while `latest` may still name an older one
             for old in list_checkpoints(root)[:-keep_last]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
-    _stop_if_full(_shared(problems, group, world), root, tmp, step, rank)  # rank 0's full disk stops every rank
+    # rank 0's failed write stops every rank
+    _stop_if_failed(_shared(problems, group, world), root, tmp, final, step, rank)
     return final
 
 
