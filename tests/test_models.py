@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stormshard.graphs.builder import GraphConfig, KNNEdges, build_graph
+from stormshard.graphs.builder import GraphConfig, KNNEdges, TruncationGrid, build_graph
 from stormshard.layers.checkpointing import ActivationCheckpoint
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
@@ -50,6 +50,8 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
                                     decoder=dict(self_projection=True, trainable_edge_size=2)),
     "transformer-anemoi": dict(name="transformer", latent_skip=True, decoder_embedding=True, relu_bounded=("u",),
                                encoder=dict(trainable_edge_size=2), decoder=dict(trainable_edge_size=1)),
+    # anemoi's TruncatedConnection: the last input state through the graph's truncation grid (o2) and back
+    "transformer-truncated": dict(name="transformer", residual="truncated"),
     # the Triton graph kernel (Triton's interpreter on a CPU) in encoder, processor and decoder, against the
     # csr kernel's single-process model; trainable edge features give the attribute gradients a path
     # (small: the interpreter runs every Triton program in numpy; o2 data, ico0 hidden, one processor block)
@@ -74,13 +76,15 @@ def _cases(names: list[str]) -> list:
 
 
 @functools.lru_cache(maxsize=4)
-def _graph(graph_processor: bool, small: bool = False):
+def _graph(graph_processor: bool, small: bool = False, truncated: bool = False):
     if small:
         cfg = GraphConfig(data_grid="o2", hidden="ico0")
     elif graph_processor:
         cfg = GraphConfig(data_grid="o4", hidden="ico1")
     else:
         cfg = GraphConfig(data_grid="o4", hidden="o2", processor=KNNEdges(num_neighbours=4))
+    if truncated:
+        cfg = cfg.model_copy(update={"truncation": TruncationGrid(grid="o2", sigma=0.3)})
     return build_graph(cfg)
 
 
@@ -140,7 +144,8 @@ def _selective(config: ModelConfig) -> bool:
 
 def _check_model(rank, world, case):
     config, strategy = _config(case)
-    graph = _graph(config.uses_graph_processor, small=config.graph_kernel == "triton")
+    graph = _graph(config.uses_graph_processor, small=config.graph_kernel == "triton",
+                   truncated=config.residual == "truncated")
     group = dist.group.WORLD if world > 1 else None
     ref_config, ref_strategy = _reference_case(config, strategy, world)
     torch.manual_seed(7)

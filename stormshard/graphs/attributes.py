@@ -15,7 +15,7 @@ import numpy as np
 
 from stormshard.graphs.sphere import latlon_to_xyz
 
-__all__ = ["edge_lengths", "edge_directions", "edge_attributes", "area_weights"]
+__all__ = ["edge_lengths", "edge_directions", "edge_attributes", "gaussian_weights", "area_weights"]
 
 _DUPLICATE_CHORD = 1e-9
 
@@ -57,6 +57,17 @@ def edge_attributes(
     scale = length.max() if length.size and length.max() > 0 else 1.0
     direction = edge_directions(edge_index, src_xyz, *dst_latlon)
     return np.concatenate([(length / scale)[:, None], direction], axis=1)
+
+
+def gaussian_weights(edge_index: np.ndarray, src_xyz: np.ndarray, dst_xyz: np.ndarray, sigma: float,
+                     num_dst: int) -> np.ndarray:
+    """``(E,)`` float64 ``exp(-d^2 / (2 sigma^2))`` of every edge's great-circle length ``d`` (radians), divided
+    by their sum over the edges into the same destination (each destination's weights sum to 1; a destination
+    whose weights all underflow to 0 keeps 0s), as anemoi-graphs' ``GaussianDistanceWeights(norm="l1")``."""
+    weights = np.exp(-edge_lengths(edge_index, src_xyz, dst_xyz) ** 2 / (2.0 * sigma**2))
+    totals = np.bincount(edge_index[1], weights=weights, minlength=num_dst)
+    scale = totals[edge_index[1]]
+    return np.divide(weights, scale, out=np.zeros_like(weights), where=scale > 0)
 
 
 def area_weights(lat: np.ndarray, lon: np.ndarray, clip_factor: float | None = 4.0) -> np.ndarray:

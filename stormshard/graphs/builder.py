@@ -31,12 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stormshard.graphs.attributes import area_weights, edge_attributes
+from stormshard.graphs.attributes import area_weights, edge_attributes, gaussian_weights
 from stormshard.graphs.config import (  # the graph's config, torch-free (re-exported here)
     CutoffEdges,
     GraphConfig,
     KNNEdges,
     MultimeshEdges,
+    TruncationGrid,
 )
 from stormshard.graphs.edges import (
     cover_destinations,
@@ -66,12 +67,20 @@ __all__ = [
     "ENCODER",
     "PROCESSOR",
     "DECODER",
+    "TRUNCATION_DOWN",
+    "TRUNCATION_UP",
+    "TruncationGrid",
 ]
 
 GRAPH_FORMAT_VERSION = 2
 ENCODER = ("data", "to", "hidden")
 PROCESSOR = ("hidden", "to", "hidden")
 DECODER = ("hidden", "to", "data")
+#: a truncated residual's projections (``GraphConfig.truncation``; ``edge_weight`` ``(E,)`` float32)
+TRUNCATION_DOWN = ("data", "to", "truncation")
+TRUNCATION_UP = ("truncation", "to", "data")
+
+
 def _data_coordinates(config: GraphConfig, data_latlon: tuple | None) -> tuple[np.ndarray, np.ndarray]:
     """Data lat/lon in degrees, from exactly one of ``config.data_grid`` and ``data_latlon``."""
     if data_latlon is None and config.data_grid is None:
@@ -102,7 +111,8 @@ def _hash_of(config: GraphConfig, lat: np.ndarray, lon: np.ndarray) -> str:
     """:func:`graph_hash` of already resolved data coordinates (degrees)."""
     h = hashlib.sha256()
     h.update(f"stormshard-graph-v{GRAPH_FORMAT_VERSION}".encode())
-    h.update(config.model_dump_json().encode())
+    # a graph without a truncation grid hashes as before the option existed (cached graphs stay valid)
+    h.update(config.model_dump_json(exclude={"truncation"} if config.truncation is None else None).encode())
     h.update(np.ascontiguousarray(lat, dtype=np.float64).tobytes())
     h.update(np.ascontiguousarray(lon, dtype=np.float64).tobytes())
     return h.hexdigest()
@@ -161,10 +171,32 @@ def _build_graph(config: GraphConfig, data_latlon: tuple | None) -> HeteroGraph:
             graph[edge_type].edge_attr = torch.from_numpy(
                 edge_attributes(edges, latlon[src], latlon[dst])
             ).float()
+    if config.truncation is not None:
+        with phase(f"graph: truncation grid ({config.truncation.grid})", lambda: f"{graph['truncation'].num_nodes:,}"):
+            add_truncation(graph, config.truncation, data_xyz)
     graph.config_hash = digest
     graph.coverage_edges = {"encoder": enc_added, "decoder": dec_added}
     note(f"graph: built in {format_duration(time.perf_counter() - start)}")
     return graph
+
+
+def add_truncation(graph: HeteroGraph, spec: TruncationGrid, data_xyz: np.ndarray) -> None:
+    """Add the ``truncation`` nodes of ``spec.grid`` and the two projections ``TRUNCATION_DOWN`` (every truncation
+    node from its ``num_neighbours`` nearest data nodes) and ``TRUNCATION_UP`` (every data node from its nearest
+    truncation nodes) with Gaussian distance weights summing to 1 per destination (:class:`TruncationGrid`)."""
+    lat_deg, lon_deg = grid_from_name(spec.grid)
+    lat, lon = np.radians(lat_deg), np.radians(lon_deg)
+    trunc_xyz = latlon_to_xyz(lat, lon)
+    for name, count in (("data", data_xyz.shape[0]), ("truncation", trunc_xyz.shape[0])):
+        if spec.num_neighbours > count:
+            raise ValueError(f"graph.truncation.num_neighbours={spec.num_neighbours} exceeds the {count} {name} "
+                             f"nodes (truncation grid {spec.grid!r}); lower it")
+    graph["truncation"].x = torch.from_numpy(np.stack([lat, lon], axis=1)).float()
+    for edge_type, src_xyz, dst_xyz in ((TRUNCATION_DOWN, data_xyz, trunc_xyz), (TRUNCATION_UP, trunc_xyz, data_xyz)):
+        edges = knn_edges(src_xyz, dst_xyz, spec.num_neighbours)
+        graph[edge_type].edge_index = torch.from_numpy(np.ascontiguousarray(edges, dtype=np.int64))
+        graph[edge_type].edge_weight = torch.from_numpy(
+            gaussian_weights(edges, src_xyz, dst_xyz, spec.sigma, dst_xyz.shape[0])).float()
 
 
 def graph_node_counts(config: GraphConfig, data_latlon: tuple | None = None) -> dict[str, int]:

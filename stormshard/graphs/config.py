@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from stormshard.graphs.grids import grid_from_name
 
-__all__ = ["KNNEdges", "CutoffEdges", "MultimeshEdges", "MapperEdges", "ProcessorEdges", "GraphConfig"]
+__all__ = ["KNNEdges", "CutoffEdges", "MultimeshEdges", "MapperEdges", "ProcessorEdges", "TruncationGrid", "GraphConfig"]
 
 ICOSAHEDRAL_NAME = re.compile(r"ico(\d+)")
 
@@ -47,6 +47,29 @@ MapperEdges = Annotated[KNNEdges | CutoffEdges, Field(discriminator="kind")]
 ProcessorEdges = Annotated[MultimeshEdges | KNNEdges, Field(discriminator="kind")]
 
 
+class TruncationGrid(BaseModel):
+    """A coarser grid for a truncated residual (``model.residual: "truncated"``; anemoi's ``TruncatedConnection``
+    built on the fly): ``truncation`` nodes on ``grid``, each receiving from its ``num_neighbours`` nearest data
+    nodes (the down projection), and every data node from its ``num_neighbours`` nearest truncation nodes (the up
+    projection), weighted ``exp(-d^2 / (2 sigma^2))`` (``d``: great-circle distance in radians) and normalised to
+    sum to 1 over each destination node, as anemoi-graphs' ``GaussianDistanceWeights`` with its default l1 norm."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    grid: str
+    num_neighbours: int = Field(3, ge=1)
+    sigma: float = Field(1.0, gt=0)
+
+    @field_validator("grid")
+    @classmethod
+    def _check_grid(cls, value: str) -> str:
+        try:
+            grid_from_name(value)
+        except ValueError as err:
+            raise ValueError(f"truncation.grid={value!r} is not a grid name ({err}); name a grid such as 'o32'"
+                             ) from None
+        return value
+
+
 class GraphConfig(BaseModel):
     """What the encoder-processor-decoder graph is built from.
 
@@ -62,6 +85,7 @@ class GraphConfig(BaseModel):
     processor: ProcessorEdges = MultimeshEdges()
     decoder: MapperEdges = KNNEdges(num_neighbours=3)
     area_clip_factor: float | None = Field(4.0, gt=1)
+    truncation: TruncationGrid | None = None
 
     @field_validator("data_grid")
     @classmethod

@@ -47,7 +47,8 @@ from stormshard.kernels.attention_ops import use_registered_op
 from stormshard.kernels.kept_outputs import kept_or_computed
 from stormshard.kernels.reference import graph_operands
 
-__all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "cached_structures", "CsrStructure"]
+__all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "cached_structures", "CsrStructure", "csr_matrix",
+           "csr_index", "spmm"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,21 +56,21 @@ __all__ = ["fused_graph_attention", "segment_sum", "csr_structure", "cached_stru
 # --------------------------------------------------------------------------------------------
 
 
-def _csr(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
+def csr_matrix(crow: Tensor, col: Tensor, values: Tensor, shape: tuple[int, int]) -> Tensor:
     """A ``shape`` CSR tensor (no invariant check: the structures below build valid ones)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "Sparse CSR tensor support is in beta state"
         return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
 
 
-def _csr_index(index: Tensor, nnz: int, size: int) -> Tensor:
+def csr_index(index: Tensor, nnz: int, size: int) -> Tensor:
     """``index`` as the dtype of CSR row pointers and column ids: int32 when ``nnz`` and the
     matrix sizes fit (MKL's sparse kernels take 32-bit indices: with int64 ones every product
     first copies them to int32), else int64."""
     return index.int() if max(nnz, size) < 2**31 - 1 else index.long()
 
 
-def _spmm(matrix: Tensor, dense: Tensor) -> Tensor:
+def spmm(matrix: Tensor, dense: Tensor) -> Tensor:
     """``matrix @ dense`` for a CSR ``matrix`` ``(R, S)`` and a dense ``(S, d)``: ``(R, d)``.
 
     Written into a fresh output by ``addmm(out, matrix, dense, beta=0, out=out)`` (``beta=0``: the
@@ -85,7 +86,7 @@ class CsrStructure:
 
     Rows of ``A`` are ``row = dst * heads + g``, columns ``src * heads + g`` (``g`` the head; a
     batch dimension is folded into the heads). ``crow``, ``col``, ``crow_t`` and ``col_t`` are
-    int32 where the sizes allow (:func:`_csr_index`), the other index tensors int64. Entry ``i`` of ``A`` (CSR order: by row, then by
+    int32 where the sizes allow (:func:`csr_index`), the other index tensors int64. Entry ``i`` of ``A`` (CSR order: by row, then by
     source id) belongs to edge ``edge_of[i]`` (an id in the caller's ``edge_index`` order) and
     head ``head_of[i]``. ``crow_t``, ``col_t`` describe ``A^T`` with ``perm_t`` mapping its
     entries to ``A``'s (``values_t = values[perm_t]``).
@@ -112,11 +113,11 @@ class CsrStructure:
 
     def matrix(self, values: Tensor) -> Tensor:
         """``A`` with ``values`` (CSR order) as a ``(num_dst * heads, num_src * heads)`` CSR tensor."""
-        return _csr(self.crow, self.col, values, (self.num_dst * self.heads, self.num_src * self.heads))
+        return csr_matrix(self.crow, self.col, values, (self.num_dst * self.heads, self.num_src * self.heads))
 
     def matrix_t(self, values: Tensor) -> Tensor:
         """``A^T`` with ``A``'s ``values`` (CSR order of ``A``), as a CSR tensor."""
-        return _csr(self.crow_t, self.col_t, values.index_select(0, self.perm_t),
+        return csr_matrix(self.crow_t, self.col_t, values.index_select(0, self.perm_t),
                     (self.num_src * self.heads, self.num_dst * self.heads))
 
     def segment_sum(self, x: Tensor) -> Tensor:
@@ -180,16 +181,16 @@ class EdgePattern:
         crow_t[1:] = torch.cumsum(torch.bincount(col, minlength=num_attr_rows), 0)
         num_rows = st.num_dst * st.heads
         size = max(num_rows, num_attr_rows)
-        return cls(num_rows, num_attr_rows, _csr_index(st.crow, st.nnz, size), _csr_index(col, st.nnz, size), _csr_index(crow_t, st.nnz, size),
-                   _csr_index(st.row_of[perm_t], st.nnz, size), perm_t)
+        return cls(num_rows, num_attr_rows, csr_index(st.crow, st.nnz, size), csr_index(col, st.nnz, size), csr_index(crow_t, st.nnz, size),
+                   csr_index(st.row_of[perm_t], st.nnz, size), perm_t)
 
     def matrix(self, values: Tensor) -> Tensor:
         """``B`` with ``values`` (``A``'s entry order), ``(num_dst * heads, E * attr_batch)``."""
-        return _csr(self.crow, self.col, values, (self.num_rows, self.num_attr_rows))
+        return csr_matrix(self.crow, self.col, values, (self.num_rows, self.num_attr_rows))
 
     def matrix_t(self, values: Tensor) -> Tensor:
         """``B^T`` with ``values`` in ``A``'s entry order, ``(E * attr_batch, num_dst * heads)``."""
-        return _csr(self.crow_t, self.col_t, values.index_select(0, self.perm_t), (self.num_attr_rows, self.num_rows))
+        return csr_matrix(self.crow_t, self.col_t, values.index_select(0, self.perm_t), (self.num_attr_rows, self.num_rows))
 
 
 def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> CsrStructure:
@@ -233,7 +234,7 @@ def _build_structure(edge_index: Tensor, num_src: int, num_dst: int, heads: int)
     perm_t = torch.empty(nnz, dtype=torch.long, device=device)
     perm_t[pos_t.flatten()] = pos[order_t].flatten()
     size = max(num_src, num_dst) * heads
-    crow, col, crow_t, col_t = (_csr_index(t, nnz, size) for t in (crow, col, crow_t, col_t))
+    crow, col, crow_t, col_t = (csr_index(t, nnz, size) for t in (crow, col, crow_t, col_t))
     return CsrStructure(num_src, num_dst, heads, num_edges, crow, col, row_of, edge_of, head_of, lengths,
                         crow_t, col_t, perm_t)
 
@@ -333,8 +334,8 @@ def _attention_forward(q: Tensor, k: Tensor, v: Tensor, attr3: Tensor, w_e: Tens
     logits = torch.sparse.sampled_addmm(st.pattern(q.dtype), qf, kf.t(), beta=0.0).values()
     logits += _edge_term(u, a, st)
     alpha = _segment_softmax(logits.mul_(scale), st)
-    out = _spmm(st.matrix(alpha), vf)
-    agg = _spmm(ep.matrix(alpha), a)  # sum_j alpha_j a_j per (node, head)
+    out = spmm(st.matrix(alpha), vf)
+    agg = spmm(ep.matrix(alpha), a)  # sum_j alpha_j a_j per (node, head)
     out = out.view(nd * batch, -1).addmm_(agg.view(nd * batch, -1), wb.t())
     return out.view(nd, batch, heads, d), alpha, wb, u, agg
 
@@ -358,26 +359,26 @@ def _attention_backward(grad_out: Tensor, saved: tuple[Tensor, ...], st: CsrStru
     gu = (go.view(nd * batch, -1) @ wb).view(-1, f1)  # W^T go per (node, head)
     dalpha = torch.sparse.sampled_addmm(st.pattern(q.dtype), gof, vf.t(), beta=0.0).values()
     dalpha += _edge_term(gu, a, st)
-    dv = _spmm(st.matrix_t(alpha), gof).view(ns, batch, heads, d) if need_v else None
+    dv = spmm(st.matrix_t(alpha), gof).view(ns, batch, heads, d) if need_v else None
 
     # softmax backward, then logits = scale * (q . k + u . a)
     t = st.segment_sum(alpha * dalpha)
     ds = alpha.mul(dalpha - t.index_select(0, st.row_of)).mul_(scale)
     dq = dk = da = dw = db = None
-    de = _spmm(ep.matrix(ds), a) if (need_q or need_w or need_b) else None
+    de = spmm(ep.matrix(ds), a) if (need_q or need_w or need_b) else None
     if need_q:
-        dq = _spmm(st.matrix(ds), kf).view(nd * batch, -1).addmm_(de.view(nd * batch, -1), wb.t())
+        dq = spmm(st.matrix(ds), kf).view(nd * batch, -1).addmm_(de.view(nd * batch, -1), wb.t())
         dq = dq.view(nd, batch, heads, d)
     if need_k:
-        dk = _spmm(st.matrix_t(ds), qf).view(ns, batch, heads, d)
+        dk = spmm(st.matrix_t(ds), qf).view(ns, batch, heads, d)
     if need_w or need_b:
         full = go.view(nd * batch, -1).t() @ agg.view(nd * batch, -1)
         full.addmm_(q.reshape(nd * batch, -1).t(), de.view(nd * batch, -1))
         dwb = _diagonal_blocks(full, heads)  # (H, d, F + 1)
         dw, db = dwb[..., :-1], dwb[..., -1]
     if need_a:
-        da = _spmm(ep.matrix_t(alpha), gu)
-        da += _spmm(ep.matrix_t(ds), u)
+        da = spmm(ep.matrix_t(alpha), gu)
+        da += spmm(ep.matrix_t(ds), u)
         da = da[:, :-1].reshape(attr3.shape)
     return [dq, dk, dv, da, dw, db]
 

@@ -155,6 +155,10 @@ class ModelConfig(_Strict):
     latent_skip: bool = False  # the processor's input added to its output
     decoder_embedding: bool = False  # the decoder's own embedding of the data-node inputs (anemoi's emb_nodes_dst)
     relu_bounded: tuple[str, ...] = ()  # output variables passed through a ReLU (normalised; anemoi's ReluBounding)
+    residual: Literal["last_step", "truncated"] = Field(
+        "last_step", description="what the prognostic outputs add to the network's increment: 'last_step' (the last "
+        "input state) or 'truncated' (the last input state through the graph's coarser truncation grid and back, "
+        "anemoi's TruncatedConnection: needs graph.truncation, or a graph file with the truncation edges)")
     options: dict[str, Any] = Field(default_factory=dict)
 
     _checkpointing_value = field_validator("activation_checkpointing", mode="before")(

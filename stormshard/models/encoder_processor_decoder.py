@@ -11,7 +11,8 @@ output_variables)``: the next state, normalised. Top to bottom:
 4. processor on the hidden nodes (sliding-window transformer, graph transformer or GNN);
 5. decoder: graph mapper hidden -> data, onto the data-node latents of step 1;
 6. a linear head to the output variables, plus the last input state of every prognostic
-   variable (residual prediction).
+   variable (residual prediction; ``residual: "truncated"``: that state through the graph's coarser
+   truncation grid and back, :class:`~stormshard.layers.truncation.TruncatedResidual`).
 
 Every layer runs on this rank's node slices (``ModelShardPlan``); nothing is gathered: the
 loss consumes the sharded output. Parameters are replicated over the model group (except
@@ -25,13 +26,14 @@ import torch.distributed as dist
 from einops import rearrange
 from torch import Tensor, nn
 
-from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
+from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, TRUNCATION_DOWN, TRUNCATION_UP
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.layers.norm import LayerNorm
 from stormshard.layers.norm_linear import MIN_ELEMENTS as NORM_LINEAR_MIN_ELEMENTS
 from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
+from stormshard.layers.truncation import TruncatedResidual
 from stormshard.models.config import ModelConfig
 from stormshard.models.processors import GraphProcessor, TrainableEdges, WindowTransformerProcessor
 from stormshard.models.sharding import ModelShardPlan
@@ -110,6 +112,7 @@ class EncoderProcessorDecoder(nn.Module):
                              persistent=False)
         self.register_buffer("prognostic_in_output", torch.tensor(variables.prognostic_in_output, dtype=torch.long),
                              persistent=False)
+        self.truncation = self.build_truncation(graph) if config.residual == "truncated" else None
 
     @property
     def model_group(self) -> dist.ProcessGroup | None:
@@ -122,6 +125,19 @@ class EncoderProcessorDecoder(nn.Module):
             return GraphProcessor(self.config, self.plan, graph[PROCESSOR].edge_attr,
                                   buffer_pool=self.edge_buffer_pool)
         return WindowTransformerProcessor(self.config, self.plan)
+
+    def build_truncation(self, graph: HeteroGraph) -> TruncatedResidual:
+        """The truncated residual on this rank's data rows, from the graph's truncation projections."""
+        missing = [t for t in (TRUNCATION_DOWN, TRUNCATION_UP) if t not in graph or "edge_weight" not in graph[t]]
+        if missing or "truncation" not in graph.node_types:
+            raise ValueError(
+                f"model.residual='truncated' but the graph has no truncation grid (missing {missing or ['truncation']}"
+                "): set graph.truncation (e.g. {\"grid\": \"o32\"}) so the graph is built with it, use a graph file "
+                "that has it, or set model.residual='last_step'"
+            )
+        down, up = graph[TRUNCATION_DOWN], graph[TRUNCATION_UP]
+        return TruncatedResidual(down.edge_index, down.edge_weight, up.edge_index, up.edge_weight,
+                                 graph["truncation"].num_nodes, self.plan.data_shard)
 
     def _mapper(self, cfg, edge_channels: int, plan: GraphShardPlan) -> nn.Module:  # noqa: ANN001
         """The encoder or decoder block (config section ``cfg``) on its graph's plan; ``forward(x_src,
@@ -175,8 +191,10 @@ class EncoderProcessorDecoder(nn.Module):
         out = rearrange(head, "g b v -> b g v")
         # the carried state is added in the input's dtype (fp32 in training), never rounded to bf16
         last = x[:, -1]
-        residual = last.new_zeros(out.shape).index_copy(-1, self.prognostic_in_output,
-                                                        last.index_select(-1, self.prognostic_in_input))
+        carried = last.index_select(-1, self.prognostic_in_input)
+        if self.truncation is not None:  # anemoi's TruncatedConnection: through the coarse grid and back
+            carried = self.truncation(carried)
+        residual = last.new_zeros(out.shape).index_copy(-1, self.prognostic_in_output, carried)
         out = out.to(last.dtype) + residual
         if self.relu_columns.numel():  # anemoi's ReluBounding, after the residual (normalised units)
             out = out.index_copy(-1, self.relu_columns, torch.relu(out.index_select(-1, self.relu_columns)))

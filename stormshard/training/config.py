@@ -271,6 +271,12 @@ class ExperimentConfig(_Strict):
         check_engine_sections(self.engine, self.deepspeed, self.compression, self.training.precision,
                               "training.precision")
         check_deepspeed_section(self.engine, self.deepspeed)  # DeepSpeed 0.19's keys; engine conflicts
+        if self.model.residual == "truncated" and self.graph.truncation is None and self.data.graph_file is None:
+            raise ValueError(
+                "model.residual='truncated' needs a truncation grid in the graph: set graph.truncation (e.g. "
+                "{\"grid\": \"o32\", \"num_neighbours\": 3, \"sigma\": 1.0}), or data.graph_file to a graph that "
+                "has one, or set model.residual='last_step'"
+            )
         if self.model.name == "ensemble" and self.parallel.ensemble_size_per_device * self.ensemble_groups_factor < 2:
             raise ValueError(
                 "model.name='ensemble' needs at least 2 members per initial state: raise "

@@ -137,6 +137,10 @@ def _check_graph_file(config: ExperimentConfig, dataset: AnemoiDataset, gpus_per
     if off > 1e-4:
         raise ConfigError(f"data.graph_file={path!r}: its data nodes are not the dataset's cells (largest "
                           f"difference {np.degrees(off):.3g} degrees): fine-tune on a dataset of the model's grid")
+    if config.model.residual == "truncated" and "truncation" not in graph.node_types:
+        raise ConfigError(f"data.graph_file={path!r} has no truncation grid but model.residual='truncated': give a "
+                          "graph with one (a bundle imported from a model with a truncated residual) or set "
+                          "model.residual='last_step'")
     for node in ("data", "hidden"):
         if graph[node].x.shape[0] < gpus_per_model:
             raise ConfigError(f"data.graph_file={path!r} has {graph[node].x.shape[0]} {node} nodes, fewer than "

@@ -65,6 +65,7 @@ from stormshard.data.normalisation import Normaliser, nan_fill_values
 from stormshard.env import check_environment
 from stormshard.errors import check_writable_directory, nearest_existing_parent
 from stormshard.graphs.builder import KNNEdges, is_graph_file
+from stormshard.graphs.grids import grid_from_name
 from stormshard.models.parallelize import (
     check_attention_kernel_for_training,
     check_graph_kernel_for_device,
@@ -402,8 +403,6 @@ def check_loss_weights_and_imputation(config: ExperimentConfig, dataset: AnemoiD
 def _data_cells(config: ExperimentConfig, dataset: AnemoiDataset) -> int:
     if config.graph.data_grid is None:
         return int(dataset.num_cells)
-    from stormshard.graphs.grids import grid_from_name
-
     return len(grid_from_name(config.graph.data_grid)[0])
 
 
@@ -421,6 +420,15 @@ def check_graph_sizes(config: ExperimentConfig, layout: ParallelLayout, dataset:
             raise ConfigError(
                 f"{field}.num_neighbours={spec.num_neighbours} exceeds the {sources} source nodes of {what}: "
                 f"lower it to at most {sources}, or use a finer graph.hidden"
+            )
+    if g.truncation is not None:
+        coarse = grid_from_name(g.truncation.grid)[0].size
+        limit = min(coarse, data)
+        if g.truncation.num_neighbours > limit:
+            raise ConfigError(
+                f"graph.truncation.num_neighbours={g.truncation.num_neighbours} exceeds the {coarse} nodes of the "
+                f"truncation grid {g.truncation.grid!r} or the {data} cells of the data grid: lower it to at most "
+                f"{limit}, or use a finer graph.truncation.grid"
             )
     if hidden < k:
         raise ConfigError(
