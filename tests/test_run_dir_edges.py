@@ -194,7 +194,7 @@ def test_a_full_disk_writing_latest_keeps_the_saved_step_and_resume_continues_fr
 
 
 def test_resume_takes_a_newer_complete_step_only_when_latest_is_older_than_it(tmp_path):
-    from stormshard.checkpoint.format import CheckpointError
+    from stormshard.checkpoint.format import CheckpointError, latest_checkpoint
     from stormshard.checkpoint.integrity import resume_target
 
     for step in (1, 2):
@@ -205,9 +205,11 @@ def test_resume_takes_a_newer_complete_step_only_when_latest_is_older_than_it(tm
     os.utime(pointer, ns=(saved + 10**9, saved + 10**9))
     with pytest.raises(CheckpointError, match="names step_00000001 but step_00000002 is newer .* does not choose"):
         resume_target(tmp_path)
+    assert latest_checkpoint(tmp_path).name == "step_00000001"  # conversion and inspect read the same step
     os.utime(pointer, ns=(saved - 10**9, saved - 10**9))  # older than step 2: a save stopped before rewriting it
     found = resume_target(tmp_path)
     assert found.path.name == "step_00000002" and "continuing from step_00000002" in found.note, found
+    assert latest_checkpoint(tmp_path).name == "step_00000002"  # as --resume: conversion reads what resume trains
     (tmp_path / "step_00000002" / "rank_00000.pt").write_bytes(b"")  # a damaged newer step is never taken
     with pytest.raises(CheckpointError, match="does not choose"):
         resume_target(tmp_path)

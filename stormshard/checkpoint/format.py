@@ -114,20 +114,34 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def saved_after_pointer(pointer: Path, newest: Path) -> bool:
+    """Whether the step ``newest`` (newer than the one ``pointer`` names) is what a save stopped between renaming
+    its step and rewriting ``latest`` leaves: it has a ``metadata.json`` (the save writes it before the rename) not
+    older than the pointer, by the file system's clock. A pointer written after it was chosen by someone."""
+    try:
+        return (newest / METADATA).stat().st_mtime_ns >= pointer.stat().st_mtime_ns
+    except OSError:
+        return False
+
+
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` points at, else (no pointer, or a dangling or damaged one) the newest
-    complete one, else None."""
+    """The checkpoint ``latest`` points at (or the newest complete one saved after ``latest`` was written:
+    :func:`saved_after_pointer`, as ``--resume`` takes it), else (no pointer, or a dangling or damaged one) the
+    newest complete one, else None."""
     root = Path(directory)
     pointer = root / LATEST
+    complete = list_checkpoints(root)
     if pointer.is_file():
         try:
             name = pointer.read_text().strip()
             target = root / name
             if step_of(name) is not None and (target / METADATA).is_file():
+                if complete and step_of(complete[-1].name) > step_of(name) and saved_after_pointer(pointer,
+                                                                                                  complete[-1]):
+                    return complete[-1]
                 return target
         except (OSError, UnicodeDecodeError, ValueError):  # a damaged pointer (e.g. zeroed: a NUL in the name)
             pass
-    complete = list_checkpoints(root)
     return complete[-1] if complete else None
 
 

@@ -38,6 +38,7 @@ from stormshard.checkpoint.format import (
     list_checkpoints,
     pickled_format_error,
     rank_name,
+    saved_after_pointer,
     step_of,
 )
 
@@ -243,9 +244,7 @@ def _saved_after_pointer(pointer: Path, name: str, newest: Path) -> ResumeTarget
     the pointer) not older than the pointer, both by the file system's clock; else None (damaged, or the pointer
     was written after it: someone chose an older step, which :func:`resume_target` refuses to guess about)."""
     try:
-        if not newest.is_dir() or checkpoint_problems(newest):
-            return None
-        if (newest / METADATA).stat().st_mtime_ns < pointer.stat().st_mtime_ns:
+        if not newest.is_dir() or checkpoint_problems(newest) or not saved_after_pointer(pointer, newest):
             return None
     except (OSError, CheckpointError):
         return None
