@@ -237,3 +237,35 @@ def test_checkpointed_mappers_and_selective_blocks_on_cuda_match_the_plain_model
           f"{'compiled' if compiled else 'eager'}, bf16: output "
           f"{errors[0]:.1e}, worst gradient {max(errors[1:]):.1e}")
     assert errors[0] < BF16_TOL and max(errors[1:]) < 3 * BF16_TOL
+
+
+def test_truncated_residual_on_cuda_matches_cpu_float64():
+    """The truncated residual's CSR products (cuSPARSE, int32 indices) on CUDA in fp32, inside bf16 autocast (it
+    turns autocast off: the carried state stays fp32), against the CPU float64 layer; forward and input gradient."""
+    from stormshard.graphs.builder import (
+        TRUNCATION_DOWN,
+        TRUNCATION_UP,
+        GraphConfig,
+        TruncationGrid,
+        build_graph,
+    )
+    from stormshard.layers.truncation import TruncatedResidual
+    from stormshard.parallel.shard import SequenceShard
+
+    graph = build_graph(GraphConfig(data_grid="o16", hidden="o4", processor={"kind": "knn", "num_neighbours": 4},
+                                    truncation=TruncationGrid(grid="o4")))
+    down, up = graph[TRUNCATION_DOWN], graph[TRUNCATION_UP]
+    layer = TruncatedResidual(down.edge_index, down.edge_weight, up.edge_index, up.edge_weight,
+                              graph["truncation"].num_nodes, SequenceShard.unsharded(graph["data"].num_nodes))
+    x = torch.randn(2, graph["data"].num_nodes, 7, dtype=torch.float64)
+    ref_x = x.clone().requires_grad_()
+    ref = layer(ref_x)
+    ref.square().sum().backward()
+    cuda_x = x.float().cuda().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer.cuda()(cuda_x)
+    assert out.dtype == torch.float32
+    out.square().sum().backward()
+    err, grad_err = _rel_max(out.detach().cpu(), ref), _rel_max(cuda_x.grad.cpu(), ref_x.grad)
+    print(f"truncated residual fp32: output error {err:.1e}, input-gradient error {grad_err:.1e}")
+    assert err < FP32_TOL and grad_err < FP32_TOL, (err, grad_err)
