@@ -8,9 +8,10 @@ from stormshard.lazy import lazy_exports
 # name -> module, loaded on first use: importing the package (e.g. the torch-free graph config, read by
 # the experiment config) does not load torch
 _EXPORTS: dict[str, str] = {
-    **dict.fromkeys(("area_weights", "edge_attributes"), "attributes"),
-    **dict.fromkeys(("DECODER", "ENCODER", "PROCESSOR", "CutoffEdges", "GraphConfig", "KNNEdges",
-                     "MultimeshEdges", "build_graph", "load_or_build_graph"),
+    **dict.fromkeys(("area_weights", "edge_attributes", "gaussian_weights"), "attributes"),
+    **dict.fromkeys(("DECODER", "ENCODER", "PROCESSOR", "TRUNCATION_DOWN", "TRUNCATION_UP", "CutoffEdges",
+                     "GraphConfig", "KNNEdges", "MultimeshEdges", "TruncationGrid", "build_graph",
+                     "load_or_build_graph"),
                     "builder"),
     **dict.fromkeys(("cutoff_edges", "knn_edges"), "edges"),
     **dict.fromkeys(("grid_from_name", "octahedral_grid", "regular_latlon_grid"), "grids"),
@@ -21,6 +22,7 @@ __all__ = [
     "GraphConfig", "KNNEdges", "CutoffEdges", "MultimeshEdges", "build_graph", "load_or_build_graph",
     "ENCODER", "PROCESSOR", "DECODER", "grid_from_name", "octahedral_grid", "regular_latlon_grid",
     "icosahedral_mesh", "knn_edges", "cutoff_edges", "edge_attributes", "area_weights", "HeteroGraph",
+    "TruncationGrid", "TRUNCATION_DOWN", "TRUNCATION_UP", "gaussian_weights",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

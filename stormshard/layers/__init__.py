@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "MLP": "mlp",
     "TensorParallelTransformerBlock": "tensor_parallel",
     **dict.fromkeys(("TransformerBlock", "TransformerProcessor"), "transformer"),
+    "TruncatedResidual": "truncation",
 }
 __all__ = [
     "SlidingWindowAttention", "MLP", "TransformerBlock",
@@ -26,7 +27,7 @@ __all__ = [
     "ActivationCheckpoint", "checkpoint_blocks",
     "GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "GNNMapperBlock",
     "GNNProcessorBlock", "EdgeKernelOptions", "EdgeBufferPool", "set_attention_kernel", "set_graph_kernel",
-    "split_qkv",
+    "split_qkv", "TruncatedResidual",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
