@@ -20,6 +20,8 @@ from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_chec
 from stormshard.checkpoint.errors import ConversionError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
+#: fixture variant -> stormshard model name (gt_truncated: gt with anemoi's TruncatedConnection residual)
+KINDS = {"gt": "graphtransformer", "transformer": "transformer", "gt_truncated": "graphtransformer"}
 
 
 def _parameters(module, prefix=""):
@@ -32,7 +34,7 @@ def _parameters(module, prefix=""):
     return names
 
 
-@pytest.mark.parametrize("variant", ["gt", "transformer"])
+@pytest.mark.parametrize("variant", list(KINDS))
 def test_import_predicts_what_anemoi_predicts(variant, tmp_path, capsys):
     out = tmp_path / "bundle"
     assert convert_main(["import-anemoi", str(FIXTURES / variant / "inference.ckpt"), "--out", str(out)]) == 0
@@ -43,7 +45,8 @@ def test_import_predicts_what_anemoi_predicts(variant, tmp_path, capsys):
     assert list(model.variables.output_names) == ref["output_variables"]
     assert model.timestep == "6h" and model.multistep_input == ref["multistep_input"]
     cfg = model.config
-    assert cfg.name == {"gt": "graphtransformer", "transformer": "transformer"}[variant]
+    assert cfg.name == KINDS[variant]
+    assert cfg.residual == ("truncated" if variant == "gt_truncated" else "last_step")
     assert cfg.latent_skip and cfg.decoder_embedding and cfg.relu_bounded == ("tracer_2",)
     assert cfg.encoder.trainable_edge_size == 2 and cfg.decoder.trainable_edge_size == 2
     # every anemoi parameter arrives: same count (anemoi's mapper layer_norm_attention is its
@@ -157,10 +160,11 @@ def _forecast(rank: int, world: int, bundle: str, dataset: str, out: str, k: int
     return [str(s) for s in result.stores]
 
 
-@pytest.mark.parametrize("variant", ["gt", "transformer"])
+@pytest.mark.parametrize("variant", list(KINDS))
 def test_imported_bundle_forecasts_sharded_as_one_process(variant, tmp_path):
     """``launch/forecast.py`` on an imported bundle at gpus_per_model 2 equals one process (fp64):
-    the trainable edge features, latent skip, decoder embedding and bounding shard like the rest."""
+    the trainable edge features, latent skip, decoder embedding, bounding and truncated residual shard like
+    the rest."""
     from stormshard.data.anemoi_layout import AnemoiDataset
     from stormshard.data.synthetic import generate_synthetic_dataset
     from tests.distributed import run_distributed
@@ -179,7 +183,7 @@ ANEMOI_PYTHON = Path(os.environ.get("ANEMOI_TRAINING_ENV", Path.home() / "anemoi
 
 
 @pytest.mark.skipif(not ANEMOI_PYTHON.exists(), reason="needs an anemoi-training venv (ANEMOI_TRAINING_ENV)")
-@pytest.mark.parametrize("variant", ["gt", "transformer"])
+@pytest.mark.parametrize("variant", list(KINDS))
 def test_export_round_trip_in_anemoi(variant, tmp_path):
     """import -> change every weight (as fine-tuning would) -> export-anemoi: anemoi's own
     ``torch.load`` + ``predict_step`` equals stormshard's ``predict`` of the changed bundle, and

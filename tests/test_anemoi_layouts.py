@@ -179,12 +179,15 @@ def _aifs1_truncation(meta: dict) -> None:
 
 
 @pytest.mark.parametrize(("version", "edit", "what"), [
-    ("0.19", _truncated_residual, "residual TruncatedConnection"),
-    ("0.10", _aifs1_truncation, "truncation matrices (hardware.files.truncation)"),
+    ("0.19", _truncated_residual, "residual (TruncatedConnection) keeps its truncation matrices outside"),
+    ("0.10", _aifs1_truncation, "residual (truncation matrices (hardware.files.truncation)) keeps"),
 ])
-def test_truncation_matrices_in_the_residual_are_a_clear_error(version, edit, what, tmp_path, capsys):
-    """Truncation matrices in the residual (anemoi-models 0.13+ ``TruncatedConnection``, AIFS 1.x
-    ``hardware.files.truncation``) have no stormshard equivalent: exit 2, one error line naming them."""
+def test_truncation_matrices_absent_from_a_lightning_checkpoint_are_a_clear_error(version, edit, what, tmp_path,
+                                                                                    capsys):
+    """A Lightning checkpoint of a truncated residual (anemoi-models 0.13+ ``TruncatedConnection``, AIFS 1.x
+    ``hardware.files.truncation``) holds no truncation matrices (attributes of the model, not in its state
+    dict): exit 2, one error line naming the file and the fix (its inference checkpoint), nothing written.
+    (Those whose pickled model holds them import: ``tests/test_anemoi_truncation.py``.)"""
     src = tmp_path / "trunc.ckpt"
     if version == "0.19":
         with zipfile.ZipFile(LAST) as z, zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as out:
@@ -198,8 +201,11 @@ def test_truncation_matrices_in_the_residual_are_a_clear_error(version, edit, wh
     else:
         write_old_layout(src, version, edit)
     assert convert_main(["import-anemoi", str(src), "--out", str(tmp_path / "b")]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "no stormshard equivalent" in errors[0], errors
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {src}: a Lightning checkpoint") and \
+        "holds no truncation matrices" in errors[0], errors
+    assert "import the inference-*.ckpt" in err
     assert not (tmp_path / "b").exists()
     with pytest.raises(ConversionError, match=re.escape(what)):
         read_anemoi(src)

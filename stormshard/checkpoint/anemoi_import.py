@@ -16,6 +16,10 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
   destination, the order the trainable edge tensors follow; the data nodes' ``area_weight`` is the
   loss weight anemoi-training gave each cell (:mod:`stormshard.checkpoint.anemoi_node_weights`: the
   stored graph's ``area_weight``, normalised as its loss scaler does);
+- a truncated residual (anemoi's ``TruncatedConnection``, an AIFS 1.x model's ``A_down`` / ``A_up``):
+  ``model.residual: "truncated"`` and its two matrices as the graph's truncation edges
+  (:mod:`stormshard.checkpoint.anemoi_truncation`: from the pickled model, or the stored graph's edges; a
+  Lightning file of the on-the-fly or file form holds no matrices and is refused naming the fix);
 - the variables (dataset order, forcing, diagnostic) from ``data_indices``, and the normaliser
   statistics from ``_norm_mul`` / ``_norm_add`` (anemoi normalises ``x * mul + add``: exactly
   mean-std with ``mean = -add / mul``, ``stdev = 1 / mul``, whatever anemoi's method was);
@@ -27,8 +31,8 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
 checkpoint with it).
 
 What stormshard's model cannot represent (another mapper or processor kind, several datasets,
-another bounding, truncation matrices in the residual, an ``emb_nodes_src`` in the decoder, ...) is
-a :class:`ConversionError` naming it.
+another bounding or residual, an ``emb_nodes_src`` in the decoder, ...) is a :class:`ConversionError`
+naming it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ from stormshard.checkpoint.anemoi_pickle import (
     AnemoiCheckpoint,
     open_anemoi_checkpoint,
     stub_class_name,
+)
+from stormshard.checkpoint.anemoi_truncation import (
+    TRUNCATED_RESIDUALS,
+    AnemoiTruncation,
+    add_truncation_graph,
+    read_truncation,
 )
 from stormshard.checkpoint.consolidate import atomic_directory, check_output_free, save_safetensors
 from stormshard.checkpoint.errors import ConversionError
@@ -192,9 +202,9 @@ def _check_kinds(ckpt: AnemoiCheckpoint, arch: AnemoiArchitecture) -> str:
         problems.append(f"encoder {arch.encoders[0]} (only GraphTransformerForwardMapper)")
     if arch.decoders and arch.decoders[0] != "GraphTransformerBackwardMapper":
         problems.append(f"decoder {arch.decoders[0]} (only GraphTransformerBackwardMapper)")
-    if arch.residual != "SkipConnection":
-        problems.append(f"residual {arch.residual}: truncation matrices in the residual are not supported "
-                        "(stormshard's residual is the last input step, anemoi's SkipConnection)")
+    if arch.residual != "SkipConnection" and arch.residual not in TRUNCATED_RESIDUALS:
+        problems.append(f"residual {arch.residual} (stormshard's residuals: the last input step, anemoi's "
+                        "SkipConnection, and the truncated one, anemoi's TruncatedConnection)")
     problems += [f"output bounding {name} (only ReluBounding)" for name, _ in arch.boundings if name != "ReluBounding"]
     if arch.n_step_output != 1:
         problems.append(f"n_step_output={arch.n_step_output} (one output step only)")
@@ -245,8 +255,10 @@ def _variables(ckpt: AnemoiCheckpoint) -> tuple[VariableIndex, dict[str, Any]]:
     return variables, idx
 
 
-def _graph(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str) -> tuple[HeteroGraph, str]:
-    """The graph, and where its data nodes' ``area_weight`` (the loss weights) came from."""
+def _graph(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str,
+           truncation: AnemoiTruncation | None) -> tuple[HeteroGraph, str]:
+    """The graph (with ``truncation``'s nodes and edges), and where its data nodes' ``area_weight`` (the loss
+    weights) came from."""
     g = HeteroGraph()
     latlon = _latlon(t["model.node_attributes.latlons_data"])
     g["data"].x = latlon.float()
@@ -260,6 +272,8 @@ def _graph(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str) -> tuple[Het
     for edge_type, prefix in providers.items():
         g[edge_type].edge_index = t[f"{prefix}.edge_index_base"].long()
         g[edge_type].edge_attr = t[f"{prefix}.edge_attr"].float()
+    if truncation is not None:
+        add_truncation_graph(g, truncation)
     g.config_hash = "anemoi-import"
     g.coverage_edges = {}
     g.validate()
@@ -371,7 +385,8 @@ def anemoi_weights(weights: dict[str, Tensor], config: ModelConfig, n_in: int) -
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
-def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture) -> ModelConfig:
+def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture,
+                  truncated: bool) -> ModelConfig:
     """The stormshard model config: sizes from the (canonical) tensors, the rest from ``arch``."""
     problems = []
     if "model.decoder.0.emb_nodes_src.weight" in t:
@@ -410,6 +425,7 @@ def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch:
         decoder=MapperConfig(num_heads=arch.decoder_heads, mlp_ratio=mlp_ratio("model.decoder.0.proc"),
                              self_projection=True, trainable_edge_size=edge_size("model.decoder_graph_provider.data")),
         latent_skip=arch.latent_skip, decoder_embedding=True, relu_bounded=tuple(relu),
+        residual="truncated" if truncated else "last_step",
     )
 
 
@@ -449,8 +465,9 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
     variables, _ = _variables(ckpt)
     t = canonical.tensors
     try:
-        config = _model_config(ckpt, t, kind, arch)
-        graph, weights_source = _graph(ckpt, t, kind)
+        truncation = read_truncation(ckpt, arch, _latlon(t["model.node_attributes.latlons_data"]))
+        config = _model_config(ckpt, t, kind, arch, truncation is not None)
+        graph, weights_source = _graph(ckpt, t, kind, truncation)
         weights = _weights(t, config, len(variables.input_names))
     except KeyError as err:  # a tensor of the 0.19 layout is absent: a layout no migration rule maps
         raise ConversionError(
@@ -483,6 +500,9 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
                    "metadata_version": ckpt.metadata.get("version"), "checkpoint": ckpt.kind,
                    "migrations": list(canonical.migrations), "architecture_from": arch.source,
                    "loss_node_weights": weights_source, "date_ranges": _date_ranges(ckpt.metadata),
+                   "truncation": None if truncation is None else {
+                       "nodes": truncation.num_nodes, "matrices": truncation.source,
+                       "coordinates": truncation.coordinates_source},
                    "template": None if _not_exportable(ckpt, canonical) else TEMPLATE,
                    "not_exportable": _not_exportable(ckpt, canonical)},
     }

@@ -366,13 +366,17 @@ def _mappers(model: dict[str, Any], kind: str) -> list[dict[str, Any]]:
 
 
 def _truncation(config: dict[str, Any], model: dict[str, Any], dataset: str) -> str:
+    """The residual: the ``model.residual`` class, or the truncation matrices of an AIFS 1.x config
+    (``hardware.files.truncation``, ``model.truncation_data``). ``system.input.truncation`` (anemoi-training
+    0.17+) counts only without a ``model.residual`` class: a 0.19 model uses it only through that section."""
     residual = model.get("residual")
+    name = "?"
     if isinstance(residual, dict):
         residual = (residual.get("datasets") or {}).get(dataset, residual) if "datasets" in residual else residual
         name = _target(residual)
         if name not in ("SkipConnection", "?"):
             return name
-    for section, key in (("hardware", "files"), ("system", "input")):
+    for section, key in (("hardware", "files"),) + ((("system", "input"),) if name == "?" else ()):
         files = (config.get(section) or {}).get(key) or {}
         if isinstance(files, dict) and (files.get("truncation") or files.get("truncation_inv")):
             return f"truncation matrices ({section}.{key}.truncation)"

@@ -8,7 +8,8 @@ interface object, pickled classes included, plus ``<folder>/anemoi-metadata/anem
 
 :func:`open_anemoi_checkpoint` unpickles it with :class:`RestrictedUnpickler`, which resolves only
 an allow-list of globals (torch tensor / storage rebuilders, dtypes, ``torch.Size``,
-``collections.OrderedDict``, a few builtins, numpy array rebuilders) and turns every other class or
+``collections.OrderedDict``, a few builtins, numpy array rebuilders, torch's sparse-tensor rebuilder, which
+gives an inert :class:`SparseTensor` record: no sparse tensor is constructed) and turns every other class or
 function into an inert :class:`Stub`: calling a stub (the pickle ``REDUCE`` / ``NEWOBJ`` opcodes)
 only records the arguments, and its state (``BUILD``) is stored as a plain dict. Nothing named in
 the file is imported or executed. A file whose pickle names a global that runs code or reaches the
@@ -39,7 +40,7 @@ import torch
 from stormshard.checkpoint.errors import ConversionError
 
 __all__ = ["may_stub", "Stub", "RestrictedUnpickler", "AnemoiCheckpoint", "open_anemoi_checkpoint", "module_tensors",
-           "stub_class_name", "NotAnemoiCheckpoint", "UnsafeAnemoiCheckpoint", "runs_code"]
+           "stub_class_name", "NotAnemoiCheckpoint", "UnsafeAnemoiCheckpoint", "runs_code", "SparseTensor"]
 
 
 class NotAnemoiCheckpoint(ConversionError):
@@ -97,7 +98,10 @@ _STUB_PACKAGES = ("anemoi.models", "anemoi.graphs", "anemoi.utils.config",
                   "torch_geometric.data.feature_store", "torch_geometric.data.graph_store",
                   "torch_geometric.data.view", "torch_geometric.inspector", "torch_geometric.typing",
                   "torch_geometric.nn.aggr", "torch_geometric.nn.conv",
-                  "omegaconf", "hydra._internal.target_policy")
+                  "omegaconf", "hydra._internal.target_policy",
+                  # the scipy sparse matrices an AIFS 1.x model kept (``_truncation_data``): rebuilt with NEWOBJ of
+                  # the class and a dict state, never called with arguments (a function such as load_npz is refused)
+                  "scipy.sparse")
 #: plain data types and a few harmless functions, per module (Python 3 names)
 _STUB_GLOBALS: dict[str, frozenset[str]] = {
     "builtins": frozenset({"dict", "list", "tuple", "set", "frozenset", "getattr", "type", "int", "float", "str",
@@ -148,10 +152,17 @@ class Stub:
     """An inert stand-in for a class (or function) the file names but that is not on the allow-list.
 
     ``_stub_name`` is the ``module.qualname`` the file named; calling an instance or the class
-    records ``_stub_args``; ``__setstate__`` stores the state as attributes (dict state) or as
+    records ``_stub_args``; the arguments of a ``NEWOBJ`` (``cls.__new__(cls, *args)``, a named tuple's
+    fields) are kept as ``_stub_newargs``; ``__setstate__`` stores the state as attributes (dict state) or as
     ``_stub_state``. No code of the named class runs."""
 
     _stub_name = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
+        obj = super().__new__(cls)
+        if args:
+            obj.__dict__["_stub_newargs"] = args
+        return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         name = type(self)._stub_name
@@ -282,6 +293,57 @@ def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> An
     return func(*args)
 
 
+_SPARSE_LAYOUTS = {name: getattr(torch, name) for name in ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr",
+                                                            "sparse_bsc")}
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """A sparse tensor of the pickle (``torch._utils._rebuild_sparse_tensor``'s arguments), recorded, not
+    constructed (a sparse tensor built from unchecked parts may read out of bounds): ``layout`` a torch sparse
+    layout; ``parts`` its component tensors (COO: ``indices`` ``(ndim, nnz)``, ``values``; CSR and the other
+    compressed layouts: compressed indices, plain indices, ``values``); ``size``; ``coalesced`` (COO; None when
+    the file does not say). Whoever reads one checks its parts (anemoi_truncation.sparse_entries)."""
+
+    layout: Any
+    parts: tuple[torch.Tensor, ...]
+    size: tuple[int, ...]
+    coalesced: bool | None = None
+
+    def __reduce__(self) -> tuple:  # pickled again as it came (a file derived from a real one, in the tests)
+        from torch._utils import _rebuild_sparse_tensor
+
+        if self.layout == torch.sparse_coo:
+            data = (*self.parts, torch.Size(self.size)) + (() if self.coalesced is None else (self.coalesced,))
+        else:
+            data = (*self.parts, torch.Size(self.size))
+        return _rebuild_sparse_tensor, (self.layout, data)
+
+
+def _get_layout(name: Any) -> Any:
+    """``torch.serialization._get_layout`` (how a pickle names a tensor layout) of the sparse layouts only."""
+    layout = _SPARSE_LAYOUTS.get(str(name).removeprefix("torch.")) if isinstance(name, str) else None
+    if layout is None:
+        raise pickle.UnpicklingError(f"torch.serialization._get_layout of {name!r:.40} (not a sparse layout)")
+    return layout
+
+
+def _rebuild_sparse_tensor(layout: Any, data: Any) -> SparseTensor:
+    """``torch._utils._rebuild_sparse_tensor`` as an inert record (:class:`SparseTensor`): no tensor is built."""
+    if layout not in _SPARSE_LAYOUTS.values() or not isinstance(data, tuple):
+        raise pickle.UnpicklingError(f"torch._utils._rebuild_sparse_tensor of layout {layout!r:.40} with "
+                                     f"{type(data).__name__} data")
+    coo = layout == torch.sparse_coo
+    count = 2 if coo else 3
+    parts, size = data[:count], data[count] if len(data) > count else None
+    extra = data[count + 1:]
+    if (len(parts) != count or not all(isinstance(t, torch.Tensor) for t in parts)
+            or not isinstance(size, (tuple, list)) or not all(isinstance(d, int) for d in size)
+            or len(extra) > (1 if coo else 0) or (extra and not isinstance(extra[0], (bool, type(None))))):
+        raise pickle.UnpicklingError(f"torch._utils._rebuild_sparse_tensor of {layout} with malformed data")
+    return SparseTensor(layout, tuple(parts), tuple(int(d) for d in size), extra[0] if extra else None)
+
+
 def _numpy_reconstruct(cls: Any, shape: Any, dtype: Any) -> np.ndarray:
     if cls is not np.ndarray:
         raise pickle.UnpicklingError(f"numpy _reconstruct of {cls!r} is not allowed")
@@ -308,6 +370,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._utils", "_rebuild_sparse_tensor"): _rebuild_sparse_tensor,
+    ("torch.serialization", "_get_layout"): _get_layout,
+    **{("torch", name): layout for name, layout in _SPARSE_LAYOUTS.items()},
     ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
     ("torch", "Size"): torch.Size,
     ("torch", "device"): torch.device,

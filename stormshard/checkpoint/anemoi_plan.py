@@ -12,7 +12,10 @@ What maps (stormshard -> anemoi-models 0.19):
   (sliding window ``window_size``, scaled-dot-product attention); graph-transformer mappers both ways;
 - channels, layers, heads, MLP ratios, ``trainable_size`` (``node_trainable_parameters``), trainable edge
   sizes (the graph providers' ``trainable_size``), ``latent_skip``, ``relu_bounded`` (``ReluBounding``),
-  ``multistep_input``, the residual of the prognostic variables (``SkipConnection``);
+  ``multistep_input``, the residual of the prognostic variables (``residual: last_step`` -> ``SkipConnection``;
+  ``truncated`` -> ``TruncatedConnection`` on the exported graph's ``truncation`` nodes and the two edge sets
+  ``data -> truncation`` / ``truncation -> data``, their weights as ``gauss_weight``, nothing renormalised:
+  anemoi's ``ProjectionGraphProvider`` makes the same two matrices, fp32, duplicate entries summed);
 - options anemoi's model always has, given values that make it compute what stormshard's does:
   ``self_projection: false`` -> ``lin_self`` zero; ``decoder_embedding: false`` -> the decoder's
   ``emb_nodes_dst`` a copy of the encoder's ``emb_nodes_src`` (both embed the same data-node inputs);
@@ -43,8 +46,9 @@ from einops import rearrange
 from torch import Tensor
 
 from stormshard.checkpoint.anemoi_import import anemoi_weights
+from stormshard.checkpoint.anemoi_truncation import EDGE_WEIGHT_ATTRIBUTE, truncation_residual_config
 from stormshard.checkpoint.errors import ConversionError
-from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR
+from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, TRUNCATION_DOWN, TRUNCATION_UP
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.models.config import ModelConfig
 from stormshard.models.variables import VariableIndex
@@ -85,7 +89,7 @@ class AnemoiExportPlan:
     """Everything anemoi's model and checkpoint are built from (see the module docstring)."""
 
     config: dict[str, Any]  # the training config: the interface's ``config`` and metadata["config"]
-    nodes: dict[str, dict[str, Tensor]]  # HeteroData node stores: x (radians), area_weight
+    nodes: dict[str, dict[str, Any]]  # HeteroData node stores: x (radians), area_weight (truncation: x or num_nodes)
     edges: dict[tuple[str, str, str], dict[str, Tensor]]  # edge stores: edge_index (destination-sorted), attributes
     parameters: dict[str, Tensor]  # anemoi parameter name (on AnemoiModelInterface) -> value
     norm_mul: np.ndarray  # float64 (dataset variables): anemoi's normaliser x * mul + add
@@ -234,11 +238,12 @@ def _edge_attribute_names(width: int) -> tuple[str, ...]:
     return ("edge_length", "edge_dirs") if width == 3 else ("edge_attr",)
 
 
-def _anemoi_graph(graph: HeteroGraph, kind: str) -> tuple[dict[str, dict[str, Tensor]],
-                                                          dict[tuple[str, str, str], dict[str, Tensor]]]:
+def _anemoi_graph(graph: HeteroGraph, kind: str, truncated: bool = False
+                  ) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str, str], dict[str, Tensor]]]:
     """Node and edge stores of anemoi's ``HeteroData``: coordinates ``(nodes, 2)`` radians, area weights
     ``(nodes, 1)``, per edge set ``edge_index`` sorted by destination and its attributes (``(E, 1)`` length,
-    ``(E, 2)`` direction)."""
+    ``(E, 2)`` direction); a truncated residual's ``truncation`` nodes (coordinates, or only their count where
+    the graph has none) and its two edge sets with their weights ``(E, 1)``."""
     nodes = {}
     for name in ("data", "hidden"):
         store = graph[name]
@@ -253,6 +258,12 @@ def _anemoi_graph(graph: HeteroGraph, kind: str) -> tuple[dict[str, dict[str, Te
         names = _edge_attribute_names(attr.shape[1])
         parts = (attr[:, :1], attr[:, 1:]) if len(names) == 2 else (attr,)
         edges[edge_type] = {"edge_index": index.contiguous()} | {n: p.contiguous() for n, p in zip(names, parts, strict=True)}
+    if truncated:
+        store = graph["truncation"]
+        nodes["truncation"] = {"x": store.x.float().contiguous()} if "x" in store else {"num_nodes": store.num_nodes}
+        for edge_type in (TRUNCATION_DOWN, TRUNCATION_UP):
+            edges[edge_type] = {"edge_index": graph[edge_type].edge_index.long().contiguous(),
+                                EDGE_WEIGHT_ATTRIBUTE: graph[edge_type].edge_weight.float().reshape(-1, 1).contiguous()}
     return nodes, edges
 
 
@@ -303,7 +314,8 @@ def _model_section(config: ModelConfig, graph: HeteroGraph) -> dict[str, Any]:
         "decoders": {"0": {"target_datasets": ["data"], "target_node_features": ["encoded_data"],
                            "mapper": _mapper(config, "decoder", graph[DECODER].edge_attr.shape[1],
                                              mappers.format("Backward"))}},
-        "residual": {"datasets": {"data": {"_target_": "anemoi.models.layers.residual.SkipConnection", "step": -1}}},
+        "residual": {"datasets": {"data": truncation_residual_config() if config.residual == "truncated" else
+                                  {"_target_": "anemoi.models.layers.residual.SkipConnection", "step": -1}}},
         "compile": [], "recompile_limit": 8,
     }
 
@@ -347,7 +359,8 @@ def _training_config(source: ExportSource, model: dict[str, Any], run_id: str) -
         "graph": {"overwrite": False, "stormshard": {
             "note": "the graph of the stormshard model, stored in the model (graph_data); no recipe rebuilds it",
             "config_hash": str(getattr(source.graph, "config_hash", "")),
-            "nodes": {n: int(source.graph[n].x.shape[0]) for n in ("data", "hidden")}}},
+            "nodes": {n: int(source.graph[n].num_nodes) for n in ("data", "hidden", "truncation")
+                      if n in source.graph}}},
         "system": {"hardware": {"num_gpus_per_node": 1, "num_nodes": 1, "num_gpus_per_model": 1},
                    "input": {"dataset": path, "graph": None}},
     }
@@ -398,7 +411,7 @@ def plan_anemoi_export(source: ExportSource) -> AnemoiExportPlan:
                                  "in dataset order (anemoi's data indices keep it)",
                     "train with the variables in dataset order")
     parameters, notes = anemoi_parameters(source.weights, config, len(v.input_names), source.graph, source.path)
-    nodes, edges = _anemoi_graph(source.graph, config.name)
+    nodes, edges = _anemoi_graph(source.graph, config.name, config.residual == "truncated")
     run_id = str(uuid.uuid4())
     training = _training_config(source, _model_section(config, source.graph), run_id)
     mul, add = _normaliser(source)
