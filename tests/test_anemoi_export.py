@@ -53,6 +53,9 @@ MODELS = {
                     "model.encoder": {"num_heads": 2, "mlp_ratio": 1.0, "trainable_edge_size": 2},
                     "model.decoder": {"num_heads": 2, "mlp_ratio": 1.0, "trainable_edge_size": 1}},
     "gnn": {"model.name": "gnn", "training.max_steps": 1},
+    # anemoi's TruncatedConnection (on the exported graph's truncation edges): the last state through O4 and back
+    "truncated": {"model.name": "graphtransformer", "model.residual": "truncated",
+                  "graph.truncation": {"grid": "o4", "num_neighbours": 3, "sigma": 0.2}},
 }
 
 
@@ -90,11 +93,12 @@ def _reference_input(model, dataset: Path) -> torch.Tensor:
 
 
 @needs_anemoi
-@pytest.mark.parametrize("name", ["graphtransformer", "transformer"])
+@pytest.mark.parametrize("name", ["graphtransformer", "transformer", "truncated"])
 def test_export_of_a_stormshard_model_predicts_in_anemoi(name, trained, tmp_path):
     """bundle -> export-anemoi (anemoi venv) -> anemoi's torch.load + predict_step == stormshard's predict
     (1e-4 of each output variable's spread, fp32); load_metadata: metadata 2.0, same variables and
-    timestep; and the file imports back into stormshard (no anemoi) with the same predictions."""
+    timestep; and the file imports back into stormshard (no anemoi) with the same predictions (a truncated
+    residual: anemoi's TruncatedConnection, its matrices the bundle's truncation edges, read back exactly)."""
     bundle = export_bundle(trained[name], tmp_path / "bundle")
     out = tmp_path / f"{name}.ckpt"
     export = _anemoi("launch/convert_checkpoint.py", "export-anemoi", str(bundle), "--out", str(out))
@@ -120,7 +124,12 @@ def test_export_of_a_stormshard_model_predicts_in_anemoi(name, trained, tmp_path
     else:  # options anemoi's model always has, given values that compute what stormshard's does
         assert "lin_self is zero" in _export_notes(out) and "emb_nodes_dst is a copy" in _export_notes(out)
     back = stormshard.load_model(import_anemoi(out, tmp_path / "back"))
-    assert back.config.name == name and back.config.latent_skip == model.config.latent_skip
+    assert back.config.name == model.config.name and back.config.latent_skip == model.config.latent_skip
+    assert back.config.residual == model.config.residual == ("truncated" if name == "truncated" else "last_step")
+    if name == "truncated":  # the matrices anemoi multiplies are the bundle's, and so are the nodes
+        for key in ("truncation", ("data", "to", "truncation"), ("truncation", "to", "data")):
+            for attr, value in model.graph[key].items():
+                assert torch.equal(back.graph[key][attr], value), (key, attr)
     again = back.predict(x).numpy()
     assert (np.abs(again - ours).reshape(-1, ours.shape[-1]).max(axis=0) / spread <= 1e-4).all()
 

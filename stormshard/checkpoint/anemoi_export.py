@@ -7,7 +7,8 @@ Two ways, chosen by where the model came from:
   the checkpoint it descends from (kept as ``anemoi_source.ckpt``) gets the bundle's weights (the
   inverse of :func:`stormshard.checkpoint.anemoi_import.anemoi_weights`) written into its tensors, and
   every other zip entry (the pickled model, ``anemoi-metadata/anemoi.json``, the supporting arrays) is
-  copied unchanged. Nothing is unpickled with code (:mod:`stormshard.checkpoint.anemoi_pickle`); no
+  copied unchanged: the bundle's residual must be the pickled one (a truncated residual's matrices its
+  graph's truncation edges), else a :class:`ConversionError`. Nothing is unpickled with code (:mod:`stormshard.checkpoint.anemoi_pickle`); no
   anemoi needed.
 - **built** (any other bundle or training checkpoint of a ``graphtransformer`` or ``transformer``
   model: trained in stormshard, or imported from a Lightning / older-layout file):
@@ -41,6 +42,7 @@ from stormshard.checkpoint.anemoi_build import (
     verify_anemoi_model,
 )
 from stormshard.checkpoint.anemoi_files import check_anemoi_file
+from stormshard.checkpoint.anemoi_import import anemoi_architecture, anemoi_latlon
 from stormshard.checkpoint.anemoi_layouts import canonical_tensors
 from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_checkpoint
 from stormshard.checkpoint.anemoi_plan import (
@@ -49,6 +51,7 @@ from stormshard.checkpoint.anemoi_plan import (
     check_exportable,
     plan_anemoi_export,
 )
+from stormshard.checkpoint.anemoi_truncation import check_same_residual, read_truncation
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.export import BUNDLE_FORMAT, InferenceModel, export_bundle, load_model
 from stormshard.checkpoint.stored_config import checkpoint_model_section, stored_model_config
@@ -110,7 +113,12 @@ def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> P
                               fix="import the inference-*.ckpt of the model (anemoi-models 0.19) and fine-tune from it")
     tensors = module_tensors(ckpt.root)
     names = canonical.file_names  # the file's own dataset / mapper names where they are not data / 0
-    mapped, _ = anemoi_parameters(weights, config, len(variables.input_names), load_graph(b / "graph.pt"), b)
+    graph = load_graph(b / "graph.pt")
+    latlon = canonical.tensors.get("model.node_attributes.latlons_data")
+    if latlon is not None:  # the template's residual (its pickle is copied unchanged) must be the bundle's
+        truncation = read_truncation(ckpt, anemoi_architecture(ckpt), anemoi_latlon(latlon))
+        check_same_residual(truncation, config.residual, graph, f"{b} (written into {template})")
+    mapped, _ = anemoi_parameters(weights, config, len(variables.input_names), graph, b)
     theirs = {names.get(n, n): w for n, w in mapped.items()}
     problems = [f"{n}: not in the anemoi model" for n in theirs if n not in tensors]
     problems += [f"{n}: stormshard {tuple(w.shape)} vs anemoi {tuple(tensors[n].shape)}" for n, w in theirs.items()

@@ -79,7 +79,7 @@ from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
 __all__ = ["import_anemoi", "read_anemoi", "ImportedAnemoi", "finetune_config", "anemoi_model_parts", "anemoi_weights",
-           "anemoi_architecture",
+           "anemoi_architecture", "anemoi_latlon",
            "TEMPLATE", "FINETUNE_DATA_PLACEHOLDER"]
 
 #: the anemoi checkpoint an imported bundle keeps (``export-anemoi`` writes its weights into it)
@@ -120,7 +120,7 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _latlon(sincos: Tensor) -> Tensor:
+def anemoi_latlon(sincos: Tensor) -> Tensor:
     """anemoi's ``latlons_*`` buffer ``[sin lat, sin lon, cos lat, cos lon]`` -> ``(nodes, 2)`` radians."""
     s = sincos.double()
     return torch.stack([torch.atan2(s[:, 0], s[:, 2]), torch.atan2(s[:, 1], s[:, 3])], dim=-1)
@@ -260,9 +260,9 @@ def _graph(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str,
     """The graph (with ``truncation``'s nodes and edges), and where its data nodes' ``area_weight`` (the loss
     weights) came from."""
     g = HeteroGraph()
-    latlon = _latlon(t["model.node_attributes.latlons_data"])
+    latlon = anemoi_latlon(t["model.node_attributes.latlons_data"])
     g["data"].x = latlon.float()
-    g["hidden"].x = _latlon(t["model.node_attributes.latlons_hidden"]).float()
+    g["hidden"].x = anemoi_latlon(t["model.node_attributes.latlons_hidden"]).float()
     node_weights = loss_node_weights(ckpt, latlon)  # anemoi-training's node_weights scaler
     g["data"].area_weight = node_weights.weights
     g["hidden"].area_weight = torch.ones(g["hidden"].x.shape[0])  # unused: no loss on hidden nodes
@@ -465,7 +465,7 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
     variables, _ = _variables(ckpt)
     t = canonical.tensors
     try:
-        truncation = read_truncation(ckpt, arch, _latlon(t["model.node_attributes.latlons_data"]))
+        truncation = read_truncation(ckpt, arch, anemoi_latlon(t["model.node_attributes.latlons_data"]))
         config = _model_config(ckpt, t, kind, arch, truncation is not None)
         graph, weights_source = _graph(ckpt, t, kind, truncation)
         weights = _weights(t, config, len(variables.input_names))

@@ -54,7 +54,7 @@ from stormshard.graphs.builder import TRUNCATION_DOWN, TRUNCATION_UP
 from stormshard.graphs.hetero import HeteroGraph
 
 __all__ = ["Projection", "AnemoiTruncation", "TRUNCATED_RESIDUALS", "sparse_entries", "read_truncation",
-           "add_truncation_graph", "truncation_residual_config", "EDGE_WEIGHT_ATTRIBUTE"]
+           "add_truncation_graph", "truncation_residual_config", "EDGE_WEIGHT_ATTRIBUTE", "check_same_residual"]
 
 #: the residuals (``AnemoiArchitecture.residual``) whose matrices :func:`read_truncation` reads
 TRUNCATED_RESIDUALS = ("TruncatedConnection", "truncation matrices (A_down / A_up)",
@@ -383,3 +383,37 @@ def truncation_residual_config() -> dict[str, Any]:
             "truncation_down_edges_name": list(TRUNCATION_DOWN), "truncation_up_edges_name": list(TRUNCATION_UP),
             "edge_weight_attribute": EDGE_WEIGHT_ATTRIBUTE, "src_node_weight_attribute": None,
             "row_normalize": False, "autocast": False}
+
+
+def _entries(rows: Tensor, cols: Tensor, values: Tensor, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """A matrix's entries in one canonical order (duplicates summed): flat indices and values."""
+    flat = rows.long() * shape[1] + cols.long()
+    keys, inverse = torch.unique(flat, return_inverse=True)
+    return keys, torch.zeros(keys.numel(), dtype=torch.float64).index_add_(0, inverse, values.double())
+
+
+def check_same_residual(truncation: AnemoiTruncation | None, residual: str, graph: HeteroGraph, where: str) -> None:
+    """A :class:`ConversionError` unless a bundle of ``residual`` with ``graph`` computes the residual of the anemoi
+    model whose truncation is ``truncation`` (None: a SkipConnection): ``export-anemoi`` writes a bundle's weights
+    into the anemoi checkpoint it descends from, whose pickled residual stays as it is."""
+    fix = ("export by building anemoi's model instead: copy the bundle without its anemoi_source.ckpt and metadata "
+           "anemoi.template, or import and fine-tune the anemoi checkpoint with its own residual")
+    if (truncation is not None) != (residual == "truncated"):
+        theirs = "a truncated residual (TruncatedConnection)" if truncation is not None else "the last input step"
+        raise ConversionError(f"{where}: model.residual={residual!r}, and the anemoi checkpoint it descends from "
+                              f"adds {theirs}: writing the weights into it would change the forecast", fix=fix)
+    if truncation is None:
+        return
+    for proj, edge_type in ((truncation.down, TRUNCATION_DOWN), (truncation.up, TRUNCATION_UP)):
+        store = graph[edge_type] if edge_type in graph else None
+        ok = store is not None and "edge_weight" in store
+        if ok:
+            ei = store.edge_index
+            ours = _entries(ei[1], ei[0], store.edge_weight, proj.shape)
+            theirs = _entries(proj.rows, proj.cols, proj.values, proj.shape)
+            ok = torch.equal(ours[0], theirs[0]) and bool((ours[1] - theirs[1]).abs().max() <= 1e-6) \
+                if ours[0].numel() else not theirs[0].numel()
+        if not ok:
+            raise ConversionError(f"{where}: the graph's {edge_type[0]} -> {edge_type[2]} truncation edges are not the "
+                                  "matrix of the anemoi checkpoint it descends from: writing the weights into it "
+                                  "would change the forecast", fix=fix)
