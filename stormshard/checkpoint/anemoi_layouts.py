@@ -31,8 +31,10 @@ then renames older layouts the way anemoi-models' migration scripts do (each rul
 
 The dataset's name, the hidden nodes' name and the encoder / decoder keys (user-defined in anemoi)
 become ``data``, ``hidden`` and ``0``; ``file_names`` maps the canonical names back to the file's.
-Anything of an older layout that no migration rule maps (truncation matrices in the residual,
-several datasets, ...) is reported by the caller naming it.
+Anything of an older layout that no migration rule maps (several datasets, ...) is reported by the
+caller naming it. An AIFS 1.x model's truncation matrices (``A_down`` / ``A_up``, attributes of the
+pickled model, not tensors of its state) are read by :mod:`stormshard.checkpoint.anemoi_truncation`;
+:class:`AnemoiArchitecture` ``.residual`` names them (``hardware.files.truncation`` in the config).
 """
 
 from __future__ import annotations
