@@ -33,6 +33,7 @@ from stormshard.graphs.grids import grid_from_name
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.graphs.sphere import latlon_to_xyz
 from tests.anemoi_repickle import module_children, new_stub, save_stub_tree
+from tests.test_anemoi_export import _anemoi, needs_anemoi
 from tests.test_anemoi_layouts import _old_metadata
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
@@ -357,3 +358,40 @@ def test_export_into_the_anemoi_checkpoint_keeps_its_residual(change, tmp_path, 
                 if change == "residual" else "the graph's truncation -> data truncation edges are not the matrix")
     assert len(errors) == 1 and errors[0].startswith(f"error: {bundle} (written into ") and expected in errors[0], errors
     assert not out.exists()
+
+
+class _LoadNpz:
+    def __reduce__(self) -> tuple:
+        import scipy.sparse
+
+        return (scipy.sparse.load_npz, ("/etc/matrix.npz",))
+
+
+def test_scipy_sparse_stays_inert(tmp_path):
+    """scipy.sparse may be named (an AIFS 1.x model's ``_truncation_data``: matrices rebuilt with NEWOBJ and
+    their state), but a pickle calling one of its functions (``load_npz`` reads a file) is refused."""
+    from stormshard.checkpoint.anemoi_pickle import UnsafeAnemoiCheckpoint
+
+    path = tmp_path / "npz.ckpt"
+    torch.save({"state_dict": {}, "payload": _LoadNpz()}, path)
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr(f"{z.namelist()[0].split('/')[0]}/anemoi-metadata/anemoi.json", '{"version": "2.0"}')
+    with pytest.raises(UnsafeAnemoiCheckpoint, match=r"scipy\.sparse\..*load_npz called with arguments"):
+        open_anemoi_checkpoint(path)
+
+
+@needs_anemoi
+def test_an_aifs1_import_exports_by_building_and_predicts_as_the_original(tmp_path):
+    """A bundle imported from the AIFS 1.x layout (truncation nodes without coordinates: their count only)
+    exports by building anemoi's model (a TruncatedConnection on the count-only truncation node set), and
+    anemoi's predict_step of the result equals that of the original anemoi model."""
+    bundle = import_anemoi(_aifs1(tmp_path / "aifs1.ckpt"), tmp_path / "bundle")
+    out = tmp_path / "back.ckpt"
+    run = _anemoi("launch/convert_checkpoint.py", "export-anemoi", str(bundle), "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    run = _anemoi(str(FIXTURES / "anemoi_predict.py"), str(out), str(VARIANT / "input.npy"), str(tmp_path / "y.npy"),
+                  str(tmp_path / "meta.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected, got = np.load(VARIANT / "output.npy"), np.load(tmp_path / "y.npy")
+    spread = expected.reshape(-1, expected.shape[-1]).std(axis=0)
+    assert (np.abs(got - expected).reshape(-1, expected.shape[-1]).max(axis=0) / spread <= 1e-4).all()
