@@ -45,6 +45,10 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
     # decoder's own input embedding, ReLU bounding of an output
     "graphtransformer-anemoi": dict(name="graphtransformer", latent_skip=True, decoder_embedding=True,
                                     relu_bounded=("precip",),
+                                    bounding=(dict(kind="hardtanh", variables=("t",), min_val=-0.5, max_val=0.5),
+                                              dict(kind="leaky_fraction", variables=("v",), min_val=0.0, max_val=1.0,
+                                                   total_variable="precip"),
+                                              dict(kind="normalized_relu", variables=("u",), thresholds=(-0.2,))),
                                     processor=dict(num_chunks=2, self_projection=True, trainable_edge_size=2),
                                     encoder=dict(self_projection=True, trainable_edge_size=3),
                                     decoder=dict(self_projection=True, trainable_edge_size=2)),

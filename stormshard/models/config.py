@@ -27,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from stormshard.kernels.names import AttentionKernel, GraphKernel
 
-__all__ = ["ProcessorConfig", "MapperConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS", "builder_module"]
+__all__ = ["ProcessorConfig", "MapperConfig", "BoundingConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS",
+           "builder_module"]
 
 #: The models stormshard builds itself (the encoder-processor-decoder family).
 BUILTIN_MODELS: tuple[str, ...] = ("transformer", "graphtransformer", "gnn", "ensemble")
@@ -116,6 +117,53 @@ class MapperConfig(_Strict):
         classmethod(lambda cls, value: _check_checkpointing(value)))
 
 
+#: the output boundings (anemoi-models' ``layers/bounding.py`` classes, by their stormshard kind)
+BoundingKind = Literal["relu", "leaky_relu", "normalized_relu", "normalized_leaky_relu", "hardtanh",
+                       "leaky_hardtanh", "fraction", "leaky_fraction"]
+_BOUNDS = ("hardtanh", "leaky_hardtanh", "fraction", "leaky_fraction")
+
+
+class BoundingConfig(_Strict):
+    """One bounding of output variables, applied to the normalised prediction after the residual, in the order
+    ``model.bounding`` lists them (anemoi's ``ReluBounding``, ``LeakyReluBounding``, ``NormalizedReluBounding``,
+    ``NormalizedLeakyReluBounding``, ``HardtanhBounding``, ``LeakyHardtanhBounding``, ``FractionBounding``,
+    ``LeakyFractionBounding``; :mod:`stormshard.layers.bounding`).
+
+    ``relu``: ``max(x, 0)``; ``normalized_relu``: ``max(x, t)`` with ``thresholds`` ``t`` (one per variable, in
+    normalised units); ``hardtanh``: ``x`` clamped to ``[min_val, max_val]``; ``fraction``: clamped, then times the
+    ``total_variable`` (e.g. convective precipitation as a fraction of total precipitation). The ``leaky_`` kinds
+    keep a slope of 0.01 outside the bounds."""
+
+    kind: BoundingKind
+    variables: tuple[str, ...] = Field(min_length=1)
+    min_val: float | None = None
+    max_val: float | None = None
+    total_variable: str | None = None
+    thresholds: tuple[float, ...] | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> BoundingConfig:
+        where = f"model.bounding kind={self.kind!r} (variables {list(self.variables)})"
+        needs_bounds = self.kind in _BOUNDS
+        if needs_bounds and (self.min_val is None or self.max_val is None):
+            raise ValueError(f"{where} needs min_val and max_val: give both (e.g. 0 and 1)")
+        if needs_bounds and self.min_val > self.max_val:
+            raise ValueError(f"{where}: min_val={self.min_val} exceeds max_val={self.max_val}: swap them")
+        if not needs_bounds and (self.min_val is not None or self.max_val is not None):
+            raise ValueError(f"{where} takes no min_val / max_val (only {list(_BOUNDS)} do): drop them")
+        is_fraction = self.kind.endswith("fraction")
+        if is_fraction != (self.total_variable is not None):
+            raise ValueError(f"{where}: total_variable is {'required' if is_fraction else 'only for fraction kinds'}"
+                             f"{': name the output variable the fraction multiplies' if is_fraction else ': drop it'}")
+        is_normalized = self.kind.startswith("normalized")
+        if is_normalized and (self.thresholds is None or len(self.thresholds) != len(self.variables)):
+            raise ValueError(f"{where} needs thresholds: one normalised lower bound per variable "
+                             f"({len(self.variables)}), got {self.thresholds!r}")
+        if not is_normalized and self.thresholds is not None:
+            raise ValueError(f"{where} takes no thresholds (only the normalized kinds do): drop them")
+        return self
+
+
 class EnsembleConfig(_Strict):
     """Noise injected into the processor through conditional layer norms (AIFS-CRPS)."""
 
@@ -155,6 +203,9 @@ class ModelConfig(_Strict):
     latent_skip: bool = False  # the processor's input added to its output
     decoder_embedding: bool = False  # the decoder's own embedding of the data-node inputs (anemoi's emb_nodes_dst)
     relu_bounded: tuple[str, ...] = ()  # output variables passed through a ReLU (normalised; anemoi's ReluBounding)
+    bounding: tuple[BoundingConfig, ...] = Field(
+        (), description="output boundings after relu_bounded, in order (anemoi's bounding list: relu, "
+        "hardtanh, fraction, their leaky and normalized kinds; stormshard.layers.bounding)")
     residual: Literal["last_step", "truncated"] = Field(
         "last_step", description="what the prognostic outputs add to the network's increment: 'last_step' (the last "
         "input state) or 'truncated' (the last input state through the graph's coarser truncation grid and back, "

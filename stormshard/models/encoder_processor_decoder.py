@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, TRUNCATION_DOWN, TRUNCATION_UP
 from stormshard.graphs.hetero import HeteroGraph
+from stormshard.layers.bounding import OutputBounding
 from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.layers.norm import LayerNorm
@@ -106,6 +107,8 @@ class EncoderProcessorDecoder(nn.Module):
                              f"({list(variables.output_names)}): name output variables or drop them")
         self.register_buffer("relu_columns", torch.tensor(
             [variables.output_names.index(v) for v in config.relu_bounded], dtype=torch.long), persistent=False)
+        # anemoi's other boundings (hardtanh, fractions, leaky and normalized kinds), after relu_bounded, in order
+        self.bounding = OutputBounding(config.bounding, variables.output_names) if config.bounding else None
 
         # residual prediction: output column prognostic_in_output[i] adds input column prognostic_in_input[i]
         self.register_buffer("prognostic_in_input", torch.tensor(variables.prognostic_in_input, dtype=torch.long),
@@ -198,6 +201,8 @@ class EncoderProcessorDecoder(nn.Module):
         out = out.to(last.dtype) + residual
         if self.relu_columns.numel():  # anemoi's ReluBounding, after the residual (normalised units)
             out = out.index_copy(-1, self.relu_columns, torch.relu(out.index_select(-1, self.relu_columns)))
+        if self.bounding is not None:
+            out = self.bounding(out)
         return out
 
     def forward(self, x: Tensor) -> Tensor:
