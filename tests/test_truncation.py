@@ -22,6 +22,7 @@ from stormshard.graphs.builder import (
 )
 from stormshard.graphs.grids import grid_from_name
 from stormshard.graphs.sphere import latlon_to_xyz
+from stormshard.kernels.sparse_projection import csr_pair, sparse_project
 from stormshard.layers.truncation import TruncatedResidual
 from stormshard.models.config import ModelConfig
 from stormshard.models.registry import build_model
@@ -128,6 +129,15 @@ def test_layer_equals_the_dense_projections():
         out32 = _layer(graph, None)(x.detach().float())
     assert out32.dtype == torch.float32
     torch.testing.assert_close(out32.double(), out.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_projection_without_entries_gives_zeros():
+    # a rank whose data rows feed no truncation node multiplies an empty matrix: zeros, and zero gradients
+    pair = csr_pair(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0), (5, 3))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = sparse_project(x, pair, (5, 3))
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(5, 4, dtype=torch.float64)) and torch.equal(x.grad, torch.zeros_like(x))
 
 
 def _check_sharded_layer(rank: int, world: int, uneven: bool) -> bool:

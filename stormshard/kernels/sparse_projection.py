@@ -59,18 +59,26 @@ def csr_pair(rows: Tensor, cols: Tensor, weights: Tensor, shape: tuple[int, int]
     return CsrPair(*_csr_of(rows, cols, weights, num_rows, size), *_csr_of(cols, rows, weights, num_cols, size))
 
 
+def _product(a: Tensor, x: Tensor) -> Tensor:
+    """``a @ x``; zeros for a matrix without entries (a rank whose rows feed no truncation node: the library
+    product writes nothing into its uninitialised output then, on some devices)."""
+    if a.values().numel() == 0:  # the entry count is metadata: no device sync
+        return x.new_zeros((a.shape[0], x.shape[1]))
+    return spmm(a, x)
+
+
 class _SparseProject(torch.autograd.Function):
     """``A @ x``; backward ``A^T @ grad`` (``A`` carries no gradient)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, a: Tensor, a_t: Tensor) -> Tensor:  # noqa: ANN001
         ctx.a_t = a_t
-        return spmm(a, x)
+        return _product(a, x)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
-        return spmm(ctx.a_t, grad.contiguous()), None, None
+        return _product(ctx.a_t, grad.contiguous()), None, None
 
 
 def sparse_project(x: Tensor, pair: CsrPair, shape: tuple[int, int]) -> Tensor:
