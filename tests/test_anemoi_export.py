@@ -53,6 +53,13 @@ MODELS = {
                     "model.encoder": {"num_heads": 2, "mlp_ratio": 1.0, "trainable_edge_size": 2},
                     "model.decoder": {"num_heads": 2, "mlp_ratio": 1.0, "trainable_edge_size": 1}},
     "gnn": {"model.name": "gnn", "training.max_steps": 1},
+    # anemoi's bounding kinds after ReluBounding, in order: HardtanhBounding, LeakyFractionBounding of a bounded
+    # total, NormalizedReluBounding (its threshold exported in physical units, rebuilt by anemoi from the statistics)
+    "bounded": {"model.relu_bounded": ["tracer_2"], "model.bounding": [
+        {"kind": "hardtanh", "variables": ["tracer_3"], "min_val": -0.3, "max_val": 0.3},
+        {"kind": "leaky_fraction", "variables": ["tracer_product"], "min_val": 0.0, "max_val": 0.8,
+         "total_variable": "tracer_2"},
+        {"kind": "normalized_relu", "variables": ["tracer_1"], "thresholds": [0.2]}]},
     # anemoi's TruncatedConnection (on the exported graph's truncation edges): the last state through O4 and back
     "truncated": {"model.name": "graphtransformer", "model.residual": "truncated",
                   "graph.truncation": {"grid": "o4", "num_neighbours": 3, "sigma": 0.2}},
@@ -93,7 +100,7 @@ def _reference_input(model, dataset: Path) -> torch.Tensor:
 
 
 @needs_anemoi
-@pytest.mark.parametrize("name", ["graphtransformer", "transformer", "truncated"])
+@pytest.mark.parametrize("name", ["graphtransformer", "transformer", "truncated", "bounded"])
 def test_export_of_a_stormshard_model_predicts_in_anemoi(name, trained, tmp_path):
     """bundle -> export-anemoi (anemoi venv) -> anemoi's torch.load + predict_step == stormshard's predict
     (1e-4 of each output variable's spread, fp32); load_metadata: metadata 2.0, same variables and
@@ -130,6 +137,14 @@ def test_export_of_a_stormshard_model_predicts_in_anemoi(name, trained, tmp_path
         for key in ("truncation", ("data", "to", "truncation"), ("truncation", "to", "data")):
             for attr, value in model.graph[key].items():
                 assert torch.equal(back.graph[key][attr], value), (key, attr)
+    if name == "bounded":  # anemoi's list read back: every bounding, in order, the threshold the same
+        kinds = [(b.kind, b.variables) for b in back.config.bounding]
+        assert kinds == [("relu", ("tracer_2",)), ("hardtanh", ("tracer_3",)), ("leaky_fraction", ("tracer_product",)),
+                         ("normalized_relu", ("tracer_1",))] and not back.config.relu_bounded, kinds
+        assert abs(back.config.bounding[3].thresholds[0] - 0.2) < 1e-6
+        bounded = ours[..., list(model.variables.output_names).index("tracer_3")]
+        # it binds: the prediction (physical units) sits at both clamp values at many points
+        assert (bounded == bounded.max()).sum() > 10 and (bounded == bounded.min()).sum() > 10
     again = back.predict(x).numpy()
     assert (np.abs(again - ours).reshape(-1, ours.shape[-1]).max(axis=0) / spread <= 1e-4).all()
 

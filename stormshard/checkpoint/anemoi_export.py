@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stormshard.checkpoint.anemoi_bounding import check_same_boundings
 from stormshard.checkpoint.anemoi_build import (
     build_anemoi_interface,
     require_anemoi,
@@ -118,6 +119,8 @@ def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> P
     if latlon is not None:  # the template's residual (its pickle is copied unchanged) must be the bundle's
         truncation = read_truncation(ckpt, anemoi_architecture(ckpt), anemoi_latlon(latlon))
         check_same_residual(truncation, config.residual, graph, f"{b} (written into {template})")
+    check_same_boundings(anemoi_architecture(ckpt).boundings, canonical.tensors, config.relu_bounded, config.bounding,
+                         f"{b} (written into {template})")
     mapped, _ = anemoi_parameters(weights, config, len(variables.input_names), graph, b)
     theirs = {names.get(n, n): w for n, w in mapped.items()}
     problems = [f"{n}: not in the anemoi model" for n in theirs if n not in tensors]

@@ -10,7 +10,8 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
 - the model config: processor kind (``GraphTransformerProcessor`` -> ``graphtransformer``,
   ``TransformerProcessor`` -> ``transformer``), channels, layers, heads, MLP ratios, window, the
   trainable node and edge sizes, ``latent_skip``, the decoder's own input embedding
-  (``decoder_embedding``), ReLU bounding (``relu_bounded``), ``self_projection`` (anemoi's ``lin_self``);
+  (``decoder_embedding``), the output boundings (ReluBoundings only: ``relu_bounded``; any other list:
+  ``bounding``, :mod:`~stormshard.checkpoint.anemoi_bounding`), ``self_projection`` (anemoi's ``lin_self``);
 - the graph: node coordinates from the model's ``latlons_*`` buffers, edges and edge attributes
   from its graph providers' buffers (a Lightning file: from its ``graph_data``), sorted by
   destination, the order the trainable edge tensors follow; the data nodes' ``area_weight`` is the
@@ -31,7 +32,8 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
 checkpoint with it).
 
 What stormshard's model cannot represent (another mapper or processor kind, several datasets,
-another bounding or residual, an ``emb_nodes_src`` in the decoder, ...) is a :class:`ConversionError`
+a bounding class anemoi-models 0.19 does not have, another residual, an ``emb_nodes_src`` in the decoder,
+...) is a :class:`ConversionError`
 naming it.
 """
 
@@ -49,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_bounding import ANEMOI_BOUNDINGS, pickled_bounding, stormshard_boundings
 from stormshard.checkpoint.anemoi_files import check_anemoi_file
 from stormshard.checkpoint.anemoi_layouts import (
     AnemoiArchitecture,
@@ -159,7 +162,7 @@ def _pickled_architecture(ckpt: AnemoiCheckpoint) -> AnemoiArchitecture:
         heads = 0
     boundings = []
     for bounding in dict(_attr(model, "boundings", "_modules")).get("data", {}).__dict__.get("_modules", {}).values():
-        boundings.append((_short(bounding), tuple(str(v) for v in _plain(bounding.__dict__.get("variables")) or [])))
+        boundings.append(pickled_bounding(bounding, _short(bounding), _plain))
     residuals = dict((state.get("_modules") or {}).get("residual").__dict__.get("_modules") or {}) \
         if (state.get("_modules") or {}).get("residual") is not None else {}
     residual = _short(next(iter(residuals.values()))) if residuals else "SkipConnection"
@@ -205,7 +208,8 @@ def _check_kinds(ckpt: AnemoiCheckpoint, arch: AnemoiArchitecture) -> str:
     if arch.residual != "SkipConnection" and arch.residual not in TRUNCATED_RESIDUALS:
         problems.append(f"residual {arch.residual} (stormshard's residuals: the last input step, anemoi's "
                         "SkipConnection, and the truncated one, anemoi's TruncatedConnection)")
-    problems += [f"output bounding {name} (only ReluBounding)" for name, _ in arch.boundings if name != "ReluBounding"]
+    problems += [f"output bounding {b.cls} (the kinds: {', '.join(ANEMOI_BOUNDINGS)})" for b in arch.boundings
+                 if b.cls not in ANEMOI_BOUNDINGS]
     if arch.n_step_output != 1:
         problems.append(f"n_step_output={arch.n_step_output} (one output step only)")
     if arch.attention_options:
@@ -392,7 +396,7 @@ def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch:
     if "model.decoder.0.emb_nodes_src.weight" in t:
         problems.append("decoder emb_nodes_src (processor width != decoder width)")
     c = t["model.encoder.0.emb_nodes_src.weight"].shape[0]
-    relu = [v for _, variables in arch.boundings for v in variables]
+    relu, bounding = stormshard_boundings(arch.boundings, t, str(ckpt.path))
 
     def mlp_ratio(prefix: str) -> float:
         return t[f"{prefix}.mlp.0.weight"].shape[0] / c if f"{prefix}.mlp.0.weight" in t else \
@@ -424,7 +428,7 @@ def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch:
                              self_projection=True, trainable_edge_size=edge_size("model.encoder_graph_provider.data")),
         decoder=MapperConfig(num_heads=arch.decoder_heads, mlp_ratio=mlp_ratio("model.decoder.0.proc"),
                              self_projection=True, trainable_edge_size=edge_size("model.decoder_graph_provider.data")),
-        latent_skip=arch.latent_skip, decoder_embedding=True, relu_bounded=tuple(relu),
+        latent_skip=arch.latent_skip, decoder_embedding=True, relu_bounded=relu, bounding=bounding,
         residual="truncated" if truncated else "last_step",
     )
 

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_bounding import AnemoiBounding, config_bounding
 from stormshard.checkpoint.anemoi_pickle import AnemoiCheckpoint, module_tensors
 from stormshard.checkpoint.errors import ConversionError
 
@@ -349,7 +350,7 @@ class AnemoiArchitecture:
     window_size: int  # sliding-window transformer processors (0: none)
     attention_options: tuple[str, ...]  # transformer attention options stormshard lacks, in use
     latent_skip: bool
-    boundings: tuple[tuple[str, tuple[str, ...]], ...]  # (class, variables)
+    boundings: tuple[AnemoiBounding, ...]  # the output boundings, in order
     n_step_input: int
     n_step_output: int
     residual: str  # "SkipConnection", or what replaces it (e.g. truncation matrices)
@@ -415,8 +416,7 @@ def architecture_from_config(metadata: dict[str, Any]) -> AnemoiArchitecture:
                                 if _target(proc) == "TransformerProcessor" and proc.get(k)),
         # anemoi-models before the option added the processor's input to its output unconditionally
         latent_skip=bool(inner.get("latent_skip", True)),
-        boundings=tuple((_target(b), tuple(str(v) for v in b.get("variables") or ()))
-                        for b in bounding if isinstance(b, dict)),
+        boundings=tuple(config_bounding(b) for b in bounding if isinstance(b, dict)),
         n_step_input=int(task.get("multistep_input") or training.get("multistep_input") or 1),
         n_step_output=int(task.get("multistep_output") or training.get("multistep_output") or 1),
         residual=_truncation(config, model, dataset),

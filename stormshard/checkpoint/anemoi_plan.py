@@ -11,7 +11,8 @@ What maps (stormshard -> anemoi-models 0.19):
 - ``name: graphtransformer`` / ``transformer`` -> ``GraphTransformerProcessor`` / ``TransformerProcessor``
   (sliding window ``window_size``, scaled-dot-product attention); graph-transformer mappers both ways;
 - channels, layers, heads, MLP ratios, ``trainable_size`` (``node_trainable_parameters``), trainable edge
-  sizes (the graph providers' ``trainable_size``), ``latent_skip``, ``relu_bounded`` (``ReluBounding``),
+  sizes (the graph providers' ``trainable_size``), ``latent_skip``, ``relu_bounded`` (``ReluBounding``) and
+  ``bounding`` (anemoi's classes; the normalized kinds' thresholds in physical units),
   ``multistep_input``, the residual of the prognostic variables (``residual: last_step`` -> ``SkipConnection``;
   ``truncated`` -> ``TruncatedConnection`` on the exported graph's ``truncation`` nodes and the two edge sets
   ``data -> truncation`` / ``truncation -> data``, their weights as ``gauss_weight``, nothing renormalised:
@@ -45,6 +46,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_bounding import anemoi_bounding_config
 from stormshard.checkpoint.anemoi_import import anemoi_weights
 from stormshard.checkpoint.anemoi_truncation import EDGE_WEIGHT_ATTRIBUTE, truncation_residual_config
 from stormshard.checkpoint.errors import ConversionError
@@ -280,8 +282,9 @@ def _mapper(config: ModelConfig, section: str, edge_width: int, target: str) -> 
     return out
 
 
-def _model_section(config: ModelConfig, graph: HeteroGraph) -> dict[str, Any]:
-    """anemoi's ``config.model`` for ``config`` (the inverse of the import's config mapping)."""
+def _model_section(config: ModelConfig, graph: HeteroGraph, bounding: list[dict[str, Any]]) -> dict[str, Any]:
+    """anemoi's ``config.model`` for ``config`` (the inverse of the import's config mapping; ``bounding``:
+    anemoi's bounding list, :func:`~stormshard.checkpoint.anemoi_bounding.anemoi_bounding_config`)."""
     p, kind = config.processor, config.name
     processor: dict[str, Any] = {
         "_target_": EXPORTABLE_MODELS[kind], "_convert_": "all", "num_channels": config.num_channels,
@@ -296,8 +299,6 @@ def _model_section(config: ModelConfig, graph: HeteroGraph) -> dict[str, Any]:
         processor |= {"window_size": p.window_size, "dropout_p": 0.0, "softcap": 0.0, "use_alibi_slopes": False,
                       "use_rotary_embeddings": False, "attention_implementation": "scaled_dot_product_attention"}
     mappers = "anemoi.models.layers.mapper.GraphTransformer{}Mapper"
-    bounding = ([{"_target_": "anemoi.models.layers.bounding.ReluBounding", "variables": list(config.relu_bounded)}]
-                if config.relu_bounded else [])
     return {
         "keep_batch_sharded": True, "sparse_projector": {"num_chunks": 1},
         "model": {"_target_": "anemoi.models.models.AnemoiModelEncProcDec", "hidden_nodes_name": "hidden",
@@ -339,6 +340,15 @@ def _normaliser(source: ExportSource) -> tuple[np.ndarray, np.ndarray]:
                                       default=source.normalisation.get("default", "mean-std"))
     scale, offset = norm.scale.numpy(), norm.offset.numpy()
     return 1.0 / scale, -offset / scale
+
+
+def _bounding(source: ExportSource) -> list[dict[str, Any]]:
+    """anemoi's bounding list of the bundle's model (the normalized kinds' thresholds in physical units)."""
+    mul, add = _normaliser(source)
+    default = source.normalisation.get("default", "mean-std")
+    methods = {v: (source.normalisation.get("methods") or {}).get(v, default) for v in source.variables.variables}
+    return anemoi_bounding_config(source.config.relu_bounded, source.config.bounding, source.variables.variables,
+                                  mul, add, methods)
 
 
 def _training_config(source: ExportSource, model: dict[str, Any], run_id: str) -> dict[str, Any]:
@@ -413,7 +423,7 @@ def plan_anemoi_export(source: ExportSource) -> AnemoiExportPlan:
     parameters, notes = anemoi_parameters(source.weights, config, len(v.input_names), source.graph, source.path)
     nodes, edges = _anemoi_graph(source.graph, config.name, config.residual == "truncated")
     run_id = str(uuid.uuid4())
-    training = _training_config(source, _model_section(config, source.graph), run_id)
+    training = _training_config(source, _model_section(config, source.graph, _bounding(source)), run_id)
     mul, add = _normaliser(source)
     lat, lon = (np.degrees(source.graph["data"].x[:, i].double().numpy()) for i in (0, 1))
     return AnemoiExportPlan(
