@@ -26,6 +26,19 @@ from stormshard.checkpoint.anemoi_pickle import Stub, _stub_class
 __all__ = ["save_stub_tree", "new_stub", "module_children"]
 
 
+def rewrite_metadata(src: Path, dst: Path, edit_metadata: Callable[[dict], None]) -> Path:
+    """A copy of the checkpoint ``src`` whose ``anemoi-metadata/anemoi.json`` is passed through ``edit_metadata``."""
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as out:
+        for info in z.infolist():
+            data = z.read(info)
+            if info.filename.endswith("anemoi-metadata/anemoi.json"):
+                meta = json.loads(data)
+                edit_metadata(meta)
+                data = json.dumps(meta).encode()
+            out.writestr(info, data)
+    return dst
+
+
 def new_stub(name: str, **state: Any) -> Stub:
     """An instance of the stub of class ``name`` (``module.Class``) with ``state`` as its attributes."""
     obj = _stub_class(name).__new__(_stub_class(name))

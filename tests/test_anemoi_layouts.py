@@ -27,6 +27,7 @@ from launch.convert_checkpoint import main as convert_main
 from stormshard.checkpoint.anemoi_import import read_anemoi
 from stormshard.checkpoint.anemoi_pickle import open_anemoi_checkpoint
 from stormshard.checkpoint.errors import ConversionError
+from tests.anemoi_repickle import rewrite_metadata
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
 LAST = FIXTURES / "gt" / "last.ckpt"
@@ -190,14 +191,7 @@ def test_truncation_matrices_absent_from_a_lightning_checkpoint_are_a_clear_erro
     (Those whose pickled model holds them import: ``tests/test_anemoi_truncation.py``.)"""
     src = tmp_path / "trunc.ckpt"
     if version == "0.19":
-        with zipfile.ZipFile(LAST) as z, zipfile.ZipFile(src, "w", zipfile.ZIP_STORED) as out:
-            for info in z.infolist():
-                data = z.read(info)
-                if info.filename.endswith("anemoi-metadata/anemoi.json"):
-                    meta = json.loads(data)
-                    edit(meta)
-                    data = json.dumps(meta).encode()
-                out.writestr(info, data)
+        rewrite_metadata(LAST, src, edit)
     else:
         write_old_layout(src, version, edit)
     assert convert_main(["import-anemoi", str(src), "--out", str(tmp_path / "b")]) == 2

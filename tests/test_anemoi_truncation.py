@@ -32,7 +32,7 @@ from stormshard.graphs.builder import TRUNCATION_DOWN, TRUNCATION_UP, Truncation
 from stormshard.graphs.grids import grid_from_name
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.graphs.sphere import latlon_to_xyz
-from tests.anemoi_repickle import module_children, new_stub, save_stub_tree
+from tests.anemoi_repickle import module_children, new_stub, rewrite_metadata, save_stub_tree
 from tests.test_anemoi_export import _anemoi, needs_anemoi
 from tests.test_anemoi_layouts import _old_metadata
 
@@ -125,19 +125,6 @@ def test_the_residual_is_anemois_two_matrices(tmp_path):
     assert _predict_error(stormshard.load_model(bundle)).max() > 1e-2
 
 
-def _rewrite(src: Path, dst: Path, edit_metadata) -> Path:  # noqa: ANN001 - edit_metadata: dict -> None
-    """A copy of ``src`` whose ``anemoi-metadata/anemoi.json`` is passed through ``edit_metadata``."""
-    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as out:
-        for info in z.infolist():
-            data = z.read(info)
-            if info.filename.endswith("anemoi-metadata/anemoi.json"):
-                meta = json.loads(data)
-                edit_metadata(meta)
-                data = json.dumps(meta).encode()
-            out.writestr(info, data)
-    return dst
-
-
 def _truncation_config(meta: dict) -> dict:
     return meta["config"]["model"]["residual"]["datasets"]["data"]
 
@@ -148,7 +135,7 @@ def test_coordinates_that_do_not_fit_the_matrices_are_left_out(tmp_path):
     def other_sigma(meta: dict) -> None:
         _truncation_config(meta)["truncation_config"]["sigma"] = 0.5
 
-    src = _rewrite(INFERENCE, tmp_path / "sigma.ckpt", other_sigma)
+    src = rewrite_metadata(INFERENCE, tmp_path / "sigma.ckpt", other_sigma)
     bundle = import_anemoi(src, tmp_path / "bundle")
     from stormshard.graphs.builder import load_graph
 
@@ -186,7 +173,7 @@ def test_a_lightning_checkpoint_without_the_matrices_is_a_clear_error(form, tmp_
         def files(meta: dict) -> None:
             _truncation_config(meta)["truncation_config"] = {"truncation_down_file_path": "/data/o16_to_o4.npz",
                                                              "truncation_up_file_path": "/data/o4_to_o16.npz"}
-        src = _rewrite(LAST, tmp_path / "files.ckpt", files)
+        src = rewrite_metadata(LAST, tmp_path / "files.ckpt", files)
     out = tmp_path / "bundle"
     assert convert_main(["import-anemoi", str(src), "--out", str(out)]) == 2
     errors, err = _errors(capsys)
