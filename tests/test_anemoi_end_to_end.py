@@ -48,14 +48,15 @@ def _first_loss(bundle: Path, dataset: Path, out: Path, *extra: str) -> float:
     return run_training(cfg).losses[0]
 
 
-@pytest.mark.parametrize("variant", ["gt", "transformer", "gt_truncated"])
+@pytest.mark.parametrize("variant", ["gt", "transformer", "gt_truncated", "gt_bounded"])
 def test_first_finetune_loss_equals_anemoi_trainings(variant, dataset, tmp_path):
     """The imported model's first fine-tuning loss equals anemoi-training's loss of the same weights on
     the same window (gt 0.78430599 vs 0.78430593, transformer 0.73775935 vs 0.73775929: 8e-8 apart),
     because the bundle's data nodes carry the checkpoint's area weights normalised unit-sum, as
     anemoi's node_weights scaler; with every weight 1 (the import before) gt's loss is 2.8% off.
     gt_truncated (anemoi's TruncatedConnection): its inference checkpoint, written at the step of the
-    last.ckpt anemoi-training warm-started from (a Lightning file holds no truncation matrices)."""
+    last.ckpt anemoi-training warm-started from (a Lightning file holds no truncation matrices). gt_bounded
+    (anemoi's bounding list: relu, hardtanh, fraction, leaky hardtanh, normalized relu) from its last.ckpt."""
     ref = json.loads((FIXTURES / variant / "first_loss.json").read_text())
     source = "inference.ckpt" if variant == "gt_truncated" else "last.ckpt"
     bundle = import_anemoi(FIXTURES / variant / source, tmp_path / "bundle")
@@ -79,6 +80,12 @@ def test_first_finetune_loss_equals_anemoi_trainings(variant, dataset, tmp_path)
         save_graph(graph, tmp_path / "uniform.pt")
         uniform = _first_loss(bundle, dataset, tmp_path / "uniform", f"data.graph_file={tmp_path / 'uniform.pt'}")
         assert abs(uniform / ref["loss"] - 1) > 0.01, (uniform, ref["loss"])
+    if variant == "gt_bounded":  # the same weights without the bounding list: 0.674 against 0.758
+        config = json.loads((bundle / "finetune_config.json").read_text())
+        config["model"]["bounding"] = []
+        (bundle / "finetune_config.json").write_text(json.dumps(config))
+        unbounded = _first_loss(bundle, dataset, tmp_path / "unbounded")
+        assert abs(unbounded / ref["loss"] - 1) > 0.05, (unbounded, ref["loss"])
 
 
 def _readme_commands() -> list[str]:

@@ -20,8 +20,10 @@ from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_chec
 from stormshard.checkpoint.errors import ConversionError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
-#: fixture variant -> stormshard model name (gt_truncated: gt with anemoi's TruncatedConnection residual)
-KINDS = {"gt": "graphtransformer", "transformer": "transformer", "gt_truncated": "graphtransformer"}
+#: fixture variant -> stormshard model name (gt_truncated: gt with anemoi's TruncatedConnection residual;
+#: gt_bounded: gt with a list of anemoi's bounding kinds, tests/test_anemoi_bounding.py)
+KINDS = {"gt": "graphtransformer", "transformer": "transformer", "gt_truncated": "graphtransformer",
+         "gt_bounded": "graphtransformer"}
 
 
 def _parameters(module, prefix=""):
@@ -47,7 +49,12 @@ def test_import_predicts_what_anemoi_predicts(variant, tmp_path, capsys):
     cfg = model.config
     assert cfg.name == KINDS[variant]
     assert cfg.residual == ("truncated" if variant == "gt_truncated" else "last_step")
-    assert cfg.latent_skip and cfg.decoder_embedding and cfg.relu_bounded == ("tracer_2",)
+    assert cfg.latent_skip and cfg.decoder_embedding
+    if variant == "gt_bounded":  # anemoi's list, in order: ReluBounding of tracer_2 first
+        assert cfg.relu_bounded == () and cfg.bounding[0].kind == "relu" and cfg.bounding[0].variables == ("tracer_2",)
+        assert [b.kind for b in cfg.bounding] == ["relu", "hardtanh", "fraction", "leaky_hardtanh", "normalized_relu"]
+    else:
+        assert cfg.relu_bounded == ("tracer_2",) and cfg.bounding == ()
     assert cfg.encoder.trainable_edge_size == 2 and cfg.decoder.trainable_edge_size == 2
     # every anemoi parameter arrives: same count (anemoi's mapper layer_norm_attention is its
     # layer_norm_attention_dest under a second name, listed twice; stormshard's zero q/k/v bias aside)
@@ -103,7 +110,7 @@ def _predict_error(model, variant: str) -> np.ndarray:
     return np.abs(got - expected).reshape(-1, expected.shape[-1]).max(axis=0) / spread
 
 
-@pytest.mark.parametrize("variant", ["gt", "transformer"])
+@pytest.mark.parametrize("variant", ["gt", "transformer", "gt_bounded"])
 def test_lightning_checkpoint_imports_as_its_inference_checkpoint(variant, tmp_path, capsys):
     """``last.ckpt`` (anemoi-training 0.17's Lightning checkpoint, written by the same callback at the
     same step as ``inference.ckpt``): same weights, graph (the sliding-window transformer's has no
@@ -120,14 +127,14 @@ def test_lightning_checkpoint_imports_as_its_inference_checkpoint(variant, tmp_p
     assert set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
     ga, gb = load_graph(ours / "graph.pt"), load_graph(ref / "graph.pt")
     assert sorted(ga.edge_types) == sorted(gb.edge_types)
-    assert (("hidden", "to", "hidden") in gb.edge_types) == (variant == "gt")
+    assert (("hidden", "to", "hidden") in gb.edge_types) == (variant != "transformer")
     for et in gb.edge_types:  # edges from the file's graph_data, sorted by destination as anemoi's provider
         assert torch.equal(ga[et].edge_index, gb[et].edge_index) and torch.equal(ga[et].edge_attr, gb[et].edge_attr)
     assert torch.equal(ga["data"].area_weight, gb["data"].area_weight)  # the graph's area_weight, unit-sum
     assert json.loads((ours / "statistics.json").read_text()) == json.loads((ref / "statistics.json").read_text())
     meta, ref_meta = (json.loads((d / "metadata.json").read_text()) for d in (ours, ref))
     assert meta["model"] == ref_meta["model"] and meta["timestep"] == "6h" and meta["step"] == 2
-    assert meta["model"]["name"] == {"gt": "graphtransformer", "transformer": "transformer"}[variant]
+    assert meta["model"]["name"] == KINDS[variant]
     assert meta["anemoi"]["checkpoint"] == "lightning" and meta["anemoi"]["migrations"] == []
     model = stormshard.load_model(ours)
     err = _predict_error(model, variant)

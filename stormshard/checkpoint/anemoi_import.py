@@ -10,8 +10,11 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
 - the model config: processor kind (``GraphTransformerProcessor`` -> ``graphtransformer``,
   ``TransformerProcessor`` -> ``transformer``), channels, layers, heads, MLP ratios, window, the
   trainable node and edge sizes, ``latent_skip``, the decoder's own input embedding
-  (``decoder_embedding``), the output boundings (ReluBoundings only: ``relu_bounded``; any other list:
-  ``bounding``, :mod:`~stormshard.checkpoint.anemoi_bounding`), ``self_projection`` (anemoi's ``lin_self``);
+  (``decoder_embedding``), the output boundings (every anemoi-models 0.19 class; ReluBoundings only:
+  ``relu_bounded``; any other list: ``bounding``, in order, the normalized kinds' ``norm_min_val`` from the
+  pickled buffer, the state dict, or anemoi's formula on the checkpoint's statistics; variables that are not
+  outputs skipped as anemoi skips them: :mod:`~stormshard.checkpoint.anemoi_bounding`), ``self_projection``
+  (anemoi's ``lin_self``);
 - the graph: node coordinates from the model's ``latlons_*`` buffers, edges and edge attributes
   from its graph providers' buffers (a Lightning file: from its ``graph_data``), sorted by
   destination, the order the trainable edge tensors follow; the data nodes' ``area_weight`` is the
@@ -51,7 +54,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stormshard.checkpoint.anemoi_bounding import ANEMOI_BOUNDINGS, pickled_bounding, stormshard_boundings
+from stormshard.checkpoint.anemoi_bounding import (
+    ANEMOI_BOUNDINGS,
+    checkpoint_statistics,
+    pickled_bounding,
+    stormshard_boundings,
+)
 from stormshard.checkpoint.anemoi_files import check_anemoi_file
 from stormshard.checkpoint.anemoi_layouts import (
     AnemoiArchitecture,
@@ -160,9 +168,11 @@ def _pickled_architecture(ckpt: AnemoiCheckpoint) -> AnemoiArchitecture:
         heads = int(block0.__dict__["num_heads"])  # KeyError for a chunked (older) processor
     else:
         heads = 0
-    boundings = []
-    for bounding in dict(_attr(model, "boundings", "_modules")).get("data", {}).__dict__.get("_modules", {}).values():
-        boundings.append(pickled_bounding(bounding, _short(bounding), _plain))
+    per_dataset = dict(_attr(model, "boundings", "_modules"))  # one ModuleList per dataset (user-named)
+    dataset, _ = dataset_and_hidden_names(ckpt.metadata)
+    own = per_dataset.get(dataset, next(iter(per_dataset.values())) if len(per_dataset) == 1 else None)
+    boundings = [pickled_bounding(bounding, _short(bounding), _plain)
+                 for bounding in ((own.__dict__.get("_modules") or {}) if own is not None else {}).values()]
     residuals = dict((state.get("_modules") or {}).get("residual").__dict__.get("_modules") or {}) \
         if (state.get("_modules") or {}).get("residual") is not None else {}
     residual = _short(next(iter(residuals.values()))) if residuals else "SkipConnection"
@@ -390,13 +400,15 @@ def anemoi_weights(weights: dict[str, Tensor], config: ModelConfig, n_in: int) -
 
 
 def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture,
-                  truncated: bool) -> ModelConfig:
+                  truncated: bool, variables: VariableIndex) -> ModelConfig:
     """The stormshard model config: sizes from the (canonical) tensors, the rest from ``arch``."""
     problems = []
     if "model.decoder.0.emb_nodes_src.weight" in t:
         problems.append("decoder emb_nodes_src (processor width != decoder width)")
     c = t["model.encoder.0.emb_nodes_src.weight"].shape[0]
-    relu, bounding = stormshard_boundings(arch.boundings, t, str(ckpt.path))
+    relu, bounding = stormshard_boundings(
+        arch.boundings, t, str(ckpt.path), variables.output_names,
+        checkpoint_statistics(ckpt.root, dataset_and_hidden_names(ckpt.metadata)[0]), variables.variables)
 
     def mlp_ratio(prefix: str) -> float:
         return t[f"{prefix}.mlp.0.weight"].shape[0] / c if f"{prefix}.mlp.0.weight" in t else \
@@ -470,7 +482,7 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
     t = canonical.tensors
     try:
         truncation = read_truncation(ckpt, arch, anemoi_latlon(t["model.node_attributes.latlons_data"]))
-        config = _model_config(ckpt, t, kind, arch, truncation is not None)
+        config = _model_config(ckpt, t, kind, arch, truncation is not None, variables)
         graph, weights_source = _graph(ckpt, t, kind, truncation)
         weights = _weights(t, config, len(variables.input_names))
     except KeyError as err:  # a tensor of the 0.19 layout is absent: a layout no migration rule maps

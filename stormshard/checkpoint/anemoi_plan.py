@@ -12,7 +12,8 @@ What maps (stormshard -> anemoi-models 0.19):
   (sliding window ``window_size``, scaled-dot-product attention); graph-transformer mappers both ways;
 - channels, layers, heads, MLP ratios, ``trainable_size`` (``node_trainable_parameters``), trainable edge
   sizes (the graph providers' ``trainable_size``), ``latent_skip``, ``relu_bounded`` (``ReluBounding``) and
-  ``bounding`` (anemoi's classes; the normalized kinds' thresholds in physical units),
+  ``bounding`` (anemoi's classes; the normalized kinds' thresholds in physical units for a variable normalised
+  with ``mean-std`` or ``std``, which anemoi rebuilds from the exported statistics, checked),
   ``multistep_input``, the residual of the prognostic variables (``residual: last_step`` -> ``SkipConnection``;
   ``truncated`` -> ``TruncatedConnection`` on the exported graph's ``truncation`` nodes and the two edge sets
   ``data -> truncation`` / ``truncation -> data``, their weights as ``gauss_weight``, nothing renormalised:
@@ -343,12 +344,12 @@ def _normaliser(source: ExportSource) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _bounding(source: ExportSource) -> list[dict[str, Any]]:
-    """anemoi's bounding list of the bundle's model (the normalized kinds' thresholds in physical units)."""
-    mul, add = _normaliser(source)
+    """anemoi's bounding list of the bundle's model (the normalized kinds' thresholds in physical units, from the
+    statistics the exported checkpoint gives anemoi); a :class:`ConversionError` naming the bundle otherwise."""
     default = source.normalisation.get("default", "mean-std")
     methods = {v: (source.normalisation.get("methods") or {}).get(v, default) for v in source.variables.variables}
     return anemoi_bounding_config(source.config.relu_bounded, source.config.bounding, source.variables.variables,
-                                  mul, add, methods)
+                                  source.statistics, methods, str(source.path))
 
 
 def _training_config(source: ExportSource, model: dict[str, Any], run_id: str) -> dict[str, Any]:
