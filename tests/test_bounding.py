@@ -113,6 +113,8 @@ def test_model_applies_boundings_after_relu_bounded():
     (dict(kind="hardtanh", variables=("tcc",), min_val=0.0, max_val=1.0, thresholds=(0.0,)), "takes no thresholds"),
     (dict(kind="clip", variables=("tp",)), "kind"),
     (dict(kind="relu", variables=()), "variables"),
+    (dict(kind="fraction", variables=("cp", "tp"), min_val=0.0, max_val=1.0, total_variable="tp"),
+     "total_variable='tp' is one of its own variables"),
 ])
 def test_config_errors_name_the_field_and_the_fix(spec, match):
     with pytest.raises(ValueError, match=match):

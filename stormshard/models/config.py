@@ -155,6 +155,9 @@ class BoundingConfig(_Strict):
         if is_fraction != (self.total_variable is not None):
             raise ValueError(f"{where}: total_variable is {'required' if is_fraction else 'only for fraction kinds'}"
                              f"{': name the output variable the fraction multiplies' if is_fraction else ': drop it'}")
+        if is_fraction and self.total_variable in self.variables:
+            raise ValueError(f"{where}: total_variable={self.total_variable!r} is one of its own variables (the "
+                             "fraction would multiply the total by itself): name another output variable")
         is_normalized = self.kind.startswith("normalized")
         if is_normalized and (self.thresholds is None or len(self.thresholds) != len(self.variables)):
             raise ValueError(f"{where} needs thresholds: one normalised lower bound per variable "
