@@ -116,10 +116,11 @@ def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> P
     names = canonical.file_names  # the file's own dataset / mapper names where they are not data / 0
     graph = load_graph(b / "graph.pt")
     latlon = canonical.tensors.get("model.node_attributes.latlons_data")
-    if latlon is not None:  # the template's residual (its pickle is copied unchanged) must be the bundle's
-        truncation = read_truncation(ckpt, anemoi_architecture(ckpt), anemoi_latlon(latlon))
+    arch = anemoi_architecture(ckpt)  # the template's pickled residual and boundings are copied unchanged
+    if latlon is not None:  # so they must be the bundle's
+        truncation = read_truncation(ckpt, arch, anemoi_latlon(latlon))
         check_same_residual(truncation, config.residual, graph, f"{b} (written into {template})")
-    check_same_boundings(anemoi_architecture(ckpt).boundings, canonical.tensors, config.relu_bounded, config.bounding,
+    check_same_boundings(arch.boundings, canonical.tensors, config.relu_bounded, config.bounding,
                          f"{b} (written into {template})")
     mapped, _ = anemoi_parameters(weights, config, len(variables.input_names), graph, b)
     theirs = {names.get(n, n): w for n, w in mapped.items()}
