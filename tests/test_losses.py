@@ -1,4 +1,5 @@
-"""Losses: sharded weighted MSE and almost-fair CRPS equal their single-process values and gradients."""
+"""Losses: the sharded weighted pointwise losses (MSE, MAE, Huber, log-cosh, RMSE) and almost-fair CRPS equal their
+single-process values and gradients; each kind is anemoi-training's formula."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import torch
 import torch.distributed as dist
 
 from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
-from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss, almost_fair_crps
+from stormshard.training.loss_kinds import LOSS_KINDS
+from stormshard.training.losses import (
+    AlmostFairCRPSLoss,
+    WeightedMSELoss,
+    WeightedPointwiseLoss,
+    almost_fair_crps,
+)
 from tests.distributed import run_distributed
 
 
@@ -26,6 +33,57 @@ def test_weighted_mse_matches_definition():
     loss = WeightedMSELoss(vw)(pred, target, area)
     expect = ((pred - target) ** 2 * vw * area[:, None]).sum() / (pred.shape[0] * area.sum() * vw.sum())
     torch.testing.assert_close(loss, expect)
+
+
+def _anemoi_pointwise(diff, kind, delta):
+    """anemoi-training 0.17's ``calculate_difference`` of each loss, as it writes them (log-cosh as log(cosh))."""
+    if kind in ("mse", "rmse"):
+        return torch.square(diff)
+    if kind == "mae":
+        return torch.abs(diff)
+    if kind == "huber":
+        a = torch.abs(diff)
+        return torch.where(a < delta, 0.5 * torch.square(a), delta * (a - 0.5 * delta))
+    return torch.log(torch.cosh(diff))
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_pointwise_losses_match_anemoi_formulas(kind):
+    """Each kind's value and gradient against anemoi's formula with the MSE's weighting and reduction (the
+    node weights summed over the grid, the variable weights' mean, the batch mean), float64, with and without a
+    mask; the Huber threshold 0.7 so that both branches are taken."""
+    pred, _, target, area, vw = _data(grid=301)
+    pred = pred * 2.0  # errors up to ~8: log-cosh's large-|d| branch, Huber's linear part
+    mask = torch.rand(target.shape, generator=torch.Generator().manual_seed(3)) > 0.2
+    for m in (None, mask):
+        x = pred.clone().requires_grad_()
+        loss = WeightedPointwiseLoss(vw, kind, delta=0.7)(x, target, area, mask=m)
+        loss.backward()
+        y = pred.clone().requires_grad_()
+        w = area[:, None] * vw if m is None else area[:, None] * vw * m
+        # unmasked: batch * sum area * sum vw; masked: the weights of the valid points
+        norm = pred.shape[0] * area.sum() * vw.sum() if m is None else w.sum()
+        expect = (_anemoi_pointwise(y - target, kind, 0.7) * w).sum() / norm
+        if kind == "rmse":
+            expect = expect.sqrt()
+        expect.backward()
+        torch.testing.assert_close(loss, expect.detach(), rtol=1e-13, atol=0)
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-11, atol=1e-16)
+    if kind == "logcosh":  # finite where cosh overflows, gradient tanh(d)
+        d = torch.tensor([1000.0, -1000.0, 0.0], dtype=torch.float64, requires_grad=True)
+        out = WeightedPointwiseLoss(torch.ones(1, dtype=torch.float64), "logcosh")(
+            d[None, :, None], torch.zeros(1, 3, 1, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+        out.backward()
+        torch.testing.assert_close(out, (2000.0 - 2 * torch.log(torch.tensor(2.0, dtype=torch.float64))) / 3)
+        torch.testing.assert_close(d.grad, torch.tanh(d.detach()) / 3)
+
+
+def test_pointwise_loss_bad_arguments():
+    vw = torch.ones(2)
+    with pytest.raises(ValueError, match="unknown loss kind 'l1': use one of mse, mae, huber, logcosh, rmse"):
+        WeightedPointwiseLoss(vw, "l1")
+    with pytest.raises(ValueError, match="Huber delta must be a positive number, got 0.0"):
+        WeightedPointwiseLoss(vw, "huber", delta=0.0)
 
 
 def test_crps_definitions():
@@ -47,16 +105,19 @@ def _check_sharded(rank, world):
     sizes = balanced_sizes(pred.shape[1], world)
     lo, n = balanced_offsets(sizes)[rank], sizes[rank]
     group = dist.group.WORLD
-    for kind in ("mse", "crps"):
-        full_in = (pred if kind == "mse" else ens).clone().requires_grad_()
-        loss_fn = WeightedMSELoss(vw) if kind == "mse" else AlmostFairCRPSLoss(vw, alpha=0.9)
-        ref = loss_fn(full_in, target, area)
-        ref.backward()
-        local_in = full_in.detach().narrow(-2, lo, n).clone().requires_grad_()
-        loss = loss_fn(local_in, target.narrow(-2, lo, n), area.narrow(0, lo, n), group)
-        loss.backward()
-        torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(local_in.grad, full_in.grad.narrow(-2, lo, n), rtol=1e-12, atol=1e-14)
+    mask = torch.rand(target.shape, generator=torch.Generator().manual_seed(5)) > 0.1
+    for kind in (*LOSS_KINDS, "crps"):
+        for m in (None, mask):
+            full_in = (ens if kind == "crps" else pred).clone().requires_grad_()
+            loss_fn = AlmostFairCRPSLoss(vw, alpha=0.9) if kind == "crps" else WeightedPointwiseLoss(vw, kind, 0.6)
+            ref = loss_fn(full_in, target, area, mask=m)
+            ref.backward()
+            local_in = full_in.detach().narrow(-2, lo, n).clone().requires_grad_()
+            local_mask = None if m is None else m.narrow(-2, lo, n)
+            loss = loss_fn(local_in, target.narrow(-2, lo, n), area.narrow(0, lo, n), group, mask=local_mask)
+            loss.backward()
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(local_in.grad, full_in.grad.narrow(-2, lo, n), rtol=1e-12, atol=1e-14)
     return True
 
 

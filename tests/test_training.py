@@ -62,6 +62,19 @@ def test_tensor_parallel_and_graph_processors_match_single_process(dataset, tmp_
         assert sharded == pytest.approx(single, rel=2e-5), extra
 
 
+@pytest.mark.parametrize("kind", ["huber", "rmse"])
+def test_training_loss_kind_trains_equal_at_every_layout(dataset, tmp_path, kind):
+    """``training.loss`` reaches the trained loss (its curve differs from the MSE's) and a model group of 2 records
+    the single-process curve (the Huber threshold 0.5 in normalised units: both branches are taken)."""
+    changes = {"training.loss": kind, "training.huber_delta": 0.5}
+    single = _train(0, 1, _config(dataset, tmp_path / "single", **changes))[0]
+    sharded = run_distributed(_train, 2, _config(dataset, tmp_path / "sharded", **{
+        "parallel.gpus_per_model": 2, **changes}))[0][0]
+    assert sharded == pytest.approx(single, rel=2e-5)
+    mse = _train(0, 1, _config(dataset, tmp_path / "mse"))[0]
+    assert all(abs(a - b) > 1e-3 * abs(b) for a, b in zip(single, mse, strict=True)), (single, mse)
+
+
 # ------------------------------------------------------------------------------ resume
 
 
@@ -191,6 +204,10 @@ BAD = [
     ({"graph.hidden": "cube7"}, "hidden='cube7'"),
     ({"engine": "horovod"}, "engine"),
     ({"model.name": "ensemble"}, "at least 2 members"),
+    ({"training.loss": "l1"}, "training.loss = \"l1\": Input should be 'mse', 'mae', 'huber', 'logcosh' or 'rmse'"),
+    ({"training.huber_delta": 0}, "training.huber_delta = 0: Input should be greater than 0"),
+    ({"model.name": "ensemble", "parallel.ensemble_size_per_device": 2, "training.loss": "mae"},
+     "training.loss='mae' with model.name='ensemble'"),
     ({"parallel.shard_strategy": "tensor", "model.processor.shard_strategy": "shard_heads"},
      "model.processor.shard_strategy='shard_heads' (deprecated) and parallel.shard_strategy='tensor' disagree"),
 ]

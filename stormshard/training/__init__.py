@@ -14,7 +14,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("LaunchEnvironment", "LaunchError", "detect_launch", "init_distributed", "run_training"),
                     "launch"),
     **dict.fromkeys(("Trainer", "TrainResult", "train"), "loop"),
-    **dict.fromkeys(("AlmostFairCRPSLoss", "WeightedMSELoss"), "losses"),
+    **dict.fromkeys(("AlmostFairCRPSLoss", "WeightedMSELoss", "WeightedPointwiseLoss"), "losses"),
     "preflight": "preflight",
     **dict.fromkeys(("RolloutSchedule", "rollout_at"), "rollout_schedule"),
     **dict.fromkeys(("LossScalingSettings", "PressureLevelScaling", "variable_loss_weights"), "scaling"),
@@ -23,7 +23,8 @@ _EXPORTS: dict[str, str] = {
 }
 __all__ = [
     "ExperimentConfig", "ConfigError", "load_experiment_config", "preflight", "ForecastTask",
-    "EnsembleForecastTask", "build_engine", "EngineSettings", "WeightedMSELoss", "AlmostFairCRPSLoss",
+    "EnsembleForecastTask", "build_engine", "EngineSettings", "WeightedMSELoss", "WeightedPointwiseLoss",
+    "AlmostFairCRPSLoss",
     "Trainer", "TrainResult", "train", "init_distributed", "run_training",
     "RolloutSchedule", "rollout_at", "LossScalingSettings", "PressureLevelScaling", "variable_loss_weights",
     "LaunchEnvironment", "LaunchError", "detect_launch", "RankFailure", "DiskSpaceError",

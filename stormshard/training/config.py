@@ -51,6 +51,7 @@ from stormshard.training.engine.settings import (
     EngineSettings,
     check_engine_sections,
 )
+from stormshard.training.loss_kinds import LossKind
 from stormshard.training.rollout_schedule import RolloutSchedule
 from stormshard.training.scaling import LossScalingSettings
 from stormshard.training.schedule import LRScheduleSettings
@@ -181,6 +182,11 @@ class TrainingSection(_Strict):
                                        "parameters (another architecture): the others start fresh, with a warning")
     freeze: list[str] = Field(default_factory=list, description="parameter name prefixes not trained "
                               "(e.g. [\"encoder\", \"processor.blocks.0\"]); each must match a parameter")
+    loss: LossKind = Field(
+        "mse", description="the deterministic models' pointwise loss, area- and variable-weighted: mse, mae, huber, "
+        "logcosh or rmse (anemoi-training's losses of those names); ensembles train the almost-fair CRPS")
+    huber_delta: float = Field(1.0, gt=0, allow_inf_nan=False, description="the Huber loss's threshold "
+                               "(training.loss 'huber'; normalised units)")
     crps_alpha: float = Field(0.95, ge=0, le=1)
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="model compute precision for every engine; bf16 keeps fp32 master weights, "
@@ -281,6 +287,11 @@ class ExperimentConfig(_Strict):
             raise ValueError(
                 "model.name='ensemble' needs at least 2 members per initial state: raise "
                 "parallel.ensemble_size_per_device or parallel.gpus_per_ensemble"
+            )
+        if self.model.name == "ensemble" and self.training.loss != "mse":
+            raise ValueError(
+                f"training.loss={self.training.loss!r} with model.name='ensemble': an ensemble trains the almost-fair "
+                "CRPS (training.crps_alpha sets it); remove training.loss, or train a deterministic model"
             )
         if self.model.name != "ensemble" and (self.parallel.gpus_per_ensemble or self.parallel.ensemble_size_per_device > 1):
             if self.parallel.gpus_per_ensemble not in (None, self.parallel.model_parallel_size) or \

@@ -1,4 +1,5 @@
-"""Losses on grid-sharded outputs: area-weighted MSE and the almost-fair CRPS for ensembles.
+"""Losses on grid-sharded outputs: area-weighted pointwise losses (MSE, MAE, Huber, log-cosh, RMSE) and
+the almost-fair CRPS for ensembles.
 
 Every rank of a model group holds a slice of the grid. Each loss sums its weighted errors over
 the local slice, divides by the full-grid normaliser, and sums the partial losses over the model
@@ -13,16 +14,45 @@ masked points from both the sum and its normaliser, so the loss is the ``W``-wei
 valid points; NaN targets at masked points are ignored (they reach neither the loss nor the
 gradient). Without a mask the normaliser is ``batch * sum_g area * sum_v variable_weights``, the
 same number.
+
+Pointwise kinds (:data:`LOSS_KINDS`, ``training.loss``), of the error ``d = pred - target``, as
+anemoi-training's losses of the same names compute them: ``mse`` ``d^2``; ``mae`` ``|d|``; ``huber``
+``d^2 / 2`` where ``|d| < delta``, else ``delta (|d| - delta / 2)``; ``logcosh`` ``log cosh d`` (written
+``|d| + softplus(-2|d|) - log 2``, finite for any ``d``; its gradient ``tanh d``); ``rmse`` the square root
+of the full-grid weighted MSE (taken after the sum over the model group, so every layout gives the same
+number).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from stormshard.parallel.comm import all_reduce_sum, reduce_tensor
+from stormshard.training.loss_kinds import LOSS_KINDS, LossKind
 
-__all__ = ["WeightedMSELoss", "AlmostFairCRPSLoss", "almost_fair_crps"]
+__all__ = ["LOSS_KINDS", "LossKind", "WeightedPointwiseLoss", "WeightedMSELoss", "AlmostFairCRPSLoss",
+           "almost_fair_crps", "pointwise_error"]
+
+
+
+def pointwise_error(diff: Tensor, kind: str, delta: float = 1.0) -> Tensor:
+    """The elementwise loss of the error ``diff = pred - target`` (any shape); ``rmse`` gives the squared
+    error (its square root is taken after the weighted mean)."""
+    if kind in ("mse", "rmse"):
+        return diff.square()
+    if kind == "mae":
+        return diff.abs()
+    if kind == "huber":
+        a = diff.abs()
+        return torch.where(a < delta, 0.5 * a.square(), delta * (a - 0.5 * delta))
+    if kind == "logcosh":
+        a = diff.abs()
+        return a + F.softplus(-2.0 * a) - math.log(2.0)
+    raise ValueError(f"unknown loss kind {kind!r}: use one of {', '.join(LOSS_KINDS)}")
 
 
 def _check_mask(mask: Tensor | None, target: Tensor) -> None:
@@ -49,15 +79,19 @@ def _check_weights(name: str, weights: Tensor, size: int, what: str) -> None:
         raise ValueError(f"{name} has shape {tuple(weights.shape)} but the {what} has {size} entries: pass one weight per entry")
 
 
-class WeightedMSELoss(nn.Module):
-    """Mean squared error weighted by node area and per variable, over a sharded grid.
+class WeightedPointwiseLoss(nn.Module):
+    """A pointwise loss (``kind``, see :data:`LOSS_KINDS`) weighted by node area and per variable, over a
+    sharded grid.
 
-    ``loss = sum_{b,g,v} a_g w_v (pred - target)^2 / (B * sum_g a_g * sum_v w_v)`` where the grid
-    sums run over the full grid (all ranks of ``model_comm_group``); with a ``mask``
-    ``loss = sum m a_g w_v (pred - target)^2 / sum m a_g w_v`` (masked points skipped).
+    ``loss = sum_{b,g,v} a_g w_v f(pred - target) / (B * sum_g a_g * sum_v w_v)`` where the grid sums
+    run over the full grid (all ranks of ``model_comm_group``); with a ``mask``
+    ``loss = sum m a_g w_v f(pred - target) / sum m a_g w_v`` (masked points skipped). ``rmse``: the
+    square root of that with ``f = d^2``.
 
     Args:
         variable_weights: ``(variables,)`` per-variable weights.
+        kind: ``mse`` (default), ``mae``, ``huber``, ``logcosh`` or ``rmse``.
+        delta: the Huber threshold (``huber`` only), positive.
     Forward:
         pred, target: ``(batch, [ensemble,] grid_local, variables)``;
         area_weights: ``(grid_local,)`` this rank's node weights (any positive scale);
@@ -65,10 +99,15 @@ class WeightedMSELoss(nn.Module):
     Communicates: two scalar all-reduces over the model group (the normaliser and the loss).
     """
 
-    def __init__(self, variable_weights: Tensor) -> None:
+    def __init__(self, variable_weights: Tensor, kind: str = "mse", delta: float = 1.0) -> None:
         super().__init__()
         if variable_weights.dim() != 1 or (variable_weights < 0).any():
             raise ValueError("variable_weights must be a 1-d tensor of non-negative weights, one per output variable")
+        if kind not in LOSS_KINDS:
+            raise ValueError(f"unknown loss kind {kind!r}: use one of {', '.join(LOSS_KINDS)}")
+        if not (math.isfinite(delta) and delta > 0):
+            raise ValueError(f"the Huber delta must be a positive number, got {delta}")
+        self.kind, self.delta = kind, float(delta)
         self.register_buffer("variable_weights", variable_weights.clone(), persistent=False)
 
     def forward(self, pred: Tensor, target: Tensor, area_weights: Tensor, model_comm_group=None,  # noqa: ANN001
@@ -82,18 +121,27 @@ class WeightedMSELoss(nn.Module):
             vw = self.variable_weights.to(pred.dtype)
             area = area_weights.to(pred.dtype)
             target = torch.where(mask, target, torch.zeros((), dtype=target.dtype, device=target.device))
-            sq = torch.where(mask, (pred - target).square(), torch.zeros((), dtype=pred.dtype, device=pred.device))
-            local = (sq * vw * area[:, None]).sum()
+            err = torch.where(mask, pointwise_error(pred - target, self.kind, self.delta),
+                              torch.zeros((), dtype=pred.dtype, device=pred.device))
+            local = (err * vw * area[:, None]).sum()
             local = local / _masked_normaliser(mask, area, vw, pred.shape, model_comm_group)
-            return reduce_tensor(local, model_comm_group)
-        area_total = all_reduce_sum(area_weights.sum().detach().reshape(1), model_comm_group)[0]
-        vw = self.variable_weights.to(pred.dtype)
-        sq = (pred - target).square() * vw
-        per_node = sq.sum(dim=-1)  # (..., grid_local)
-        local = (per_node * area_weights.to(pred.dtype)).sum()
-        samples = per_node.numel() // per_node.shape[-1]
-        local = local / (samples * area_total * vw.sum())
-        return reduce_tensor(local, model_comm_group)
+        else:
+            area_total = all_reduce_sum(area_weights.sum().detach().reshape(1), model_comm_group)[0]
+            vw = self.variable_weights.to(pred.dtype)
+            err = pointwise_error(pred - target, self.kind, self.delta) * vw
+            per_node = err.sum(dim=-1)  # (..., grid_local)
+            local = (per_node * area_weights.to(pred.dtype)).sum()
+            samples = per_node.numel() // per_node.shape[-1]
+            local = local / (samples * area_total * vw.sum())
+        total = reduce_tensor(local, model_comm_group)
+        return total.sqrt() if self.kind == "rmse" else total
+
+
+class WeightedMSELoss(WeightedPointwiseLoss):
+    """:class:`WeightedPointwiseLoss` of kind ``mse``: the area- and variable-weighted mean squared error."""
+
+    def __init__(self, variable_weights: Tensor) -> None:
+        super().__init__(variable_weights, "mse")
 
 
 def almost_fair_crps(ensemble: Tensor, target: Tensor, alpha: float = 0.95) -> Tensor:

@@ -3,8 +3,8 @@
 The trainer's step is the same for both (read, forward, loss, backward, step); a task owns the
 rest, chosen once from the config by :func:`task_type`:
 
-- :class:`ForecastTask` (deterministic models): one prediction per initial state, area-weighted
-  MSE; the sample stream is split over the data-parallel replicas (``world / gpus_per_model``).
+- :class:`ForecastTask` (deterministic models): one prediction per initial state, the area-weighted
+  pointwise loss of ``training.loss`` (MSE by default); the sample stream is split over the data-parallel replicas (``world / gpus_per_model``).
 - :class:`EnsembleForecastTask` (``model.name == "ensemble"``): each initial state is repeated
   over ``ensemble_size_per_device`` members per model group, each member gets its own noise, the
   members of the ensemble group's model groups are gathered (over the ensemble-member group) for
@@ -39,7 +39,7 @@ from stormshard.models.variables import VariableIndex
 from stormshard.parallel.comm import gather_tensor
 from stormshard.parallel.topology import ParallelLayout, ProcessGroups
 from stormshard.training.config import ExperimentConfig
-from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
+from stormshard.training.losses import AlmostFairCRPSLoss, WeightedPointwiseLoss
 from stormshard.training.rollout_schedule import max_rollout
 
 __all__ = ["NoiseKey", "ForecastTask", "EnsembleForecastTask", "task_type", "build_task"]
@@ -102,7 +102,8 @@ class ForecastTask:
         return 1
 
     def build_loss(self, variable_weights: Tensor) -> nn.Module:
-        return WeightedMSELoss(variable_weights)
+        t = self.config.training
+        return WeightedPointwiseLoss(variable_weights, t.loss, t.huber_delta)
 
     @property
     def replicas(self) -> int:
