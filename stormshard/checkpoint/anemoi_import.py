@@ -29,7 +29,8 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
   mean-std with ``mean = -add / mul``, ``stdev = 1 / mul``, whatever anemoi's method was);
 - the weights, mapped by name (:func:`anemoi_parameter_map`), shape-checked against the model.
 - ``finetune_config.json`` (:func:`finetune_config`): a training config that fine-tunes the bundle
-  (its graph file, statistics and weights; ``data.path`` a placeholder the user overrides).
+  (its graph file, statistics and weights, anemoi's training loss where stormshard has it:
+  :mod:`stormshard.checkpoint.anemoi_loss`; ``data.path`` a placeholder the user overrides).
 
 :func:`read_anemoi` does all of it without writing (``training.init_weights`` reads an anemoi
 checkpoint with it).
@@ -47,6 +48,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,7 @@ from stormshard.checkpoint.anemoi_layouts import (
     canonical_tensors,
     dataset_and_hidden_names,
 )
+from stormshard.checkpoint.anemoi_loss import anemoi_training_loss
 from stormshard.checkpoint.anemoi_node_weights import loss_node_weights
 from stormshard.checkpoint.anemoi_pickle import (
     AnemoiCheckpoint,
@@ -516,6 +519,7 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
                    "metadata_version": ckpt.metadata.get("version"), "checkpoint": ckpt.kind,
                    "migrations": list(canonical.migrations), "architecture_from": arch.source,
                    "loss_node_weights": weights_source, "date_ranges": _date_ranges(ckpt.metadata),
+                   "training_loss": anemoi_training_loss(ckpt.metadata).as_metadata(),
                    "truncation": None if truncation is None else {
                        "nodes": truncation.num_nodes, "matrices": truncation.source,
                        "coordinates": truncation.coordinates_source},
@@ -562,6 +566,7 @@ def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict
     b = Path(bundle).resolve()
     v, config = imported.variables, imported.config
     freeze = [name for name, _ in _qkv_names(config)]
+    loss = (imported.metadata.get("anemoi") or {}).get("training_loss") or {}
     return {
         "name": f"finetune-{b.name}",
         "model": config.model_dump(mode="json"),
@@ -572,7 +577,8 @@ def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict
         "parallel": {"gpus_per_model": 1, "shard_strategy": "shard_sequence"},
         "training": {"max_steps": 1000, "lr": 1e-4, "lr_min": 1e-6, "warmup_steps": 100,
                      "output_dir": f"runs/finetune-{b.name}", "init_weights": str(b),
-                     "freeze": [f"{name}.bias" for name in freeze]},
+                     "freeze": [f"{name}.bias" for name in freeze],
+                     **{k: loss[k] for k in ("loss", "huber_delta") if k in loss}},
     }
 
 
@@ -587,6 +593,8 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
     check_output_free(out, overwrite)  # before the anemoi file is read
     imported = read_anemoi(source)
     meta = imported.metadata
+    if meta["anemoi"]["training_loss"]["note"]:
+        warnings.warn(f"{imported.path}: {meta['anemoi']['training_loss']['note']}", stacklevel=2)
     with atomic_directory(out, overwrite) as tmp:
         save_safetensors(imported.weights, tmp / "model.safetensors", {"step": str(meta["step"])})
         (tmp / "statistics.json").write_text(json.dumps(imported.statistics, indent=1))
