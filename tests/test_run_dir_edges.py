@@ -15,7 +15,12 @@ a save that fails half-way, ``--resume``, and the end of a run.
   choose between ``latest`` and the newer step.)
 - Any other I/O error (``EIO``, a permission) on any rank while it writes its files stops every rank with one
   error naming that rank, the file, the OS error and the last complete checkpoint, the ``.tmp`` step removed.
-  (It used to be raised by the failing rank only, reported by the rank monitor as a rank that stopped.)
+  (It used to be raised by the failing rank only, reported by the rank monitor as a rank that stopped.) So does
+  any other exception there (a state the codec cannot store: it used to leave the ``.tmp`` step, exit 1 and
+  leave the other ranks to the rank monitor), rank 0 failing to create the ``.tmp`` step, and a directory
+  fsync that fails with ``EIO`` (it used to be ignored, whatever the error; only a file system without
+  directory fsync, ``EINVAL`` and the like, is skipped now); a step renamed into place whose folder fsync
+  fails is removed again.
 - ``--resume`` on a disk without room for the next checkpoint stops before ``config.json`` is rewritten and
   before ``metrics.jsonl`` loses the records past the checkpoint (both used to be rewritten first).
 - A ``metadata.json`` without the ``config`` (or ``layout``, ``step``) a resume reads is a damaged checkpoint,
@@ -154,13 +159,15 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_one_message(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
 
 
-def _fsync_fails_for(name: str, when, error: OSError):  # noqa: ANN001, ANN202
-    """An ``os.fsync`` that raises ``error`` for a file called ``name`` while ``when()`` (the data is written
-    but not on the disk: what a full disk reports at fsync on NFS or with delayed allocation)."""
+def _fsync_fails_for(name: str | None, when, error: OSError):  # noqa: ANN001, ANN202
+    """An ``os.fsync`` that raises ``error`` for a file called ``name`` (None: every directory) while ``when()``
+    (the data is written but not on the disk: what a full disk reports at fsync on NFS or with delayed
+    allocation)."""
     real = os.fsync
 
     def fsync(fd: int) -> None:
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name and when():
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if (os.path.isdir(path) if name is None else os.path.basename(path) == name) and when():
             raise error
         real(fd)
 
@@ -275,6 +282,102 @@ def test_an_io_error_on_one_rank_stops_every_rank_with_one_message(tmp_path):
     assert latest == "CheckpointError" and "Input/output error (EIO) writing" in latest_text, latest_text
     assert f"the checkpoint of step 4 is saved, complete, as {tmp_path / 'step_00000004'}" in latest_text
     assert latest_left == ["latest", "step_00000001", "step_00000004"]
+
+
+def _save_with_other_failures(rank: int, world: int, directory: str) -> list[tuple[str, str, list[str], str]]:
+    """Save step 1, then: step 2 with a state rank 1's codec cannot store (its TypeError), step 3 with EIO at the
+    fsync of ``step_00000003.tmp``, step 4 with EIO at the fsync of the folder after the rename, step 5 with
+    rank 0 refused creating ``step_00000005.tmp``, step 6 on a file system that syncs no directory (EINVAL),
+    step 7 with EIO at the fsync of the folder after ``latest`` was rewritten. Per step: the error class (or
+    "none"), the message, the folder after it and what ``latest`` names."""
+    from stormshard.checkpoint.format import CheckpointError
+
+    root = Path(directory)
+    real_fsync, real_mkdir = os.fsync, Path.mkdir
+    eio = OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def refused(self: Path, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        if self.name == "step_00000005.tmp":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    def pointer_names(step: int) -> bool:
+        return (root / "latest").read_text() == f"step_{step:08d}\n"
+
+    faults = {3: (0, _fsync_fails_for("step_00000003.tmp", lambda: True, eio)),
+              4: (0, _fsync_fails_for(root.name, lambda: (root / "step_00000004").is_dir() and pointer_names(1), eio)),
+              6: (0, _fsync_fails_for(None, lambda: True, OSError(errno.EINVAL, os.strerror(errno.EINVAL)))),
+              7: (0, _fsync_fails_for(root.name, lambda: pointer_names(7), eio))}
+    out = []
+    save_checkpoint(directory, 1, {"x": torch.zeros(2)}, {}, {"world_size": world}, rank, world,
+                    model=torch.nn.Linear(2, 2), keep_last=1)
+    for step in range(2, 8):
+        state = {"x": torch.zeros(2), "sampler": object() if step == 2 and rank == 1 else 0}
+        if step in faults and rank == faults[step][0]:
+            os.fsync = faults[step][1]
+        if step == 5 and rank == 0:
+            Path.mkdir = refused
+        try:
+            save_checkpoint(directory, step, state, {}, {"world_size": world}, rank, world,
+                            model=torch.nn.Linear(2, 2), keep_last=1)
+            out.append(("none", "no error", [], ""))
+        except CheckpointError as exc:
+            out.append((type(exc).__name__, str(exc), sorted(p.name for p in root.iterdir()),
+                        (root / "latest").read_text().strip()))
+        finally:
+            os.fsync, Path.mkdir = real_fsync, real_mkdir
+    return out
+
+
+def test_any_failure_of_a_save_on_one_rank_stops_every_rank_with_one_message(tmp_path):
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_save_with_other_failures, 2, str(tmp_path), timeout=60)
+    assert [r[:2] for r in results[0]] == [r[:2] for r in results[1]], results  # the same error on both ranks
+    codec, dir_tmp, dir_root, mkdir, einval, pointer = results[0]
+    last = f"the last complete checkpoint is {tmp_path / 'step_00000001'}"
+    for (kind, text, left, latest), fragment in (
+            (codec, "rank 1: TypeError: checkpoint state at state/sampler: a builtins.object cannot be stored without "
+                    f"pickle; store it as tensors and plain values, or add its class to stormshard.checkpoint."
+                    f"state_codec.STATE_CLASSES if it is plain data writing {tmp_path / 'step_00000002.tmp'}"),
+            (dir_tmp, f"rank 0: Input/output error (EIO) writing {tmp_path / 'step_00000003.tmp'}"),
+            (dir_root, f"rank 0: Input/output error (EIO) writing {tmp_path}"),
+            (mkdir, f"rank 0: Permission denied (EACCES) writing {tmp_path / 'step_00000005.tmp'}")):
+        assert kind == "CheckpointError" and fragment in text and last in text, text
+        assert "could not be written" in text and "what was written of it is removed" in text, text
+        assert left == ["latest", "step_00000001"] and latest == "step_00000001", (left, latest)  # nothing pruned
+    assert "--debug for the traceback on the rank named" in codec[1], codec[1]
+    assert einval[0] == "none", einval  # a file system without directory fsync saves as before
+    kind, text, left, latest = pointer
+    assert kind == "CheckpointError" and f"is saved, complete, as {tmp_path / 'step_00000007'}" in text, text
+    assert "latest names it, but the file system did not confirm that on the disk" in text, text
+    assert left == ["latest", "step_00000006", "step_00000007"] and latest == "step_00000007", (left, latest)
+
+
+def test_a_state_the_codec_cannot_store_keeps_the_previous_checkpoint_and_resume_continues(dataset, tmp_path,
+                                                                                           capsys, monkeypatch):
+    run = tmp_path / "run"
+    cfg = _local(dataset, run, **{"training.keep_checkpoints": 1})
+    real = checkpoint_module._write_torch
+
+    def write_torch(obj, path: Path) -> None:  # noqa: ANN001
+        if path.parent.name == "step_00000002.tmp":  # e.g. a component whose state_dict holds an object
+            obj = {**obj, "state": {**obj["state"], "scheduler": object()}}
+        real(obj, path)
+
+    monkeypatch.setattr(checkpoint_module, "_write_torch", write_torch)
+    code, err = _train(tmp_path, cfg, capsys)
+    checkpoints = run / "checkpoints"
+    assert code == 2, err
+    _one_error(err, "checkpoint of step 2 could not be written", "rank 0: TypeError: checkpoint state at "
+               "state/scheduler: a builtins.object cannot be stored without pickle",
+               str(checkpoints / "step_00000002.tmp" / "rank_00000.pt"),
+               f"the last complete checkpoint is {checkpoints / 'step_00000001'}", "--resume")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000001"]  # no .tmp left behind
+    assert (checkpoints / "latest").read_text() == "step_00000001\n"
+    monkeypatch.undo()
+    result = run_training(cfg, resume=True)
+    assert len(result.losses) == 2 and Path(result.checkpoint).name == "step_00000003"
 
 
 def test_a_checkpoints_weights_are_on_the_disk_before_the_rename(tmp_path, monkeypatch):

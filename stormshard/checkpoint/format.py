@@ -1,4 +1,5 @@
-"""The on-disk format of a training checkpoint: file names, the parameter table, finding and reading.
+"""The on-disk format of a training checkpoint: file names, the parameter table, finding and reading, and the
+one directory fsync every writer of a checkpoint uses (:func:`fsync_directory`).
 
 Written by :func:`stormshard.training.checkpoint.save_checkpoint` (one collective save per step)
 and by :func:`stormshard.checkpoint.reshard.reshard_checkpoint`; read by resuming, conversion and
@@ -26,6 +27,7 @@ training code.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -49,6 +51,7 @@ __all__ = [
     "list_checkpoints",
     "latest_checkpoint",
     "read_metadata",
+    "fsync_directory",
 ]
 
 LATEST = "latest"
@@ -156,3 +159,28 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
         return json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file} cannot be read: {exc}: the checkpoint is damaged") from None
+
+
+#: errno values of a directory that cannot be opened for an fsync (Windows: EACCES, EISDIR) or whose file system
+#: does not sync directories (EINVAL, EBADF: PostgreSQL's fsync_fname_ext; ENOTSUP / EOPNOTSUPP, ENOSYS); any
+#: other error (EIO, and EROFS: ext4 after it shut the file system down) is a failed write
+_NO_DIRECTORY_FSYNC_OPEN = frozenset({errno.EACCES, errno.EISDIR})
+_NO_DIRECTORY_FSYNC = frozenset({errno.EINVAL, errno.EBADF, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Put the names in the directory ``path`` (a rename) on the disk; a file system that cannot sync a directory
+    is skipped, any other error (``EIO``...) raised, with ``path`` as its file name."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        if exc.errno in _NO_DIRECTORY_FSYNC_OPEN:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _NO_DIRECTORY_FSYNC:
+            raise OSError(exc.errno, exc.strerror, str(exc.filename or path)) from exc
+    finally:
+        os.close(fd)

@@ -33,6 +33,7 @@ from stormshard.checkpoint.format import (
     METADATA,
     PICKLED_FORMAT,
     CheckpointError,
+    fsync_directory,
     list_checkpoints,
     rank_name,
     read_metadata,
@@ -75,11 +76,7 @@ def _rewrite(step_dir: Path, meta: dict[str, Any], state_files: dict[str, Any], 
         new = {**meta, **fields}
         new[FILES] = record_files(sorted(p for p in tmp.iterdir() if p.is_file()))
         (tmp / METADATA).write_text(json.dumps(new, indent=1))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_directory(tmp)
 
 
 def _tree_bytes(path: Path) -> int:

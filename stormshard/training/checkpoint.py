@@ -16,12 +16,14 @@ Saving (:func:`save_checkpoint`, called by every rank with its own ``state``):
    but the last ``keep_last`` checkpoints; barrier.
 
 A crash anywhere before the rename leaves only a ``.tmp`` directory, which loading ignores, so
-the previous checkpoint stays the latest. A full disk (or quota), or any other ``OSError`` (``EIO``, a
-permission), on any rank while it writes its files, ``metadata.json`` or renames the step stops every rank
-at the next barrier (which carries each rank's problem) with the same error (a
-:class:`~stormshard.training.diskspace.DiskSpaceError` for a full disk) naming the rank, the file and the
-OS error: rank 0 removes the ``.tmp`` directory (its space is free again for ``--resume``) and the message
-names the checkpoint ``latest`` still names. When only ``latest`` cannot be rewritten, the step is complete
+the previous checkpoint stays the latest. A full disk (or quota), any other ``OSError`` (``EIO``, a
+permission, a directory fsync that fails for another reason than a file system without one), or any other
+exception (a state the codec cannot store), on any rank while it creates the step, writes its files,
+``metadata.json`` or renames the step stops every rank at the next barrier (which carries each rank's
+problem) with the same error (a :class:`~stormshard.training.diskspace.DiskSpaceError` for a full disk)
+naming the rank, the file and the cause: rank 0 removes the ``.tmp`` directory (its space is free again for
+``--resume``; a step renamed but whose directory fsync failed goes too) and the message names the
+checkpoint ``latest`` still names. When only ``latest`` cannot be rewritten, the step is complete
 and kept: every rank stops with an error naming it, the pointer keeps its old name, no older checkpoint is
 deleted, and ``--resume`` continues from the new step (a pointer written before the newest step was saved
 gives way to it: :func:`~stormshard.checkpoint.integrity.resume_target`). :func:`load_checkpoint` reads the latest complete one,
@@ -59,6 +61,7 @@ from stormshard.checkpoint.format import (
     METADATA,
     PICKLED_FORMAT,
     CheckpointError,
+    fsync_directory,
     latest_checkpoint,
     list_checkpoints,
     parameter_table,
@@ -154,19 +157,6 @@ def _jsonable(x: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     """``data`` into ``path`` through a temporary name, fsynced before the rename: ``path`` holds its old
     contents or ``data``, never part of it; a failed write leaves no temporary file behind."""
@@ -205,13 +195,6 @@ def _write_safetensors(model: nn.Module, path: Path, metadata: dict[str, str]) -
     os.replace(tmp, path)
 
 
-def _barrier(group: Any, world: int) -> None:
-    if world > 1:
-        if not dist.is_initialized():
-            raise CheckpointError(f"world={world} but torch.distributed is not initialised: cannot synchronise ranks")
-        dist.barrier(group=group)
-
-
 def _shared(problems: list[Any], group: Any, world: int) -> list[Any]:
     """:func:`_gather` as the save's barrier: every rank's ``problems`` on every rank of the save, so that one
     rank's full disk or I/O error stops every rank with the same error instead of leaving the others waiting."""
@@ -221,17 +204,22 @@ def _shared(problems: list[Any], group: Any, world: int) -> list[Any]:
 
 
 _WRITE, _POINTER = "write", "latest"  # the two phases of a save a problem can belong to
+_FULL, _OS, _OTHER = "full", "os", "other"  # what a problem is: a full disk, another OSError, anything else
 
 
-def _is_write_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed write a save reports for every rank: any ``OSError`` (a full disk, ``EIO``,
-    a permission...), or ``torch.save``'s ``RuntimeError`` of a failed write (:func:`is_disk_full`)."""
-    return isinstance(exc, OSError) or is_disk_full(exc)
+@dataclass(frozen=True)
+class _Problem:
+    """One rank's failure in a save, as every rank of the save receives it."""
+
+    phase: str  # _WRITE or _POINTER
+    kind: str  # _FULL, _OS or _OTHER
+    line: str  # "rank 1: <cause> writing <file>"
 
 
-def _problem(phase: str, exc: BaseException, rank: int, writing: Path) -> tuple[str, bool, str]:
-    """``(phase, disk full, line)`` of ``exc``, met while rank ``rank`` wrote ``writing``: the line names the
-    rank, the OS error and the path (``exc``'s own file name, else the file being written)."""
+def _problem(phase: str, exc: BaseException, rank: int, writing: Path) -> _Problem:
+    """The :class:`_Problem` of ``exc``, met while rank ``rank`` wrote ``writing``: its line names the rank, the
+    cause (the OS error; any other exception's type and first line, e.g. a state the codec cannot store) and the
+    path (an ``OSError``'s own file name, else the file being written)."""
     full = is_disk_full(exc)
     if isinstance(exc, OSError):
         reason = exc.strerror or str(exc) or type(exc).__name__
@@ -239,9 +227,13 @@ def _problem(phase: str, exc: BaseException, rank: int, writing: Path) -> tuple[
         if code and not full:
             reason += f" ({code})"
         where = exc.filename or writing
+        kind = _FULL if full else _OS
+    elif full:  # torch.save's RuntimeError of a failed write
+        reason, where, kind = "no space left on device", writing, _FULL
     else:
-        reason, where = ("no space left on device" if full else str(exc)), writing
-    return phase, full, f"rank {rank}: {reason} writing {where}"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        reason, where, kind = f"{type(exc).__name__}: {first}".rstrip(": "), writing, _OTHER
+    return _Problem(phase, kind, f"rank {rank}: {reason} writing {where}")
 
 
 def _current_latest(root: Path) -> str:
@@ -253,10 +245,21 @@ def _current_latest(root: Path) -> str:
     return name or "nothing"
 
 
-def _stop_if_failed(problems: list[tuple[str, bool, str]], root: Path, tmp: Path, final: Path, step: int,
-                    rank: int) -> None:
-    """After a failed write on any rank (``problems``, gathered), every rank raises the same error: a
-    :class:`DiskSpaceError` when every problem is a full disk (or quota), else a :class:`CheckpointError`.
+def _fix(problems: list[_Problem], full: bool) -> str:
+    """What the user does about ``problems`` before ``--resume``."""
+    if full:
+        return "free space (or lower training.keep_checkpoints, or point training.output_dir at a larger file system)"
+    if any(p.kind == _OTHER for p in problems):
+        return ("fix what that error says (it is not the file system: a state the checkpoint cannot store, or a bug; "
+                "rerun with --debug for the traceback on the rank named)")
+    return "fix what that OS error says about the file system (its permissions, the device)"
+
+
+def _stop_if_failed(problems: list[_Problem], root: Path, tmp: Path, final: Path, step: int, rank: int,
+                    own: BaseException | None) -> None:
+    """After a failure on any rank (``problems``, gathered), every rank raises the same error (``from`` its own
+    exception ``own``, if it had one): a :class:`DiskSpaceError` when every problem is a full disk (or quota),
+    else a :class:`CheckpointError`.
 
     A problem while the checkpoint's files were written or the step renamed: rank 0 removes what was written
     of it (every rank is past its writes) and the error names the checkpoint ``latest`` still names, which
@@ -264,28 +267,39 @@ def _stop_if_failed(problems: list[tuple[str, bool, str]], root: Path, tmp: Path
     it and says how ``--resume`` continues from it."""
     if not problems:
         return
-    lines = "; ".join(line for _, _, line in problems)
-    full = all(is_full for _, is_full, _ in problems)
+    lines = "; ".join(p.line for p in problems)
+    full = all(p.kind == _FULL for p in problems)
     error = DiskSpaceError if full else CheckpointError
     what = "the disk is full: " if full else ""
-    if any(phase == _WRITE for phase, _, _ in problems):
+    fix = _fix(problems, full)
+    if any(p.phase == _WRITE for p in problems):
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
         last = latest_checkpoint(root)
-        fix = ("free space (or lower training.keep_checkpoints, or point training.output_dir at a larger file system)"
-               if full else "fix what that OS error says about the file system (its permissions, the device)")
         kept = (f"the last complete checkpoint is {last}: {fix}, then run with --resume to continue from it"
                 if last is not None else f"no checkpoint was saved yet: {fix}, and start the run again in a new "
                 "training.output_dir (or delete this one)")
         raise error(f"training.output_dir: {what}the checkpoint of step {step} could not be written in {root} "
-                    f"({lines}); what was written of it is removed and {kept}")
+                    f"({lines}); what was written of it is removed and {kept}") from own
     pointer = root / LATEST
-    fix = "free space there" if full else "fix what that OS error says about the file system"
+    current = _current_latest(root)
+    names = (f"{pointer.name} still names {current} (it is replaced whole or not at all)" if current != final.name
+             else f"{pointer.name} names it, but the file system did not confirm that on the disk")
+    fix = "free space there" if full else fix
     raise error(f"training.output_dir: {what}the checkpoint of step {step} is saved, complete, as {final}, but "
-                f"{pointer} could not be rewritten to name it ({lines}): {pointer.name} still names "
-                f"{_current_latest(root)} (it is replaced whole or not at all) and no older checkpoint was deleted. "
+                f"{pointer} could not be rewritten to name it ({lines}): {names} and no older checkpoint was deleted. "
                 f"The run stops here: {fix}, then run with --resume, which continues from {final.name}, the newest "
-                f"complete checkpoint in {root} (or write its name into the pointer first: echo {final.name} > {pointer})")
+                f"complete checkpoint in {root} (or write its name into the pointer first: echo {final.name} > "
+                f"{pointer})") from own
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove ``path`` (a directory tree, or a file or link left there); never raises."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _put_in_place(tmp: Path, final: Path) -> None:
@@ -304,6 +318,16 @@ def _put_in_place(tmp: Path, final: Path) -> None:
         with contextlib.suppress(OSError):
             os.replace(old, final)
         raise
+
+
+def _take_back(tmp: Path, final: Path) -> None:
+    """Undo :func:`_put_in_place` (its rename was not confirmed on the disk): ``final`` back to ``tmp``, for
+    removal, and a step saved again gets its old copy back."""
+    old = final.with_name(final.name + ".old")
+    with contextlib.suppress(OSError):
+        os.replace(final, tmp)
+        if old.is_dir():
+            os.replace(old, final)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +355,8 @@ def save_checkpoint(
 
     ``model`` (optional) adds its parameter table (names, shapes, Partition) to the metadata and,
     with ``weights_safetensors``, its weights as ``rank_NNNNN.safetensors``. ``keep_last`` complete
-    checkpoints are kept (None: all). Returns the final checkpoint path.
+    checkpoints are kept (None: all). Returns the final checkpoint path. A failure on any rank (an
+    ``OSError``, a state the codec cannot store, anything else) stops every rank with one error.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"step must be a non-negative int, got {step!r}")
@@ -345,18 +370,21 @@ def save_checkpoint(
     root = Path(directory)
     final = root / step_name(step)
     tmp = root / (step_name(step) + ".tmp")
+    problems: list[_Problem] = []
+    own: BaseException | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a crashed save
-        tmp.mkdir()
-    _barrier(group, world)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_tree(tmp)  # left by a crashed save
+            tmp.mkdir()
+        except Exception as exc:  # noqa: BLE001 - every rank stops with it
+            problems, own = [_problem(_WRITE, exc, rank, tmp)], exc
+    _stop_if_failed(_shared(problems, group, world), root, tmp, final, step, rank, own)
 
     name = rank_name(rank)
-    table = parameter_table(model) if model is not None else None
-    problems: list[tuple[str, bool, str]] = []
     writing = tmp / f"{name}.pt"
     try:
+        table = parameter_table(model) if model is not None else None
         _write_torch({"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world, "state": state,
                       "rng": capture_rng_state()}, writing)
         if model is not None and weights_safetensors:
@@ -365,15 +393,13 @@ def save_checkpoint(
         writing = tmp / f"{name}.json"
         files = record_files([tmp / f"{name}.pt", tmp / f"{name}.safetensors"])
         _atomic_write_bytes(writing, json.dumps({"rank": rank, "parameters": table, FILES: files}).encode())
-    except (OSError, RuntimeError) as exc:
-        if not _is_write_failure(exc):
-            raise
-        problems = [_problem(_WRITE, exc, rank, writing)]
-    # the barrier: every rank wrote its files; one rank's failed write stops every rank
-    _stop_if_failed(_shared(problems, group, world), root, tmp, final, step, rank)
+    except Exception as exc:  # noqa: BLE001 - an OSError, the codec's TypeError...: every rank stops with it
+        problems, own = [_problem(_WRITE, exc, rank, writing)], exc
+    # the barrier: every rank wrote its files; one rank's failure stops every rank
+    _stop_if_failed(_shared(problems, group, world), root, tmp, final, step, rank, own)
 
     if rank == 0:
-        writing = tmp / METADATA
+        writing, placed = tmp / METADATA, False
         try:
             ranks, records = [], {}
             for r in range(world):
@@ -387,28 +413,32 @@ def save_checkpoint(
                 "layout": layout_json, "config": config_json, "ranks": ranks, FILES: records,
             }
             _atomic_write_bytes(writing, json.dumps(metadata, indent=1).encode())
-            _fsync_dir(tmp)
+            writing = tmp
+            fsync_directory(tmp)
             writing = final
             _put_in_place(tmp, final)
-            _fsync_dir(root)
-        except (OSError, RuntimeError) as exc:
-            if not _is_write_failure(exc):
-                raise
-            problems = [_problem(_WRITE, exc, rank, writing)]
+            placed, writing = True, root
+            fsync_directory(root)
+        except Exception as exc:  # noqa: BLE001 - every rank stops with it
+            if placed:  # the rename is not on the disk for sure: the step goes, as if its writes had failed
+                _take_back(tmp, final)
+            problems, own = [_problem(_WRITE, exc, rank, writing)], exc
         if not problems:  # a step saved again: its old copy (kept if the new one is not in place)
             shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
     if rank == 0 and not problems:
         try:  # the step is complete and in place: a failure from here on keeps it
-            _atomic_write_bytes(root / LATEST, (final.name + "\n").encode())
-            _fsync_dir(root)
-        except OSError as exc:
-            problems = [_problem(_POINTER, exc, rank, root / LATEST)]
+            writing = root / LATEST
+            _atomic_write_bytes(writing, (final.name + "\n").encode())
+            writing = root
+            fsync_directory(root)
+        except Exception as exc:  # noqa: BLE001 - every rank stops with it
+            problems, own = [_problem(_POINTER, exc, rank, writing)], exc
         if keep_last is not None and not problems:  # not while `latest` may still name an older one
             for old in list_checkpoints(root)[:-keep_last]:
                 if old != final:
                     shutil.rmtree(old, ignore_errors=True)
-    # rank 0's failed write stops every rank
-    _stop_if_failed(_shared(problems, group, world), root, tmp, final, step, rank)
+    # rank 0's failure stops every rank
+    _stop_if_failed(_shared(problems, group, world), root, tmp, final, step, rank, own)
     return final
 
 
