@@ -1,6 +1,8 @@
 """An imported anemoi model fine-tunes with anemoi-training's loss: ``training.training_loss`` of the checkpoint's
 config becomes the bundle's ``finetune_config.json`` ``training.loss`` (anemoi's MSE, MAE, Huber with its delta,
-log-cosh and RMSE), and a loss stormshard does not have keeps MSE with a warning and a note in the metadata."""
+log-cosh and RMSE) and its variable scalers ``training.loss_scaling`` (per-variable weights, pressure-level
+scalers), and a loss or scaler stormshard does not have is left out with a warning and a note in the metadata.
+The first fine-tuning losses are held to anemoi-training's own (``fixtures/anemoi/make_loss_fixtures.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from stormshard.checkpoint.anemoi_import import import_anemoi
-from stormshard.checkpoint.anemoi_loss import anemoi_training_loss
+from stormshard.checkpoint.anemoi_loss import anemoi_training_loss, anemoi_variable_weights
 from stormshard.training.config import load_experiment_config
 from tests.anemoi_repickle import rewrite_metadata
+from tests.test_anemoi_end_to_end import _first_loss, dataset  # noqa: F401 (a fixture)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
 
@@ -47,7 +50,9 @@ def test_known_losses_reach_the_finetune_config(tmp_path, target, extra, expect)
         finetune = json.loads((out / "finetune_config.json").read_text())
         assert {k: finetune["training"][k] for k in ("loss", "huber_delta") if k in finetune["training"]} == expect
         meta = json.loads((out / "metadata.json").read_text())["anemoi"]["training_loss"]
-        assert meta == {"anemoi": target, **expect, "note": None}
+        assert {k: meta[k] for k in ("anemoi", "loss", "huber_delta", "note") if k in meta} == \
+            {"anemoi": target, **expect, "note": None}
+        assert meta["loss_scaling"] is None and meta["scaler_notes"] == []  # the fixture's weights are all 1
         config = load_experiment_config({**finetune, "data": {**finetune["data"], "path": str(tmp_path)}})
         assert config.training.loss == expect["loss"]
 
@@ -70,3 +75,74 @@ def test_other_losses_keep_mse_and_say_so(tmp_path, loss, fragment):
 def test_older_configs_without_datasets_level():
     meta = {"config": {"training": {"training_loss": {"_target_": "anemoi.training.losses.mae.WeightedMAELoss"}}}}
     assert anemoi_training_loss(meta).kind == "mae"
+
+
+KINDS = json.loads((FIXTURES / "gt" / "first_loss_kinds.json").read_text())
+
+
+def _apply(changes: dict):
+    """Set the dotted keys of ``changes`` in the stored config, as the hydra overrides of the anemoi run did."""
+    def edit(meta: dict) -> None:
+        for key, value in changes.items():
+            *path, last = key.split(".")
+            node = meta["config"]
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+    return edit
+
+
+@pytest.mark.parametrize("case", sorted(KINDS["cases"]))
+def test_first_finetune_loss_equals_anemoi_trainings_under_other_losses(case, dataset, tmp_path):  # noqa: F811
+    """anemoi-training's first loss of gt's weights under MAE / Huber (delta 0.3) / log-cosh with variable weights
+    and a ReLU or linear pressure-level scaler on the tracers, and plain RMSE, equals stormshard's first
+    fine-tuning loss of the imported bundle times the mean variable weight (anemoi averages the weighted
+    variables, stormshard divides by the weights' sum: a constant per model)."""
+    ref = KINDS["cases"][case]
+    src = rewrite_metadata(FIXTURES / "gt" / "last.ckpt", tmp_path / "last.ckpt", _apply(ref["changes"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every scaler the cases use maps
+        bundle = import_anemoi(src, tmp_path / "bundle")
+    training = json.loads((bundle / "finetune_config.json").read_text())["training"]
+    weights = (training.get("loss_scaling") or {}).get("variables")
+    if case in ("huber_weighted", "logcosh_star"):  # a level scaler on the tracers' group: every weight differs
+        assert len(set(weights.values())) == 4, weights
+    elif case == "mae_weighted":  # the {param: [...]} group reads the metadata: no level weight (as anemoi)
+        assert weights == {"tracer_1": 3.0, "tracer_2": 3.0, "tracer_3": 3.0, "tracer_product": 0.5}
+    loss = _first_loss(bundle, dataset, tmp_path / "run")
+    mean_weight = sum(weights.values()) / len(weights) if weights else 1.0
+    assert loss * mean_weight == pytest.approx(ref["loss"], rel=2e-6, abs=0), (loss, mean_weight, ref["loss"])
+
+
+def test_variable_weights_follow_anemoi_groups_and_metadata():
+    """Parameter, level and group from the dataset's variables_metadata where anemoi trusts it (a level and a
+    non-surface levtype), else from the name; groups by list or by a metadata attribute, in their order; a
+    tendency scaler is left out with a note; a group by an attribute a variable without metadata cannot answer
+    leaves the level scaler out (anemoi stops training there)."""
+    meta = {
+        "config": {"training": {
+            "training_loss": {"_target_": "anemoi.training.losses.MSELoss",
+                              "scalers": ["general_variable", "pressure_level", "stdev_tendency"]},
+            "variable_groups": {"default": "sfc", "ml": {"is_model_level": True}, "pl": ["t", "q"]},
+            "scalers": {
+                "general_variable": {"_target_": "x.GeneralVariableLossScaler", "weights": {"default": 2.0, "t": 6.0}},
+                "pressure_level": {"_target_": "x.ReluVariableLevelScaler", "group": "pl", "slope": 0.001,
+                                   "y_intercept": 0.2},
+                "stdev_tendency": {"_target_": "x.StdevTendencyScaler"}}}},
+        "dataset": {"variables_metadata": {
+            "temp850": {"mars": {"param": "t", "levelist": 850, "levtype": "pl"}},  # named unlike t_850
+            "q_50": {"mars": {"param": "Q", "levtype": "pl"}},  # untrusted (pressure level, no level): the name
+            "t_ml_3": {"mars": {"param": "t", "levelist": 3, "levtype": "ml"}},  # group ml: no level scaling
+            "t_500": {"mars": {"param": "t", "levelist": 500, "levtype": "pl"}},
+            "2t": {"mars": {"param": "2t", "levtype": "sfc"}}}},
+    }
+    found = anemoi_variable_weights(meta, ["temp850", "q_50", "t_500", "2t", "t_ml_3"])
+    assert found.weights == pytest.approx({"temp850": 6.0 * 0.85, "q_50": 2.0 * 0.2, "t_500": 6.0 * 0.5, "2t": 2.0,
+                                           "t_ml_3": 6.0})
+    assert found.applied == ("general_variable", "pressure_level")
+    assert len(found.notes) == 1 and "stdev_tendency (StdevTendencyScaler) has no stormshard equivalent" in found.notes[0]
+    del meta["dataset"]["variables_metadata"]["2t"]
+    found = anemoi_variable_weights(meta, ["temp850", "2t"])
+    assert found.weights == {"temp850": 6.0, "2t": 2.0} and found.applied == ("general_variable",)
+    assert "pressure_level (ReluVariableLevelScaler) could not be read" in found.notes[0]
+    assert "variable_groups.ml selects by ['is_model_level'] and 2t has no variables_metadata" in found.notes[0]

@@ -70,7 +70,7 @@ from stormshard.checkpoint.anemoi_layouts import (
     canonical_tensors,
     dataset_and_hidden_names,
 )
-from stormshard.checkpoint.anemoi_loss import anemoi_training_loss
+from stormshard.checkpoint.anemoi_loss import anemoi_training_loss, anemoi_variable_weights
 from stormshard.checkpoint.anemoi_node_weights import loss_node_weights
 from stormshard.checkpoint.anemoi_pickle import (
     AnemoiCheckpoint,
@@ -519,7 +519,8 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
                    "metadata_version": ckpt.metadata.get("version"), "checkpoint": ckpt.kind,
                    "migrations": list(canonical.migrations), "architecture_from": arch.source,
                    "loss_node_weights": weights_source, "date_ranges": _date_ranges(ckpt.metadata),
-                   "training_loss": anemoi_training_loss(ckpt.metadata).as_metadata(),
+                   "training_loss": {**anemoi_training_loss(ckpt.metadata).as_metadata(),
+                                     **_variable_weights(ckpt.metadata, variables.output_names)},
                    "truncation": None if truncation is None else {
                        "nodes": truncation.num_nodes, "matrices": truncation.source,
                        "coordinates": truncation.coordinates_source},
@@ -527,6 +528,12 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
                    "not_exportable": _not_exportable(ckpt, canonical)},
     }
     return ImportedAnemoi(ckpt.path, config, graph, variables, weights, _statistics(ckpt, t, variables), meta)
+
+
+def _variable_weights(metadata: dict[str, Any], output_names: tuple[str, ...]) -> dict[str, Any]:
+    """The metadata record of anemoi's per-variable loss weights (:func:`anemoi_variable_weights`)."""
+    found = anemoi_variable_weights(metadata, list(output_names))
+    return {"loss_scaling": found.loss_scaling(), "scalers": list(found.applied), "scaler_notes": list(found.notes)}
 
 
 def _not_exportable(ckpt: AnemoiCheckpoint, canonical: CanonicalTensors) -> str | None:
@@ -578,7 +585,7 @@ def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict
         "training": {"max_steps": 1000, "lr": 1e-4, "lr_min": 1e-6, "warmup_steps": 100,
                      "output_dir": f"runs/finetune-{b.name}", "init_weights": str(b),
                      "freeze": [f"{name}.bias" for name in freeze],
-                     **{k: loss[k] for k in ("loss", "huber_delta") if k in loss}},
+                     **{k: loss[k] for k in ("loss", "huber_delta", "loss_scaling") if loss.get(k) is not None}},
     }
 
 
@@ -593,8 +600,10 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
     check_output_free(out, overwrite)  # before the anemoi file is read
     imported = read_anemoi(source)
     meta = imported.metadata
-    if meta["anemoi"]["training_loss"]["note"]:
-        warnings.warn(f"{imported.path}: {meta['anemoi']['training_loss']['note']}", stacklevel=2)
+    loss = meta["anemoi"]["training_loss"]
+    for note in [loss["note"], *loss["scaler_notes"]]:
+        if note:
+            warnings.warn(f"{imported.path}: {note}", stacklevel=2)
     with atomic_directory(out, overwrite) as tmp:
         save_safetensors(imported.weights, tmp / "model.safetensors", {"step": str(meta["step"])})
         (tmp / "statistics.json").write_text(json.dumps(imported.statistics, indent=1))

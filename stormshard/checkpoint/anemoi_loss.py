@@ -1,4 +1,4 @@
-"""The training loss of an imported anemoi model, as stormshard's ``training.loss``.
+"""The training loss of an imported anemoi model, as stormshard's ``training.loss`` and ``training.loss_scaling``.
 
 anemoi-training names its loss in the checkpoint's config, ``training.training_loss`` (per dataset,
 ``training_loss.datasets.<dataset>``, since anemoi-training 0.17), by its class: ``MSELoss``, ``MAELoss``,
@@ -8,6 +8,20 @@ variable weighting (:class:`~stormshard.training.losses.WeightedPointwiseLoss`),
 imported bundle (its ``finetune_config.json``) minimises the loss anemoi-training minimised. Any other loss
 (``CombinedLoss``, the CRPS and spectral losses, ...) has no stormshard equivalent: the import keeps
 ``mse`` for fine-tuning and says so (:attr:`TrainingLoss.note`, in the bundle's metadata and as a warning).
+
+The per-variable weights (:func:`anemoi_variable_weights`) are the product of the variable scalers the loss
+lists (``training_loss.scalers``; ``"*"`` all of ``training.scalers``, ``"!name"`` excluded), computed as
+anemoi-training computes them: ``GeneralVariableLossScaler`` (``weights`` by the variable's parameter, else
+``default``) and the variable-level scalers ``ReluVariableLevelScaler`` (``max(y_intercept, slope * level)``),
+``LinearVariableLevelScaler``, ``PolynomialVariableLevelScaler`` and ``NoVariableLevelScaler`` on the
+variables of their ``group`` (``training.variable_groups``). A variable's parameter, level and group come from
+the dataset's ``variables_metadata`` (its MARS ``param`` / ``levelist`` / ``levtype``) where anemoi trusts it,
+else from the name (``t_850``: parameter ``t``, level 850). The import writes them as explicit per-variable
+weights (``loss_scaling.variables``), so fine-tuning weighs each variable as anemoi did. The grid scalers are
+:mod:`stormshard.checkpoint.anemoi_node_weights`'; ``UniformTimeStepScaler`` and ``NaNMaskScaler`` change
+nothing stormshard computes (it skips NaN targets itself); any other scaler (the tendency scalers, which need
+statistics of the tendencies the checkpoint does not carry, ...) is left out with a note. Scaler ``norm``
+options only scale the loss by a constant (stormshard's loss divides by the sum of the weights).
 """
 
 from __future__ import annotations
@@ -17,7 +31,7 @@ from typing import Any
 
 from stormshard.checkpoint.anemoi_layouts import dataset_and_hidden_names
 
-__all__ = ["TrainingLoss", "anemoi_training_loss"]
+__all__ = ["TrainingLoss", "VariableWeights", "anemoi_training_loss", "anemoi_variable_weights", "loss_scalers"]
 
 #: anemoi-training loss class -> stormshard ``training.loss``
 _KINDS = {
@@ -48,13 +62,33 @@ class TrainingLoss:
         return {"anemoi": self.anemoi, **self.training_section(), "note": self.note}
 
 
-def anemoi_training_loss(metadata: dict[str, Any]) -> TrainingLoss:
-    """The training loss the config of an anemoi checkpoint's ``metadata`` names, as stormshard's."""
+def _training_section(metadata: dict[str, Any], key: str) -> Any:
+    """``config.training.<key>`` of the checkpoint's dataset (``.datasets.<dataset>`` since anemoi-training 0.17)."""
     config = metadata.get("config") if isinstance(metadata, dict) else None
     training = config.get("training") if isinstance(config, dict) else None
-    loss = training.get("training_loss") if isinstance(training, dict) else None
-    if isinstance(loss, dict) and isinstance(loss.get("datasets"), dict):
-        loss = loss["datasets"].get(dataset_and_hidden_names(metadata)[0])
+    section = training.get(key) if isinstance(training, dict) else None
+    if isinstance(section, dict) and isinstance(section.get("datasets"), dict):
+        section = section["datasets"].get(dataset_and_hidden_names(metadata)[0])
+    return section
+
+
+def loss_scalers(metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{name: scaler config}`` of the scalers anemoi-training applied to the training loss (its ``scalers``
+    list resolved as anemoi resolves it; none when the loss lists none)."""
+    loss = _training_section(metadata, "training_loss")
+    defined = _training_section(metadata, "scalers")
+    defined = {k: v for k, v in defined.items() if isinstance(v, dict)} if isinstance(defined, dict) else {}
+    names = loss.get("scalers") if isinstance(loss, dict) else None
+    if not isinstance(names, list):
+        return {}
+    if "*" in names:
+        names = [k for k in defined if f"!{k}" not in names]
+    return {str(k): defined[k] for k in names if k in defined}
+
+
+def anemoi_training_loss(metadata: dict[str, Any]) -> TrainingLoss:
+    """The training loss the config of an anemoi checkpoint's ``metadata`` names, as stormshard's."""
+    loss = _training_section(metadata, "training_loss")
     target = loss.get("_target_") if isinstance(loss, dict) else None
     if not isinstance(target, str):
         return TrainingLoss(note="the checkpoint's config names no training loss: fine-tuning trains mse")
@@ -68,3 +102,143 @@ def anemoi_training_loss(metadata: dict[str, Any]) -> TrainingLoss:
         return TrainingLoss(anemoi=target, note=f"anemoi's {name} has delta={delta!r}, not a positive number: "
                                                 "finetune_config.json trains mse (set training.loss to choose)")
     return TrainingLoss(kind, float(delta), target)
+
+
+_LEVEL_SCALERS = ("ReluVariableLevelScaler", "LinearVariableLevelScaler", "PolynomialVariableLevelScaler",
+                  "NoVariableLevelScaler")
+#: scalers that weigh the grid (anemoi_node_weights) or change nothing stormshard's loss computes
+_NOT_VARIABLE = ("GraphNodeAttributeScaler", "ReweightedGraphNodeAttributeScaler", "UniformTimeStepScaler",
+                 "NaNMaskScaler")
+
+
+@dataclass(frozen=True)
+class VariableWeights:
+    """``weights``: output variable -> anemoi's loss weight (the product of its variable scalers); ``applied``:
+    the scalers in it; ``notes``: scalers left out and why."""
+
+    weights: dict[str, float]
+    applied: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    def loss_scaling(self) -> dict[str, Any] | None:
+        """``training.loss_scaling`` of a fine-tuning config: the weights, one per output variable (None when
+        every weight is 1: stormshard's default)."""
+        if all(w == 1.0 for w in self.weights.values()):
+            return None
+        return {"variables": dict(self.weights), "default_weight": 1.0}
+
+
+def _crack(name: str) -> tuple[str, int | None]:
+    """anemoi's name split: ``"t_850"`` -> ``("t", 850)``; a name without a trailing ``_<digits>`` is its own
+    parameter, without level."""
+    head, sep, tail = name.rpartition("_")
+    return (head, int(tail)) if sep and head and tail.isdigit() else (name, None)
+
+
+class _VariableInfo:
+    """A variable's parameter, level and group, as anemoi-training's ``ExtractVariableGroupAndLevel`` finds them."""
+
+    def __init__(self, groups: dict[str, Any], variables_metadata: dict[str, Any]) -> None:
+        self.default = str(groups.get("default", "sfc"))
+        self.groups = {k: v for k, v in groups.items() if k != "default"}
+        self.meta = {k: v.get("mars", {}) if isinstance(v, dict) and isinstance(v.get("mars"), dict) else {}
+                     for k, v in variables_metadata.items() if isinstance(v, dict)}
+
+    def _trusted(self, name: str) -> bool:
+        if name not in self.meta:
+            return False
+        levtype = self.meta[name].get("levtype")
+        surface = None if levtype is None else levtype == "sfc"
+        return (not surface) ^ (self.meta[name].get("levelist") is None)
+
+    def param(self, name: str) -> str:
+        return str(self.meta[name].get("param", name)) if self._trusted(name) else _crack(name)[0]
+
+    def level(self, name: str) -> float | None:
+        level = self.meta[name].get("levelist") if self._trusted(name) else _crack(name)[1]
+        return None if level is None else float(level)
+
+    def group(self, name: str) -> str:
+        """Raises ``ValueError`` for a group specification anemoi needs metadata for and the variable has none."""
+        for group, spec in self.groups.items():
+            if isinstance(spec, list | str):
+                if self.param(name) in (spec if isinstance(spec, list) else [spec]):
+                    return group
+            elif isinstance(spec, dict):
+                if name not in self.meta:
+                    if set(spec) != {"param"}:
+                        raise ValueError(f"variable_groups.{group} selects by {sorted(spec)} and {name} has no "
+                                         "variables_metadata")
+                    values = spec["param"] if isinstance(spec["param"], list) else [spec["param"]]
+                    if self.param(name) in values:
+                        return group
+                elif all(self._attribute(name, k) in (v if isinstance(v, list) else [v]) for k, v in spec.items()):
+                    return group
+        return self.default
+
+    def _attribute(self, name: str, key: str) -> Any:
+        """What anemoi's ``Variable`` of the metadata answers for ``key``: ``param``, ``level``, ``name`` or
+        ``is_surface_level`` / ``is_pressure_level`` / ``is_model_level`` (None without a levtype); ``ValueError``
+        for any other attribute."""
+        mars = self.meta[name]
+        levtype = mars.get("levtype")
+        answers = {"param": mars.get("param", name), "level": mars.get("levelist"), "name": name,
+                   **{f"is_{kind}_level": None if levtype is None else levtype == code
+                      for kind, code in (("surface", "sfc"), ("pressure", "pl"), ("model", "ml"))}}
+        if key not in answers:
+            raise ValueError(f"a variable_groups specification by {key!r} (stormshard reads param, level, name, "
+                             "is_surface_level, is_pressure_level and is_model_level)")
+        return answers[key]
+
+
+def anemoi_variable_weights(metadata: dict[str, Any], output_names: list[str] | tuple[str, ...]) -> VariableWeights:
+    """anemoi-training's per-variable loss weights of the checkpoint's training loss (module docstring)."""
+    weights = dict.fromkeys(output_names, 1.0)
+    applied: list[str] = []
+    notes: list[str] = []
+    groups = _training_section(metadata, "variable_groups")
+    dataset = (metadata.get("dataset") or {}) if isinstance(metadata.get("dataset"), dict) else {}
+    ds = dataset.get(dataset_and_hidden_names(metadata)[0], dataset)
+    vm = ds.get("variables_metadata") if isinstance(ds, dict) else None
+    info = _VariableInfo(groups if isinstance(groups, dict) else {"default": "sfc"}, vm if isinstance(vm, dict) else {})
+    for name, scaler in loss_scalers(metadata).items():
+        kind = str(scaler.get("_target_", "")).rsplit(".", 1)[-1]
+        if kind in _NOT_VARIABLE:
+            continue
+        try:
+            factors = _scaler_factors(kind, scaler, output_names, info)
+        except (TypeError, ValueError) as err:
+            notes.append(f"training.scalers.{name} ({kind}) could not be read ({err}): left out of loss_scaling")
+            continue
+        if factors is None:
+            notes.append(f"training.scalers.{name} ({kind or 'no _target_'}) has no stormshard equivalent: "
+                         "left out of loss_scaling")
+            continue
+        weights = {v: w * factors[v] for v, w in weights.items()}
+        applied.append(name)
+    return VariableWeights(weights, tuple(applied), tuple(notes))
+
+
+def _scaler_factors(kind: str, scaler: dict[str, Any], output_names: list[str] | tuple[str, ...],
+                    info: _VariableInfo) -> dict[str, float] | None:
+    """One variable scaler's weight per output variable, or None for a kind stormshard does not compute."""
+    if kind == "GeneralVariableLossScaler":
+        table = scaler.get("weights") or {}
+        default = float(table.get("default", 1.0))
+        return {v: float(table.get(info.param(v), default)) for v in output_names}
+    if kind not in _LEVEL_SCALERS:
+        return None
+    slope, intercept = float(scaler.get("slope", 0.0)), float(scaler.get("y_intercept", 0.0))
+    factors = dict.fromkeys(output_names, 1.0)
+    if kind == "NoVariableLevelScaler":
+        return factors
+    for v in output_names:
+        if info.group(v) != scaler.get("group"):  # first, as anemoi: a group it cannot decide is an error
+            continue
+        level = info.level(v)
+        if level is None:
+            continue
+        factors[v] = (max(intercept, level * slope) if kind == "ReluVariableLevelScaler" else
+                      level * slope + intercept if kind == "LinearVariableLevelScaler" else
+                      (slope * level) ** 2 + intercept)
+    return factors
