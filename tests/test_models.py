@@ -54,6 +54,18 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
                                     decoder=dict(self_projection=True, trainable_edge_size=2)),
     "transformer-anemoi": dict(name="transformer", latent_skip=True, decoder_embedding=True, relu_bounded=("u",),
                                encoder=dict(trainable_edge_size=2), decoder=dict(trainable_edge_size=1)),
+    # anemoi's GNN model (GNNForwardMapper, GNNProcessor, GNNBackwardMapper): MLP node embeddings, edge-embedding
+    # MLPs (the processor's in its first block), updated edges aggregated, deeper MLPs (anemoi's mlp_extra_layers),
+    # the edge MLP at ratio 1, the encoder's update of the data latents the decoder reads, the MLP head, trainable
+    # node and edge tensors, latent skip, ReLU bounding; the processor's edges in 2 chunks
+    "gnn-anemoi": dict(name="gnn", node_embedding="mlp", head="mlp", latent_skip=True, relu_bounded=("precip",),
+                       processor=dict(num_chunks=2, mlp_hidden_layers=2, edge_embedding=True,
+                                      aggregate_updated_edges=True, edge_mlp_ratio=1.0, trainable_edge_size=2),
+                       encoder=dict(mlp_hidden_layers=3, edge_embedding=True,
+                                    aggregate_updated_edges=True, edge_mlp_ratio=1.0, update_src_nodes=True,
+                                    trainable_edge_size=3),
+                       decoder=dict(mlp_hidden_layers=2, edge_embedding=True,
+                                    aggregate_updated_edges=True, edge_mlp_ratio=1.0, trainable_edge_size=2)),
     # anemoi's TruncatedConnection: the last input state through the graph's truncation grid (o2) and back
     "transformer-truncated": dict(name="transformer", residual="truncated"),
     # the Triton graph kernel (Triton's interpreter on a CPU) in encoder, processor and decoder, against the
@@ -230,6 +242,28 @@ def test_config_errors():
         ModelConfig(processor=dict(shard_strategy="tensor"))
     with pytest.raises(ValueError, match="forcing variables \\['w'\\] are not in"):
         VariableIndex.build(["u"], forcing=["w"])
+
+
+def test_gnn_option_errors_name_the_field_value_and_fix():
+    """anemoi's GNN options (model.name "gnn" only) in combinations that cannot build: config errors."""
+    cases = [
+        (dict(name="graphtransformer", head="mlp"), r"model.head='mlp' is set but model.name='graphtransformer': drop"),
+        (dict(name="transformer", node_embedding="mlp"), r"model.node_embedding='mlp' is set but model.name="),
+        (dict(name="graphtransformer", processor=dict(edge_embedding=True)),
+         r"model.processor.edge_embedding=True is set but model.name='graphtransformer'"),
+        (dict(name="transformer", encoder=dict(mlp_hidden_layers=2)), r"model.encoder.mlp_hidden_layers=2 is set"),
+        (dict(name="gnn", decoder=dict(update_src_nodes=True)), r"model.decoder.update_src_nodes=True: .* set "
+                                                                 r"model.encoder.update_src_nodes"),
+        (dict(name="gnn", encoder=dict(update_src_nodes=True)),
+         r"model.encoder.update_src_nodes=True needs model.encoder.edge_embedding=True"),
+        (dict(name="gnn", decoder_embedding=True, encoder=dict(update_src_nodes=True, edge_embedding=True)),
+         r"update_src_nodes=True with model.decoder_embedding=True: .* drop one of them"),
+        (dict(name="gnn", processor=dict(edge_mlp_ratio=0)), r"processor.edge_mlp_ratio"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(**fields)
+    assert ModelConfig(name="gnn").head == "norm_linear"  # defaults off: the interaction network as before
 
 
 def test_bad_input_shape():

@@ -22,6 +22,12 @@ Options (defaults: the formulas above):
 - ``aggregate_updated_edges``: sum the updated edges, ``x_i <- x_i + MLP_n([x_i, sum_j (e_ji +
   m_ji)])``, instead of the messages (anemoi's ``GraphConv``; needs ``edge_channels`` equal to the
   aggregated width, as always).
+- ``edge_mlp_ratio``: the edge MLP's hidden width is ``edge_channels x edge_mlp_ratio`` (None:
+  ``mlp_ratio``, as the node MLP and the edge embedding); anemoi's ``GraphConv`` keeps its edge MLP
+  at ratio 1 whatever its ``mlp_hidden_ratio``.
+- :meth:`GNNMapperBlock.update_sources`: the sources updated with the block's node MLP,
+  ``x_j <- x_j + MLP_n([x_j, x_j])`` (anemoi's ``update_src_nodes`` of its forward mapper; needs
+  ``src_channels == dst_channels == edge_channels``), per node, no communication.
 
 - :class:`GNNMapperBlock`: bipartite (encoder data -> hidden, decoder hidden -> data);
   ``forward(x_src, x_dst, edge_attr)`` returns the updated destinations only, like every mapper
@@ -141,6 +147,7 @@ class _GNNBase(PlanFollowsModule):
         aggregate_updated_edges: bool = False,
         kernel_options: EdgeKernelOptions | None = None,
         buffer_pool: EdgeBufferPool | None = None,
+        edge_mlp_ratio: float | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("src_channels", src_channels), ("dst_channels", dst_channels),
@@ -148,8 +155,9 @@ class _GNNBase(PlanFollowsModule):
             check_positive_int(name, value)
         if edge_in_channels is not None:
             check_positive_int("edge_in_channels", edge_in_channels)
-        if not mlp_ratio > 0:
-            raise ValueError(f"mlp_ratio must be positive, got {mlp_ratio}")
+        for name, ratio in (("mlp_ratio", mlp_ratio), ("edge_mlp_ratio", edge_mlp_ratio)):
+            if ratio is not None and not ratio > 0:
+                raise ValueError(f"{name} must be positive, got {ratio}")
         self.src_channels, self.dst_channels, self.edge_channels = src_channels, dst_channels, edge_channels
         self.edge_in_channels = edge_in_channels
         self.aggregate_updated_edges = bool(aggregate_updated_edges)
@@ -158,8 +166,9 @@ class _GNNBase(PlanFollowsModule):
         self.kernel_options, self.buffer_pool = check_kernel_args(kernel_options, buffer_pool)
         kernel = dict(kernel_options=self.kernel_options, buffer_pool=self.buffer_pool)
         edge_hidden = max(1, round(edge_channels * mlp_ratio))
+        message_hidden = edge_hidden if edge_mlp_ratio is None else max(1, round(edge_channels * edge_mlp_ratio))
         edge_in = src_channels + dst_channels + edge_channels
-        self.edge_mlp = gnn_mlp(edge_in, edge_hidden, edge_channels, mlp_hidden_layers, **kernel)
+        self.edge_mlp = gnn_mlp(edge_in, message_hidden, edge_channels, mlp_hidden_layers, **kernel)
         self.node_mlp = gnn_mlp(dst_channels + edge_channels, max(1, round(dst_channels * mlp_ratio)), dst_channels,
                                 mlp_hidden_layers, **kernel)
         # registered only when used: the default block's parameters (and state_dict keys) are unchanged
@@ -281,9 +290,10 @@ class GNNMapperBlock(_GNNBase):
         aggregate_updated_edges: bool = False,
         kernel_options: EdgeKernelOptions | None = None,
         buffer_pool: EdgeBufferPool | None = None,
+        edge_mlp_ratio: float | None = None,
     ) -> None:
         super().__init__(src_channels, dst_channels, edge_channels, mlp_ratio, num_chunks, mlp_hidden_layers,
-                         edge_in_channels, aggregate_updated_edges, kernel_options, buffer_pool)
+                         edge_in_channels, aggregate_updated_edges, kernel_options, buffer_pool, edge_mlp_ratio)
         self.plan = check_plan(plan, processor=False)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
@@ -292,6 +302,19 @@ class GNNMapperBlock(_GNNBase):
         self._check_channels(x_src, x_dst, edge_attr)
         check_local_rows(self.plan, x_src.shape[0], x_dst.shape[0], edge_attr)
         return self._message_pass(x_src, x_dst, edge_attr, update_edges=False)[0]
+
+    def update_sources(self, x_src: Tensor) -> Tensor:
+        """``x_src + node_mlp([x_src, x_src])``: this rank's sources ``(N_src_local, [*batch,] src_channels)``
+        updated by the block's node MLP (anemoi's forward mapper with ``update_src_nodes``, whose decoder
+        then reads them); per node, no communication. Needs ``src_channels == dst_channels == edge_channels``."""
+        if not self.src_channels == self.dst_channels == self.edge_channels:
+            raise ValueError(
+                f"update_sources needs src_channels == dst_channels == edge_channels (the node MLP reads [x_src, "
+                f"x_src] where it reads [x_dst, aggregated edges]), got {self.src_channels}, {self.dst_channels}, "
+                f"{self.edge_channels}: embed the edges to the node width (edge_in_channels)")
+        if x_src.shape[-1] != self.src_channels:
+            raise ValueError(f"x_src has {x_src.shape[-1]} channels, expected {self.src_channels}")
+        return x_src + self.node_mlp(torch.cat([x_src, x_src], dim=-1))
 
 
 class GNNProcessorBlock(_GNNBase):
@@ -314,9 +337,10 @@ class GNNProcessorBlock(_GNNBase):
         aggregate_updated_edges: bool = False,
         kernel_options: EdgeKernelOptions | None = None,
         buffer_pool: EdgeBufferPool | None = None,
+        edge_mlp_ratio: float | None = None,
     ) -> None:
         super().__init__(channels, channels, edge_channels, mlp_ratio, num_chunks, mlp_hidden_layers,
-                         edge_in_channels, aggregate_updated_edges, kernel_options, buffer_pool)
+                         edge_in_channels, aggregate_updated_edges, kernel_options, buffer_pool, edge_mlp_ratio)
         self.plan = check_plan(plan, processor=True)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)

@@ -55,6 +55,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: the GNN options' descriptions (processor, encoder and decoder sections; model.name "gnn" only)
+_MLP_LAYERS = ("gnn: (Linear, GELU) pairs before each MLP's output Linear (1: Linear, GELU, Linear, LayerNorm); "
+               "anemoi's mlp_extra_layers + 2")
+_EDGE_EMBEDDING = ("gnn: embed the edge attributes (trainable ones included) to num_channels with an MLP before the "
+                   "message passing (anemoi's emb_edges)")
+_AGGREGATE = "gnn: sum the updated edges e + m into each node instead of the messages m (anemoi's GraphConv)"
+_EDGE_MLP_RATIO = ("gnn: the edge MLP's hidden width over its edge channels (null: mlp_ratio); anemoi's GraphConv "
+                   "keeps 1 whatever its mlp_hidden_ratio")
+#: the gnn-only fields of a section, with their defaults (a non-default value elsewhere is a config error)
+_GNN_FIELDS = {"mlp_hidden_layers": 1, "edge_embedding": False, "aggregate_updated_edges": False,
+               "edge_mlp_ratio": None}
+
+
 class ProcessorConfig(_Strict):
     """The processor on the hidden nodes.
 
@@ -74,6 +87,11 @@ class ProcessorConfig(_Strict):
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graphtransformer: anemoi's lin_self in every block
     trainable_edge_size: int = Field(0, ge=0)  # graph processors: trainable features per edge (anemoi's)
+    # gnn only (anemoi's GNNProcessor; defaults: stormshard's interaction network)
+    mlp_hidden_layers: int = Field(1, ge=1, description=_MLP_LAYERS)
+    edge_embedding: bool = Field(False, description=_EDGE_EMBEDDING + " in the first block (anemoi's proc.0.emb_edges)")
+    aggregate_updated_edges: bool = Field(False, description=_AGGREGATE)
+    edge_mlp_ratio: float | None = Field(None, gt=0, description=_EDGE_MLP_RATIO)
 
     @field_validator("window_size")
     @classmethod
@@ -108,6 +126,14 @@ class MapperConfig(_Strict):
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graph-transformer mapper: anemoi's lin_self
     trainable_edge_size: int = Field(0, ge=0)  # trainable features per edge, appended to the edge attributes
+    # gnn only (anemoi's GNNForwardMapper / GNNBackwardMapper; defaults: stormshard's interaction network)
+    mlp_hidden_layers: int = Field(1, ge=1, description=_MLP_LAYERS)
+    edge_embedding: bool = Field(False, description=_EDGE_EMBEDDING + " (the mapper's emb_edges)")
+    aggregate_updated_edges: bool = Field(False, description=_AGGREGATE)
+    edge_mlp_ratio: float | None = Field(None, gt=0, description=_EDGE_MLP_RATIO)
+    update_src_nodes: bool = Field(
+        False, description="gnn encoder: the data-node latents updated by the encoder's node MLP, x + MLP([x, x]), "
+        "before the decoder reads them (anemoi's GNNForwardMapper update_src_nodes; needs edge_embedding)")
     activation_checkpointing: Checkpointing = Field(
         False, description="recompute this mapper in backward (as anemoi checkpoints its mappers): false, true "
         "(= 'full': only its inputs stay) or 'selective' (its graph attention output stays too). The encoder's "
@@ -209,6 +235,13 @@ class ModelConfig(_Strict):
     bounding: tuple[BoundingConfig, ...] = Field(
         (), description="output boundings after relu_bounded, in order (anemoi's bounding list: relu, "
         "hardtanh, fraction, their leaky and normalized kinds; stormshard.layers.bounding)")
+    node_embedding: Literal["linear", "mlp"] = Field(
+        "linear", description="gnn: the data and hidden node embeddings (embed_data, embed_hidden, embed_data_decoder): "
+        "one Linear, or an MLP of the encoder's mlp_hidden_layers and mlp_ratio ending in a LayerNorm (anemoi's GNN "
+        "mappers' emb_nodes_src / emb_nodes_dst)")
+    head: Literal["norm_linear", "mlp"] = Field(
+        "norm_linear", description="gnn: the output head on the decoded data nodes: LayerNorm then Linear, or an MLP "
+        "of the decoder's mlp_hidden_layers and mlp_ratio without a norm (anemoi's GNN node_data_extractor)")
     residual: Literal["last_step", "truncated"] = Field(
         "last_step", description="what the prognostic outputs add to the network's increment: 'last_step' (the last "
         "input state) or 'truncated' (the last input state through the graph's coarser truncation grid and back, "
@@ -258,11 +291,37 @@ class ModelConfig(_Strict):
                 raise ValueError(
                     f"num_channels={c} is not divisible by {field}={heads}: choose heads dividing the channels"
                 )
+        self._check_gnn_options()
         if self.name == "ensemble" and self.ensemble is None:
             object.__setattr__(self, "ensemble", EnsembleConfig())
         if self.name != "ensemble" and self.ensemble is not None:
             raise ValueError(f"model.ensemble is set but model.name={self.name!r}: use name='ensemble' or drop it")
         return self
+
+    def _check_gnn_options(self) -> None:
+        """The GNN options (anemoi's GNN model) only on ``gnn``, and only in combinations that build."""
+        fix = "drop it (it applies to model.name='gnn' only) or use model.name='gnn'"
+        if self.name != "gnn":
+            for field, default in (("node_embedding", "linear"), ("head", "norm_linear")):
+                if getattr(self, field) != default:
+                    raise ValueError(f"model.{field}={getattr(self, field)!r} is set but model.name={self.name!r}: {fix}")
+            for section in ("processor", "encoder", "decoder"):
+                for field, default in (_GNN_FIELDS | ({} if section == "processor" else {"update_src_nodes": False})).items():
+                    value = getattr(getattr(self, section), field)
+                    if value != default:
+                        raise ValueError(f"model.{section}.{field}={value!r} is set but model.name={self.name!r}: {fix}")
+            return
+        if self.decoder.update_src_nodes:
+            raise ValueError("model.decoder.update_src_nodes=True: the decoder's sources are the hidden nodes, which "
+                             "nothing reads after it; set model.encoder.update_src_nodes (anemoi's forward mapper) instead")
+        if self.encoder.update_src_nodes and not self.encoder.edge_embedding:
+            raise ValueError("model.encoder.update_src_nodes=True needs model.encoder.edge_embedding=True: the update "
+                             "runs the encoder's node MLP on [x, x], which reads num_channels edge features: set "
+                             "edge_embedding (as anemoi's GNN mappers have it) or drop update_src_nodes")
+        if self.encoder.update_src_nodes and self.decoder_embedding:
+            raise ValueError("model.encoder.update_src_nodes=True with model.decoder_embedding=True: the decoder would "
+                             "embed the raw inputs and never read the updated data latents: drop one of them (anemoi's "
+                             "GNN model has update_src_nodes and no decoder embedding)")
 
     @property
     def is_builtin(self) -> bool:

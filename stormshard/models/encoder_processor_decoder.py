@@ -5,12 +5,13 @@ Layout: input ``x`` is ``(batch, time, grid_local, input_variables)`` (normalise
 output_variables)``: the next state, normalised. Top to bottom:
 
 1. data nodes: the input states, the grid coordinates (sin/cos of lat and lon) and a trainable
-   per-node embedding, linearly embedded to ``num_channels``;
+   per-node embedding, linearly embedded to ``num_channels`` (GNN ``node_embedding: "mlp"``: an MLP);
 2. hidden nodes: coordinates and a trainable embedding, embedded likewise;
 3. encoder: graph mapper data -> hidden (halo exchange of the data nodes its edges read);
 4. processor on the hidden nodes (sliding-window transformer, graph transformer or GNN);
-5. decoder: graph mapper hidden -> data, onto the data-node latents of step 1;
-6. a linear head to the output variables, plus the last input state of every prognostic
+5. decoder: graph mapper hidden -> data, onto the data-node latents of step 1 (GNN
+   ``encoder.update_src_nodes``: as the encoder's node MLP updated them);
+6. a linear head to the output variables (GNN ``head: "mlp"``: an MLP), plus the last input state of every prognostic
    variable (residual prediction; ``residual: "truncated"``: that state through the graph's coarser
    truncation grid and back, :class:`~stormshard.layers.truncation.TruncatedResidual`).
 
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, TRUNCATION_DOWN, TRUNCATION_UP
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.layers.bounding import OutputBounding
-from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock
+from stormshard.layers.gnn import EdgeBufferPool, GNNMapperBlock, gnn_mlp
 from stormshard.layers.graph_transformer import GraphTransformerMapperBlock
 from stormshard.layers.norm import LayerNorm
 from stormshard.layers.norm_linear import MIN_ELEMENTS as NORM_LINEAR_MIN_ELEMENTS
@@ -80,10 +81,10 @@ class EncoderProcessorDecoder(nn.Module):
                              persistent=False)
         self.data_embedding = nn.Parameter(torch.randn(self.plan.num_data, t) * 0.02)
         self.hidden_embedding = nn.Parameter(torch.randn(self.plan.num_hidden, t) * 0.02)
-        self.embed_data = nn.Linear(config.multistep_input * n_in + 4 + t, c)
-        self.embed_hidden = nn.Linear(4 + t, c)
+        self.embed_data = self._node_embedding(config.multistep_input * n_in + 4 + t)
+        self.embed_hidden = self._node_embedding(4 + t)
         # anemoi's decoder emb_nodes_dst: its own embedding of the data-node inputs (else: the encoder's)
-        self.embed_data_decoder = (nn.Linear(config.multistep_input * n_in + 4 + t, c)
+        self.embed_data_decoder = (self._node_embedding(config.multistep_input * n_in + 4 + t)
                                    if config.decoder_embedding else None)
 
         enc_attr, dec_attr = graph[ENCODER].edge_attr, graph[DECODER].edge_attr
@@ -98,7 +99,7 @@ class EncoderProcessorDecoder(nn.Module):
         self.encoder = self._mapper(config.encoder, enc_channels, self.plan.encoder)
         self.processor = self.build_processor(graph)
         self.decoder = self._mapper(config.decoder, dec_channels, self.plan.decoder)
-        self.head = nn.Sequential(LayerNorm(c), nn.Linear(c, n_out))
+        self.head = self._mlp_head(n_out) if config.head == "mlp" else nn.Sequential(LayerNorm(c), nn.Linear(c, n_out))
         # model.lean_activations: the head's norm inside its product on large grids (layers.norm_linear)
         self.head_norm_linear_min: int | None = NORM_LINEAR_MIN_ELEMENTS if config.lean_activations else None
         unknown = sorted(set(config.relu_bounded) - set(variables.output_names))
@@ -142,13 +143,36 @@ class EncoderProcessorDecoder(nn.Module):
         return TruncatedResidual(down.edge_index, down.edge_weight, up.edge_index, up.edge_weight,
                                  graph["truncation"].num_nodes, self.plan.data_shard)
 
+    def _node_embedding(self, in_channels: int) -> nn.Module:
+        """A node embedding ``(nodes, [batch,] in_channels) -> (..., num_channels)``: one Linear, or with
+        ``node_embedding: "mlp"`` the encoder's GNN MLP (anemoi's ``emb_nodes_src`` / ``emb_nodes_dst``)."""
+        c, enc = self.config.num_channels, self.config.encoder
+        if self.config.node_embedding == "linear":
+            return nn.Linear(in_channels, c)
+        return gnn_mlp(in_channels, max(1, round(c * enc.mlp_ratio)), c, enc.mlp_hidden_layers,
+                       buffer_pool=self.edge_buffer_pool)
+
+    def _mlp_head(self, n_out: int) -> nn.Sequential:
+        """``head: "mlp"``: ``decoder.mlp_hidden_layers`` (Linear, GELU) pairs of width ``num_channels x
+        decoder.mlp_ratio``, then Linear to the outputs, no norm (anemoi's GNN ``node_data_extractor``)."""
+        c, dec = self.config.num_channels, self.config.decoder
+        hidden = max(1, round(c * dec.mlp_ratio))
+        layers: list[nn.Module] = []
+        for i in range(dec.mlp_hidden_layers):
+            layers += [nn.Linear(c if i == 0 else hidden, hidden), nn.GELU()]
+        return nn.Sequential(*layers, nn.Linear(hidden, n_out))
+
     def _mapper(self, cfg, edge_channels: int, plan: GraphShardPlan) -> nn.Module:  # noqa: ANN001
         """The encoder or decoder block (config section ``cfg``) on its graph's plan; ``forward(x_src,
-        x_dst, edge_attr)`` returns the destination nodes."""
+        x_dst, edge_attr)`` returns the destination nodes. GNN: with ``edge_embedding`` the raw
+        ``edge_channels`` are embedded to ``num_channels`` inside the block."""
         c = self.config.num_channels
         if self.config.name == "gnn":
-            return GNNMapperBlock(c, c, edge_channels, plan, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks,
-                                  buffer_pool=self.edge_buffer_pool)
+            width, embedded = (c, edge_channels) if cfg.edge_embedding else (edge_channels, None)
+            return GNNMapperBlock(c, c, width, plan, mlp_ratio=cfg.mlp_ratio, num_chunks=cfg.num_chunks,
+                                  mlp_hidden_layers=cfg.mlp_hidden_layers, edge_in_channels=embedded,
+                                  aggregate_updated_edges=cfg.aggregate_updated_edges,
+                                  edge_mlp_ratio=cfg.edge_mlp_ratio, buffer_pool=self.edge_buffer_pool)
         return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, plan, mlp_ratio=cfg.mlp_ratio,
                                            num_chunks=cfg.num_chunks, self_projection=cfg.self_projection,
                                            graph_kernel=self.config.graph_kernel,
@@ -167,7 +191,8 @@ class EncoderProcessorDecoder(nn.Module):
         self.check_input(x)
         batch = x.shape[0]
         data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
-        dtype = self.embed_data.weight.dtype  # compute dtype: bf16 under DeepSpeed's bf16 mode, else the parameters'
+        # compute dtype: bf16 under DeepSpeed's bf16 mode, else the parameters'
+        dtype = next(self.embed_data.parameters()).dtype
         states = rearrange(x, "b t g v -> g b (t v)").to(dtype)
         data_static = torch.cat([self.data_coords.to(dtype), self.data_embedding[data_slice]], dim=-1)
         data_in = torch.cat([states, data_static.unsqueeze(1).expand(-1, batch, -1)], dim=-1)
@@ -175,6 +200,8 @@ class EncoderProcessorDecoder(nn.Module):
         hidden_static = torch.cat([self.hidden_coords.to(dtype), self.hidden_embedding[hidden_slice]], dim=-1)
         x_hidden = self.embed_hidden(hidden_static).unsqueeze(1).expand(-1, batch, -1)
         x_hidden = self.encoder(x_data, x_hidden, self.edges("encoder"))
+        if self.config.encoder.update_src_nodes:  # anemoi's GNN: the decoder reads the encoder-updated data latents
+            x_data = self.encoder.update_sources(x_data)
         if self.embed_data_decoder is not None:  # anemoi: the decoder embeds the raw data-node inputs itself
             x_data = self.embed_data_decoder(data_in)
         return x_data, x_hidden
@@ -187,7 +214,9 @@ class EncoderProcessorDecoder(nn.Module):
     def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor) -> Tensor:
         """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
         x_data = self.decoder(x_hidden, x_data, self.edges("decoder"))
-        if keeps_norm_input(x_data, self.head_norm_linear_min):  # the head's norm inside its product: x_data kept
+        if self.config.head == "mlp":
+            head = self.head(x_data)
+        elif keeps_norm_input(x_data, self.head_norm_linear_min):  # the head's norm inside its product: x_data kept
             head = norm_linear(x_data, self.head[0], [self.head[1]])[0]
         else:
             head = self.head(x_data)

@@ -104,10 +104,15 @@ class GraphProcessor(nn.Module):
             edge_channels = edge_attr.shape[1]
         if self.kind == "gnn":
             pool = EdgeBufferPool() if buffer_pool is None else buffer_pool
+            # edge_embedding: the first block embeds the raw edges to num_channels, the others read its edges
+            width = c if p.edge_embedding else edge_channels
             self.blocks = nn.ModuleList(
-                GNNProcessorBlock(c, edge_channels, graph_plan, mlp_ratio=p.mlp_ratio, num_chunks=p.num_chunks,
+                GNNProcessorBlock(c, width, graph_plan, mlp_ratio=p.mlp_ratio, num_chunks=p.num_chunks,
+                                  mlp_hidden_layers=p.mlp_hidden_layers,
+                                  edge_in_channels=edge_channels if p.edge_embedding and i == 0 else None,
+                                  aggregate_updated_edges=p.aggregate_updated_edges, edge_mlp_ratio=p.edge_mlp_ratio,
                                   buffer_pool=pool)
-                for _ in range(p.num_layers)
+                for i in range(p.num_layers)
             )
         else:
             self.blocks = nn.ModuleList(
