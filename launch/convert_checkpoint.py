@@ -41,6 +41,7 @@ from stormshard.checkpoint.consolidate import (  # noqa: E402
     consolidate_checkpoint,
     save_consolidated,
 )
+from stormshard.checkpoint.errors import ConversionError  # noqa: E402
 from stormshard.checkpoint.export import export_bundle  # noqa: E402
 from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint  # noqa: E402
 from stormshard.checkpoint.reshard import reshard_checkpoint  # noqa: E402
@@ -148,6 +149,9 @@ def _run(args: argparse.Namespace) -> None:
         print(f"wrote {out}\nresume with: launch/train.py --config {Path(args.out) / 'resume_config.json'} --resume")
     elif args.command == "export-anemoi":
         check_output_path(args.checkpoint, args.out, args.overwrite)
+        if Path(args.out).is_dir():  # os.replace of the file onto it would fail only after the whole export
+            raise ConversionError(f"--out {args.out} is a directory: export-anemoi writes one anemoi checkpoint file",
+                                  fix=f"name a file for --out (e.g. {Path(args.out) / 'model.ckpt'})")
         out = export_anemoi(args.checkpoint, args.out, overwrite=args.overwrite, dataset=args.dataset,
                             graph=args.graph)
         print(f"exported {args.checkpoint} to {out}: load it with anemoi-inference (or torch.load(weights_only=False))")

@@ -14,7 +14,8 @@ conversion, inference) agree here on how a failure ends a job, without importing
 - :func:`format_validation_errors`: one line per problem of a pydantic ``ValidationError``;
 - :func:`is_disk_full` / :func:`disk_full_error`: a full disk (``ENOSPC``, ``EDQUOT``) while writing,
   with the path it was writing (the entry points print "the disk is full" and the path);
-  :func:`no_partial_output`: a failure while writing an output leaves none of it behind.
+  :func:`no_partial_output`: a failure while writing an output leaves none of it behind;
+  :func:`kept_until_replaced`: outputs written again (``--overwrite``) stay until the new ones are complete.
 
 This module imports nothing from stormshard.
 """
@@ -27,7 +28,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILURE", "BAD_INPUT", "ReportedByRank", "format_validation_errors", "is_bad_input",
-           "OutputPathError", "check_writable_directory", "nearest_existing_parent", "is_disk_full", "disk_full_error", "no_partial_output"]
+           "OutputPathError", "check_writable_directory", "nearest_existing_parent", "is_disk_full", "disk_full_error", "no_partial_output",
+           "kept_until_replaced"]
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
@@ -73,11 +75,11 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def disk_full_error(exc: BaseException, path: str | os.PathLike) -> OSError:
-    """``exc`` (a full disk: :func:`is_disk_full`) as an ``OSError`` naming ``path``, the output being written,
-    when it names no file itself (``write()`` and ``torch.save`` do not); raise it ``from exc``."""
-    if not isinstance(exc, OSError):
-        return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {exc}", str(path))
-    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(exc.filename or path))
+    """``exc`` (a full disk: :func:`is_disk_full`) as an ``OSError`` naming ``path``, the output being written:
+    not the file ``exc`` names, which may be a temporary one or, for a copy (``shutil``'s ``sendfile``), the
+    source read; ``torch.save``'s internals are left out. Raise it ``from exc``."""
+    code = exc.errno if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS else errno.ENOSPC
+    return OSError(code, os.strerror(code), str(path))
 
 
 def _stamp(p: Path) -> tuple:
@@ -156,6 +158,34 @@ def no_partial_output(path: str | os.PathLike, outputs: Collection[str] = (), re
         if is_disk_full(exc):
             raise disk_full_error(exc, p) from exc
         raise
+
+
+@contextlib.contextmanager
+def kept_until_replaced(paths: Iterable[str | os.PathLike]) -> Iterator[None]:
+    """Outputs ``paths`` that the body writes again (``--overwrite``): each that exists is moved aside first
+    (``.<name>.old-<pid>`` beside it). When the body fails, what it wrote there is removed and the old ones are
+    put back, so an output is never half-replaced; when it succeeds the old ones are deleted (or put back where
+    the body wrote nothing). A process killed meanwhile leaves them under those names."""
+    moved: list[tuple[Path, Path]] = []
+    try:
+        for p in map(Path, paths):
+            if p.exists() or p.is_symlink():
+                old = p.with_name(f".{p.name}.old-{os.getpid()}")
+                _remove(old)
+                os.replace(p, old)
+                moved.append((p, old))
+        yield
+    except BaseException:
+        for p, old in reversed(moved):
+            _remove(p)
+            with contextlib.suppress(OSError):
+                os.replace(old, p)
+        raise
+    for p, old in moved:
+        if p.exists() or p.is_symlink():
+            _remove(old)
+        else:
+            os.replace(old, p)
 
 
 class OutputPathError(ValueError):

@@ -490,7 +490,9 @@ def check_output_free(out: str | os.PathLike, overwrite: bool = False) -> None:
 
 class atomic_directory:  # noqa: N801 - used as a context manager
     """``with atomic_directory(out) as tmp:`` write into ``tmp``; on success it is renamed to
-    ``out`` (which must not exist unless ``overwrite``); on an exception it is deleted."""
+    ``out`` (which must not exist unless ``overwrite``: then the old ``out``, a directory, a file or a link, is
+    moved aside, put back if the rename fails, and deleted once the new one is in place); on an exception
+    ``tmp`` is deleted."""
 
     def __init__(self, out: str | os.PathLike, overwrite: bool = False) -> None:
         self.out = Path(out)
@@ -516,13 +518,21 @@ class atomic_directory:  # noqa: N801 - used as a context manager
             if is_disk_full(exc):  # name the output, not the temporary file write() hit
                 raise disk_full_error(exc, self.out) from exc
             return
-        if self.out.exists():
-            old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-            os.replace(self.out, old)
+        if not (self.out.exists() or self.out.is_symlink()):
             os.replace(self.tmp, self.out)
+            return
+        old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
+        os.replace(self.out, old)  # a file, a link or a directory (--overwrite): kept until the new one is in place
+        try:
+            os.replace(self.tmp, self.out)
+        except BaseException:
+            os.replace(old, self.out)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(self.tmp, self.out)
+            old.unlink(missing_ok=True)
 
 
 def save_safetensors(tensors: Mapping[str, Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:

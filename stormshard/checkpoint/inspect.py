@@ -37,13 +37,26 @@ def _files(path: Path) -> dict[str, int]:
     return {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
 
 
+def _bundle_metadata(path: Path) -> dict[str, Any] | None:
+    """The ``metadata.json`` of the bundle ``path``; None for anything else (a checkpoint, read after). A
+    ``metadata.json`` that is not JSON is a :class:`ConversionError` naming it."""
+    file = path / "metadata.json"
+    if not file.is_file():
+        return None
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+        raise ConversionError(f"{file} cannot be read ({exc}): the bundle or checkpoint is damaged",
+                              fix="export or copy it again") from None
+    return meta if isinstance(meta, dict) and meta.get("format") == "stormshard-bundle" else None
+
+
 def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A JSON-able summary: kind, step, layout, parameters (name, shape, full shape, partition),
     parameter count, bytes of the full model and of the files on disk."""
     p = Path(path)
-    if (p / "metadata.json").is_file() and json.loads((p / "metadata.json").read_text()).get("format") == \
-            "stormshard-bundle":
-        meta = json.loads((p / "metadata.json").read_text())
+    meta = _bundle_metadata(p)
+    if meta is not None:
         params = [{"name": r["name"], "shape": r["shape"], "full_shape": r["shape"], "partition": None}
                   for r in meta["parameters"]]
         kind, layout, world = "inference bundle", {"world_size": 1, "gpus_per_model": 1}, 1

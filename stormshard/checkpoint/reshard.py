@@ -153,8 +153,13 @@ def check_reshard_out(out: str | os.PathLike, overwrite: bool = False) -> None:
     """A :class:`ConversionError` naming ``--out`` when, without ``overwrite``, the checkpoints directory
     ``out`` already holds a checkpoint (a ``step_NNNNNNNN``, ``latest``) or a ``resume_config.json``:
     resharding there would repoint another run's ``latest`` and replace its files. Other files stay
-    allowed (reshard writes beside them)."""
+    allowed (reshard writes beside them). An ``out`` that is a file (or a link to one) is an error even with
+    ``overwrite``: reshard writes into a directory."""
     p = Path(out)
+    if (p.exists() or p.is_symlink()) and not p.is_dir():
+        raise ConversionError(f"--out {out} is a file, not a checkpoints directory: reshard writes step_NNNNNNNN, "
+                              f"{LATEST} and {RESUME_CONFIG} into a directory",
+                              fix="choose a directory (e.g. runs/NEW/checkpoints) for --out")
     if overwrite or not p.is_dir():
         return
     taken = sorted(c.name for c in p.iterdir() if c.name in (LATEST, RESUME_CONFIG) or c.name.startswith("step_"))

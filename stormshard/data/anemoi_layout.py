@@ -31,6 +31,7 @@ from here too.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import os
@@ -55,6 +56,7 @@ __all__ = [
     "AnemoiDataset",
     "compute_statistics",
     "write_anemoi_dataset",
+    "settle_zarr_writes",
     "parse_frequency",
     "frequency_to_string",
     "as_datetime64",
@@ -214,6 +216,25 @@ def write_anemoi_dataset(
         _create(root, name, np.asarray(value), ("variable",), zarr_format)
     if zarr_format == 2:
         zarr.consolidate_metadata(path, zarr_format=2)
+
+
+def settle_zarr_writes(timeout: float = 60.0) -> None:
+    """After a zarr write that failed (a full disk), wait for the chunk writes of that call that zarr's event loop
+    still runs: left pending, the interpreter's exit cuts each off with a traceback after the error message."""
+    from zarr.core import sync as zarr_sync
+
+    loop = (getattr(zarr_sync, "loop", None) or [None])[0]
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return
+
+    async def rest() -> None:
+        await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()),
+                             return_exceptions=True)
+
+    try:
+        asyncio.run_coroutine_threadsafe(rest(), loop).result(timeout)
+    except Exception:  # noqa: BLE001, S110 - a best effort after the error that is being reported
+        pass
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import os
 import shutil
 import sys
@@ -54,8 +55,10 @@ from stormshard.data.anemoi_layout import (
     as_datetime64,
     frequency_to_string,
     parse_frequency,
+    settle_zarr_writes,
     write_anemoi_dataset,
 )
+from stormshard.errors import OutputPathError, check_writable_directory, is_disk_full, no_partial_output
 from stormshard.graphs.grids import grid_from_name
 
 __all__ = [
@@ -327,6 +330,34 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _write_replacing(args: argparse.Namespace) -> None:
+    """The store of ``args`` written in a fresh folder beside ``--out``, which replaces ``--out`` only once it is
+    complete (and puts the old store back if that rename fails): a failure (a full disk, an interrupt) leaves the
+    old dataset as it was and no partial one."""
+    parent = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(args.out))}.", suffix=".partial", dir=parent)
+    try:
+        store = os.path.join(work, "new.zarr")
+        generate_synthetic_dataset(store, grid=args.grid, steps=args.steps, frequency=args.frequency,
+                                   seed=args.seed, members=args.members, start_date=args.start_date,
+                                   sea_field=args.sea_field)
+        old = os.path.join(work, "old.zarr") if os.path.exists(args.out) else None
+        if old is not None:
+            os.replace(args.out, old)
+        try:
+            os.replace(store, args.out)
+        except BaseException:
+            if old is not None:
+                os.replace(old, args.out)
+            raise
+    except BaseException:
+        settle_zarr_writes()  # no chunk write still running into the folder removed below
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stormshard.data.synthetic", description=__doc__.split("\n")[0])
     parser.add_argument("--grid", default="o16", help="grid name: o<N> (octahedral) or a spacing in degrees")
@@ -361,22 +392,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {args.out} exists and was not written by this generator; remove it or choose "
                   "another --out", file=sys.stderr)
             return 2
-    parent = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(parent, exist_ok=True)
+    try:  # a read-only or unwritable place: before anything is created
+        check_writable_directory(os.path.dirname(os.path.abspath(args.out)), "--out", args.out)
+    except OutputPathError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    # written in a fresh folder beside --out, which is replaced only once the new store is complete: a failure
-    # (a full disk, an interrupt) leaves the old dataset as it was and no partial one
-    work = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(args.out))}.", suffix=".partial", dir=parent)
     try:
-        store = os.path.join(work, "new.zarr")
-        generate_synthetic_dataset(store, grid=args.grid, steps=args.steps, frequency=args.frequency,
-                                   seed=args.seed, members=args.members, start_date=args.start_date,
-                                   sea_field=args.sea_field)
-        if os.path.exists(args.out):
-            os.replace(args.out, os.path.join(work, "old.zarr"))
-        os.replace(store, args.out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        with no_partial_output(args.out):  # the folders it created go too
+            _write_replacing(args)
+    except OSError as exc:  # a full disk, an I/O error: the old store as it was, nothing partial beside it
+        full = is_disk_full(exc)
+        what = (f"the disk is full ({exc.strerror})" if full else
+                f"{exc.strerror or type(exc).__name__} ({errno.errorcode.get(exc.errno or 0, 'no errno')})")
+        fix = "free space there" if full else "check that file system (its permissions, the device)"
+        print(f"error: {what} writing {args.out}: {fix} or write to another file system; "
+              f"{'the store there is kept as it was' if os.path.exists(args.out) else 'nothing was written'}",
+              file=sys.stderr)
+        return 1
     ds = AnemoiDataset.open(args.out)
     print(f"wrote {args.out}: {ds.num_dates} dates every {frequency_to_string(ds.frequency)}, "
           f"{ds.num_variables} variables {ds.variables}, {ds.ensemble_size} member(s), {ds.num_cells} cells "

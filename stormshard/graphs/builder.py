@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stormshard.errors import disk_full_error, is_disk_full
 from stormshard.graphs.attributes import area_weights, edge_attributes, gaussian_weights
 from stormshard.graphs.config import (  # the graph's config, torch-free (re-exported here)
     CutoffEdges,
@@ -230,7 +231,8 @@ def _hidden_nodes(config: GraphConfig, level: int | None) -> tuple:
 
 
 def save_graph(graph: HeteroGraph, path: str | os.PathLike, config: GraphConfig | None = None) -> None:
-    """Write ``graph`` as a dict of tensors and strings (atomically: temp file, then rename)."""
+    """Write ``graph`` as a dict of tensors and strings (atomically: temp file, then rename); a full disk is an
+    ``OSError`` naming ``path``."""
     path = Path(path)
     payload = {
         "format": GRAPH_FORMAT_VERSION,
@@ -240,14 +242,19 @@ def save_graph(graph: HeteroGraph, path: str | os.PathLike, config: GraphConfig 
         "nodes": {t: {k: graph[t][k] for k in graph[t].keys()} for t in graph.node_types},
         "edges": {"__".join(t): {k: graph[t][k] for k in graph[t].keys()} for t in graph.edge_types},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        os.close(fd)
         torch.save(payload, tmp)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        if is_disk_full(exc):  # torch.save's RuntimeError names no file: the graph file it was writing
+            raise disk_full_error(exc, path) from exc
+        raise
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
 
 

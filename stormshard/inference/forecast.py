@@ -23,6 +23,7 @@ every rank of an initialised process group (``torchrun`` / ``deepspeed`` / ``sru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -40,7 +41,7 @@ from einops import rearrange
 from stormshard.checkpoint.export import InferenceModel
 from stormshard.data.anemoi_layout import AnemoiDataset, parse_frequency
 from stormshard.env import check_environment
-from stormshard.errors import no_partial_output
+from stormshard.errors import kept_until_replaced, no_partial_output
 from stormshard.inference.loader import PRECISIONS, ModelSource, build_forecaster, open_model_source
 from stormshard.inference.output_paths import OUTPUT_NAMES, DateOutputs, RunOutputs
 from stormshard.inference.outputs import (
@@ -57,6 +58,7 @@ from stormshard.inference.request import (
     check_forecast_attention_kernel,
     check_request,
     default_members,
+    forecast_outputs,
 )
 from stormshard.inference.runner import member_generator, member_noise, replica_tasks, rollout_steps
 from stormshard.inference.verification import Climatology, combine_scores, compute_climatology, score_forecast
@@ -147,13 +149,15 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
     standard error) and the scores table.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    # a failure (a full disk included, named with out) leaves no partial forecast: rank 0 removes what it wrote
-    with reporting(verbose and rank == 0), no_partial_output(out, OUTPUT_NAMES, remove=rank == 0):
+    # a failure (a full disk included, named with out) leaves no partial forecast: rank 0 removes what it wrote,
+    # and puts back what an --overwrite forecast was writing again (`replaced`, entered once the checks passed)
+    with reporting(verbose and rank == 0), no_partial_output(out, OUTPUT_NAMES, remove=rank == 0), \
+            contextlib.ExitStack() as replaced:
         return _run_forecast(source, dataset, dates, steps, out, gpus_per_model=gpus_per_model, members=members,
                              seed=seed, precision=precision, formats=formats, plot_variables=plot_variables,
                              plot_steps=plot_steps, verify=verify, cells_per_chunk=cells_per_chunk, graph=graph,
                              overwrite=overwrite, verbose=verbose, attention_kernel=attention_kernel,
-                             graph_kernel=graph_kernel, trust_model_code=trust_model_code)
+                             graph_kernel=graph_kernel, trust_model_code=trust_model_code, replaced=replaced)
 
 
 def _lacks_window_attention(info: Any) -> bool:
@@ -181,7 +185,7 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
                   plot_variables: Sequence[str] | None, plot_steps: Sequence[int] | None, verify: bool,
                   cells_per_chunk: int | None, graph: str | os.PathLike | None, overwrite: bool, verbose: bool,
                   attention_kernel: str | None = None, graph_kernel: str | None = None,
-                  trust_model_code: bool = False) -> ForecastResult:
+                  trust_model_code: bool = False, replaced: contextlib.ExitStack | None = None) -> ForecastResult:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_environment()  # every STORMSHARD_* variable, before any work (an EnvError names it)
     flex_options_from_env()
@@ -203,7 +207,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         dates=date_list, steps=steps, out=out, members=members, world_size=world, gpus_per_model=gpus_per_model,
         precision=precision or info.precision, formats=formats, plot_variables=plot_variables or [],
         plot_steps=plot_steps, cells_per_chunk=cells_per_chunk, verify=verify, seed=seed, overwrite=overwrite,
-        model_name=info.name, train_range=info.train_range)
+        model_name=info.name, train_range=info.train_range,
+        model=None if isinstance(source, InferenceModel) else source)
     if attention_kernel is not None:
         model_config = info.source.config if info.source is not None else info.prebuilt.config
         check_forecast_attention_kernel(attention_kernel, device_type, req.precision,
@@ -228,6 +233,10 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
         for warning in req.warnings:  # e.g. in-sample scores
             print(warning, file=sys.stderr, flush=True)
     _barrier()  # every rank has checked before rank 0 creates anything
+    if rank == 0 and overwrite and replaced is not None:  # what it writes again stays until the forecast is done
+        replaced.enter_context(kept_until_replaced(forecast_outputs(
+            req.out, req.date_dirs, req.formats, req.verify, req.plot_variables, req.plot_steps,
+            info.variables.output_names)))
 
     layout = ParallelLayout(world_size=world, gpus_per_model=req.gpus_per_model)
     groups = build_process_groups(layout)

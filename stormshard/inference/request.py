@@ -174,6 +174,17 @@ def _check_not_into_dataset(dataset: str | os.PathLike, out: Path, date_dirs: Se
                              "forecast reads: choose another --out (or copy the dataset elsewhere first)")
 
 
+def _check_not_into_model(model: str | os.PathLike | None, out: Path) -> None:
+    """A forecast never writes into the bundle or checkpoint it reads (``model``): an ``--out`` equal to or inside
+    it is an error naming both (its outputs would land among the model's files)."""
+    if model is None:
+        return
+    source, target = Path(model).resolve(), out.resolve()
+    if target == source or source in target.parents:
+        raise ValueError(f"--out {out} is {'the' if target == source else 'inside the'} model {model}: a forecast "
+                         "never writes into the bundle or checkpoint it reads; choose an --out outside it")
+
+
 def forecast_outputs(out: Path, date_dirs: Sequence[Path], formats: Sequence[str], verify: bool,
                      plot_variables: Sequence[str], plot_steps: Sequence[int], output_names: Sequence[str]) -> list[Path]:
     """Every path a forecast writes (:mod:`stormshard.inference.output_paths`): per date directory ``forecast.zarr``,
@@ -197,9 +208,11 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
                   dates: Sequence[Any], steps: int, out: str | os.PathLike, members: int | None, world_size: int,
                   gpus_per_model: int, precision: str, formats: Sequence[str], plot_variables: Sequence[str],
                   plot_steps: Sequence[int] | None, cells_per_chunk: int | None, verify: bool, seed: int,
-                  overwrite: bool, model_name: str, train_range: tuple[Any, Any] | None = None) -> ForecastRequest:
+                  overwrite: bool, model_name: str, train_range: tuple[Any, Any] | None = None,
+                  model: str | os.PathLike | None = None) -> ForecastRequest:
     """Validate a request (see the module docstring); nothing is created. ``train_range``: the model's
-    ``data.train`` ``(start, end)``, for the in-sample warning."""
+    ``data.train`` ``(start, end)``, for the in-sample warning; ``model``: the bundle or checkpoint path read
+    (None: a loaded model), which ``out`` must not be or lie in."""
     steps = _positive_int("steps", steps)
     k = _positive_int("gpus_per_model", gpus_per_model)
     n_data, n_hidden = graph["data"].num_nodes, graph["hidden"].num_nodes
@@ -266,6 +279,7 @@ def check_request(*, dataset: str | os.PathLike, ds: AnemoiDataset, graph: Heter
     several = len(init_dates) > 1
     date_dirs = tuple(date_directory(out, d, several) for d in init_dates)
     _check_not_into_dataset(dataset, out, date_dirs)
+    _check_not_into_model(model, out)
     if not overwrite:  # every file the forecast writes, not only its stores: none is replaced unasked
         written = forecast_outputs(out, date_dirs, fmts, verify, plot_variables, plot_steps, variables.output_names)
         taken = [p for p in written if p.exists() or p.is_symlink()]

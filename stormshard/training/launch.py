@@ -53,6 +53,7 @@ from stormshard.errors import ReportedByRank
 from stormshard.models.trust import check_model_code, stored_beside
 from stormshard.training.checkpoint import verify_resume_files
 from stormshard.training.config import ConfigError, ExperimentConfig, load_experiment_config
+from stormshard.training.diskspace import DiskSpaceError
 from stormshard.training.finetune import GraphDependentMismatch
 from stormshard.training.hostlist import HostlistError, first_host
 from stormshard.training.loop import Trainer, TrainResult
@@ -322,18 +323,25 @@ def init_distributed(launch: LaunchEnvironment | None = None) -> tuple[int, int]
 
 
 def build_trainer(config: ExperimentConfig, rank: int, resume: bool = False, inputs: RunInputs | None = None) -> Trainer:
-    """The run's :class:`~stormshard.training.loop.Trainer` (graph, model, init weights, engine). A
-    ``training.init_weights`` shape that depends on the graph's edges, known once the graph is built
-    (:class:`~stormshard.training.finetune.GraphDependentMismatch`, raised on every rank alike), leaves
-    the output directory as it was: once every rank has it (a barrier: no rank still reads the graph
-    cache), rank 0 removes the cache this build wrote, and the directory if the build made it;
-    ``config.json`` is written after the Trainer exists."""
+    """The run's :class:`~stormshard.training.loop.Trainer` (graph, model, init weights, engine), prepared
+    (:meth:`~stormshard.training.loop.Trainer.prepare`: the checkpoint loaded at ``--resume``, room for the first
+    checkpoint). A failure every rank raises alike before the run writes anything but its graph cache (a
+    ``training.init_weights`` shape that depends on the graph's edges,
+    :class:`~stormshard.training.finetune.GraphDependentMismatch`, or no room for the first checkpoint, a
+    :class:`~stormshard.training.diskspace.DiskSpaceError` every rank has from an all-reduce) leaves the output
+    directory as it was: once every rank has it (a barrier: no rank still reads the graph cache), rank 0 removes
+    the cache this build wrote, and the directory if the build made it; ``config.json`` is written after."""
     out = Path(config.training.output_dir)
     cache = None if config.data.graph_file else Path(config.data.graph_cache or out / "graph.pt")
     had_out, had_cache = out.exists(), cache is not None and cache.exists()
+    trainer = None
     try:
-        return Trainer(config, resume=resume, inputs=inputs)
-    except GraphDependentMismatch:
+        trainer = Trainer(config, resume=resume, inputs=inputs)
+        trainer.prepare()
+        return trainer
+    except (GraphDependentMismatch, DiskSpaceError) as exc:
+        if isinstance(exc, DiskSpaceError) and trainer is None:  # not prepare's: maybe not every rank's
+            raise
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         if rank == 0:
@@ -413,8 +421,8 @@ def run_training(config: str | os.PathLike | dict[str, Any] | ExperimentConfig, 
             found = resume_target(checkpoint_dir(cfg))
             if found is not None:
                 verify_resume_files(found.path, rank, world)
+        # the checkpoint loaded (--resume), room for the first checkpoint: nothing written yet but the graph cache
         trainer = build_trainer(cfg, rank, resume=resume, inputs=inputs)
-        trainer.prepare()  # the checkpoint loaded (--resume), room for the first checkpoint: nothing written yet
         if rank == 0:  # after the graph, model and init weights are built and checked
             save_resolved_config(cfg)
         result = trainer.fit()

@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stormshard.checkpoint.format import read_metadata
+from stormshard.checkpoint.format import METADATA, read_metadata, step_of
 from stormshard.checkpoint.integrity import resume_target
 from stormshard.data.anemoi_layout import AnemoiDataset
 from stormshard.data.dataset import (
@@ -261,6 +261,7 @@ def check_output_dir(config: ExperimentConfig) -> None:
     rebuilds over it: any other file would be lost)."""
     out = Path(config.training.output_dir)
     check_writable_directory(out, "training.output_dir")
+    _check_not_into_an_input(config)
     if config.data.graph_cache:
         check_writable_directory(Path(config.data.graph_cache).parent, "data.graph_cache")
     for name, is_dir in (("checkpoints", True), (METRICS_FILE, False), ("config.json", False)):
@@ -285,6 +286,25 @@ def check_output_dir(config: ExperimentConfig) -> None:
         raise ConfigError(f"{field}: {cache} exists and is not a stormshard graph file, which the run would overwrite "
                           "with its graph: choose another data.graph_cache (or delete the file if it is a damaged "
                           "graph cache); nothing was started")
+
+
+def _check_not_into_an_input(config: ExperimentConfig) -> None:
+    """A run never writes into what it reads: ``training.output_dir`` equal to or inside the dataset
+    (``data.path``), the ``training.init_weights`` directory, or a checkpoint's step directory (which its run
+    deletes with its older checkpoints, this run's files with it) is a :class:`ConfigError` naming both."""
+    out = Path(config.training.output_dir).resolve()
+    shown = f"training.output_dir={config.training.output_dir!r}"
+    for field, value in (("data.path", config.data.path), ("training.init_weights", config.training.init_weights)):
+        source = Path(value).resolve() if value else None
+        if source is not None and (out == source or source in out.parents):
+            raise ConfigError(f"{shown} is {'' if out == source else 'inside '}{field}={value!r}: a run never writes "
+                              "into what it reads (its config.json, graph.pt, metrics.jsonl and checkpoints would "
+                              "land there); set another training.output_dir; nothing was started")
+    step = next((p for p in (out, *out.parents) if step_of(p.name) is not None and (p / METADATA).is_file()), None)
+    if step is not None:
+        raise ConfigError(f"{shown} is {'' if out == step else 'inside '}the checkpoint {step}: its run deletes it "
+                          "with its older checkpoints, and this run's files with it; set another "
+                          "training.output_dir; nothing was started")
 
 
 def _is_experiment_config(path: Path) -> bool:
