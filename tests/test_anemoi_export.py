@@ -43,6 +43,8 @@ def _anemoi_importable() -> bool:
 needs_anemoi = pytest.mark.skipif(not _anemoi_importable(),
                                   reason="needs an anemoi-training venv with anemoi-models (ANEMOI_TRAINING_ENV)")
 
+#: a gnn section with anemoi's GraphConv options (edge MLP at ratio 1) and mlp_extra_layers 1
+_ANEMOI_GNN = {"mlp_hidden_layers": 3, "edge_embedding": True, "aggregate_updated_edges": True, "edge_mlp_ratio": 1.0}
 #: tiny models trained for 2 steps: options with and without anemoi counterparts in anemoi's model
 MODELS = {
     # self_projection / decoder_embedding off (anemoi: zero lin_self, a copy of the encoder embedding),
@@ -53,6 +55,14 @@ MODELS = {
                     "model.encoder": {"num_heads": 2, "mlp_ratio": 1.0, "trainable_edge_size": 2},
                     "model.decoder": {"num_heads": 2, "mlp_ratio": 1.0, "trainable_edge_size": 1}},
     "gnn": {"model.name": "gnn", "training.max_steps": 1},
+    # anemoi's GNN model (GNNForwardMapper / GNNProcessor / GNNBackwardMapper): MLP node embeddings and head, edge
+    # embeddings, the updated edges aggregated, the encoder's update of the data latents; mlp_extra_layers 1 (3 hidden
+    # layers; the decoder's 0) and mlp_hidden_ratio 2 (the edge MLPs at ratio 1), trainable node and edge tensors
+    "gnn-anemoi": {"model.name": "gnn", "model.node_embedding": "mlp", "model.head": "mlp", "model.latent_skip": True,
+                   "model.relu_bounded": ["tracer_2"],
+                   "model.processor": {"num_layers": 2, "mlp_ratio": 2, **_ANEMOI_GNN, "trainable_edge_size": 2},
+                   "model.encoder": {"mlp_ratio": 2.0, **_ANEMOI_GNN, "update_src_nodes": True, "trainable_edge_size": 1},
+                   "model.decoder": {"mlp_ratio": 1.0, **_ANEMOI_GNN, "mlp_hidden_layers": 2, "trainable_edge_size": 2}},
     # anemoi's bounding kinds after ReluBounding, in order: HardtanhBounding, LeakyFractionBounding of a bounded
     # total, NormalizedReluBounding (its threshold exported in physical units, rebuilt by anemoi from the statistics)
     "bounded": {"model.relu_bounded": ["tracer_2"], "model.bounding": [
@@ -100,7 +110,7 @@ def _reference_input(model, dataset: Path) -> torch.Tensor:
 
 
 @needs_anemoi
-@pytest.mark.parametrize("name", ["graphtransformer", "transformer", "truncated", "bounded"])
+@pytest.mark.parametrize("name", ["graphtransformer", "transformer", "truncated", "bounded", "gnn-anemoi"])
 def test_export_of_a_stormshard_model_predicts_in_anemoi(name, trained, tmp_path):
     """bundle -> export-anemoi (anemoi venv) -> anemoi's torch.load + predict_step == stormshard's predict
     (1e-4 of each output variable's spread, fp32); load_metadata: metadata 2.0, same variables and
@@ -128,11 +138,18 @@ def test_export_of_a_stormshard_model_predicts_in_anemoi(name, trained, tmp_path
     if name == "transformer":  # the trained lin_qkv biases were there to fold
         assert any(model.model.state_dict()[k].any() for k in model.model.state_dict() if k.endswith("lin_qkv.bias"))
         assert "lin_qkv bias folded" in export.stderr and "lin_qkv bias folded" in _export_notes(out)
-    else:  # options anemoi's model always has, given values that compute what stormshard's does
+    elif name != "gnn-anemoi":  # options anemoi's model always has, given values that compute what stormshard's does
         assert "lin_self is zero" in _export_notes(out) and "emb_nodes_dst is a copy" in _export_notes(out)
     back = stormshard.load_model(import_anemoi(out, tmp_path / "back"))
     assert back.config.name == model.config.name and back.config.latent_skip == model.config.latent_skip
     assert back.config.residual == model.config.residual == ("truncated" if name == "truncated" else "last_step")
+    if name == "gnn-anemoi":  # anemoi's GNN read back: the same options and sizes
+        gnn_fields = ("mlp_ratio", "mlp_hidden_layers", "edge_embedding", "aggregate_updated_edges", "edge_mlp_ratio",
+                      "trainable_edge_size")
+        for section in ("processor", "encoder", "decoder"):
+            ours_, theirs_ = getattr(model.config, section), getattr(back.config, section)
+            assert all(getattr(ours_, f) == getattr(theirs_, f) for f in gnn_fields), (section, ours_, theirs_)
+        assert (back.config.node_embedding, back.config.head, back.config.encoder.update_src_nodes) == ("mlp", "mlp", True)
     if name == "truncated":  # the matrices anemoi multiplies are the bundle's, and so are the nodes
         for key in ("truncation", ("data", "to", "truncation"), ("truncation", "to", "data")):
             for attr, value in model.graph[key].items():
@@ -161,8 +178,8 @@ def _errors(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
 
 
-def _edited_bundle(trained, tmp_path: Path, **model_changes) -> Path:
-    bundle = export_bundle(trained["graphtransformer"], tmp_path / "edited")
+def _edited_bundle(trained, tmp_path: Path, base: str = "graphtransformer", **model_changes) -> Path:
+    bundle = export_bundle(trained[base], tmp_path / "edited")
     meta = json.loads((bundle / "metadata.json").read_text())
     for dotted, value in model_changes.items():
         node = meta["model"]
@@ -179,7 +196,9 @@ def test_models_without_an_anemoi_equivalent_are_clear_errors(trained, tmp_path,
     out = tmp_path / "x.ckpt"
     assert convert_main(["export-anemoi", str(trained["gnn"]), "--out", str(out)]) == 2  # a training checkpoint
     errors = _errors(capsys)
-    assert len(errors) == 1 and "model.name='gnn' has no anemoi equivalent" in errors[0], errors
+    # a gnn model without anemoi's GNN options (linear node embeddings, ...): refused naming the first
+    assert len(errors) == 1 and "model.node_embedding='linear' has no anemoi equivalent (anemoi's GNN model: 'mlp')" \
+        in errors[0], errors
     bundle = _edited_bundle(trained, tmp_path / "a", encoder__mlp_ratio=0.15625)  # 16 x 0.15625 = 2.5 channels
     assert convert_main(["export-anemoi", str(bundle), "--out", str(out)]) == 2
     errors = _errors(capsys)
@@ -188,6 +207,15 @@ def test_models_without_an_anemoi_equivalent_are_clear_errors(trained, tmp_path,
     assert convert_main(["export-anemoi", str(bundle), "--out", str(out)]) == 2
     errors = _errors(capsys)
     assert len(errors) == 1 and "model.name='ensemble'" in errors[0], errors
+    # anemoi's GNN widths: its GraphConv edge MLP is num_channels wide, its MLPs have >= 2 hidden layers
+    for change, message in ((dict(processor__edge_mlp_ratio=None), "model.processor.edge_mlp_ratio=None (mlp_ratio 2) "
+                             "makes the edge MLP 32 channels wide; anemoi's GraphConv has num_channels=16"),
+                            (dict(decoder__mlp_hidden_layers=1), "model.decoder.mlp_hidden_layers=1 has no anemoi "
+                             "equivalent")):
+        bundle = _edited_bundle(trained, tmp_path / str(len(message)), "gnn-anemoi", **change)
+        assert convert_main(["export-anemoi", str(bundle), "--out", str(out)]) == 2
+        errors = _errors(capsys)
+        assert len(errors) == 1 and message in errors[0], errors
     assert not out.exists() and not list(tmp_path.glob("**/*.ckpt"))
 
 
@@ -248,18 +276,20 @@ def test_qkv_bias_folds_exactly_into_anemois_bias_free_attention(query_bias):
 
 
 @needs_anemoi
-def test_bundle_imported_from_a_lightning_checkpoint_exports_by_building(tmp_path):
+@pytest.mark.parametrize("variant", ["gt", "gnn"])
+def test_bundle_imported_from_a_lightning_checkpoint_exports_by_building(variant, tmp_path):
     """A bundle imported from a Lightning last.ckpt has no pickled model to write into; the build path
-    exports it, and anemoi's predict_step of the result equals that of the original anemoi model."""
-    bundle = import_anemoi(FIXTURES / "gt" / "last.ckpt", tmp_path / "from_last")
+    exports it (gnn: anemoi's GNN model built from the bundle's config), and anemoi's predict_step of the result
+    equals that of the original anemoi model."""
+    bundle = import_anemoi(FIXTURES / variant / "last.ckpt", tmp_path / "from_last")
     out = tmp_path / "back.ckpt"
     run = _anemoi("launch/convert_checkpoint.py", "export-anemoi", str(bundle), "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
-    x = FIXTURES / "gt" / "input.npy"
+    x = FIXTURES / variant / "input.npy"
     run = _anemoi(str(FIXTURES / "anemoi_predict.py"), str(out), str(x), str(tmp_path / "y.npy"),
                   str(tmp_path / "meta.json"))
     assert run.returncode == 0, run.stderr[-3000:]
-    expected = np.load(FIXTURES / "gt" / "output.npy")  # anemoi's own predict_step of the original model
+    expected = np.load(FIXTURES / variant / "output.npy")  # anemoi's own predict_step of the original model
     got = np.load(tmp_path / "y.npy")
     spread = expected.reshape(-1, expected.shape[-1]).std(axis=0)
     assert (np.abs(got - expected).reshape(-1, expected.shape[-1]).max(axis=0) / spread <= 1e-4).all()

@@ -21,9 +21,10 @@ from stormshard.checkpoint.errors import ConversionError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
 #: fixture variant -> stormshard model name (gt_truncated: gt with anemoi's TruncatedConnection residual;
-#: gt_bounded: gt with a list of anemoi's bounding kinds, tests/test_anemoi_bounding.py)
+#: gt_bounded: gt with a list of anemoi's bounding kinds, tests/test_anemoi_bounding.py; gnn: anemoi-training's
+#: packaged GNN model, GNNForwardMapper / GNNProcessor / GNNBackwardMapper)
 KINDS = {"gt": "graphtransformer", "transformer": "transformer", "gt_truncated": "graphtransformer",
-         "gt_bounded": "graphtransformer"}
+         "gt_bounded": "graphtransformer", "gnn": "gnn"}
 
 
 def _parameters(module, prefix=""):
@@ -49,7 +50,12 @@ def test_import_predicts_what_anemoi_predicts(variant, tmp_path, capsys):
     cfg = model.config
     assert cfg.name == KINDS[variant]
     assert cfg.residual == ("truncated" if variant == "gt_truncated" else "last_step")
-    assert cfg.latent_skip and cfg.decoder_embedding
+    assert cfg.latent_skip and cfg.decoder_embedding == (variant != "gnn")  # anemoi's GNN decoder embeds nothing
+    if variant == "gnn":  # anemoi's GNN model: every option of it on, mlp_extra_layers 0 (2 hidden layers)
+        assert (cfg.node_embedding, cfg.head, cfg.encoder.update_src_nodes) == ("mlp", "mlp", True)
+        for section in (cfg.processor, cfg.encoder, cfg.decoder):
+            assert section.edge_embedding and section.aggregate_updated_edges and section.edge_mlp_ratio == 1.0
+            assert section.mlp_hidden_layers == 2 and section.mlp_ratio == 1 and section.trainable_edge_size == 2
     if variant == "gt_bounded":  # anemoi's list, in order: ReluBounding of tracer_2 first
         assert cfg.relu_bounded == () and cfg.bounding[0].kind == "relu" and cfg.bounding[0].variables == ("tracer_2",)
         assert [b.kind for b in cfg.bounding] == ["relu", "hardtanh", "fraction", "leaky_hardtanh", "normalized_relu"]
@@ -60,7 +66,7 @@ def test_import_predicts_what_anemoi_predicts(variant, tmp_path, capsys):
     # layer_norm_attention_dest under a second name, listed twice; stormshard's zero q/k/v bias aside)
     ours = sum(p.numel() for p in model.model.parameters())
     c, layers = cfg.num_channels, cfg.processor.num_layers
-    unused = 2 * 2 * c  # encoder + decoder layer_norm_attention (weight, bias): the alias, counted twice
+    unused = 2 * 2 * c if variant != "gnn" else 0  # encoder + decoder layer_norm_attention: the alias, counted twice
     extra = 3 * c * layers if variant == "transformer" else 0
     ckpt = open_anemoi_checkpoint(FIXTURES / variant / "inference.ckpt")
     buffers = set(module_tensors(ckpt.root)) - set(_parameters(ckpt.root))
@@ -110,12 +116,13 @@ def _predict_error(model, variant: str) -> np.ndarray:
     return np.abs(got - expected).reshape(-1, expected.shape[-1]).max(axis=0) / spread
 
 
-@pytest.mark.parametrize("variant", ["gt", "transformer", "gt_bounded"])
+@pytest.mark.parametrize("variant", ["gt", "transformer", "gt_bounded", "gnn"])
 def test_lightning_checkpoint_imports_as_its_inference_checkpoint(variant, tmp_path, capsys):
     """``last.ckpt`` (anemoi-training 0.17's Lightning checkpoint, written by the same callback at the
     same step as ``inference.ckpt``): same weights, graph (the sliding-window transformer's has no
     processor edges), loss weights, statistics and config as the inference checkpoint's import, and
-    ``predict`` equals anemoi's ``predict_step``; it does not export back."""
+    ``predict`` equals anemoi's ``predict_step``; it does not export back (into the file: it exports by building,
+    tests/test_anemoi_export.py)."""
     from safetensors.torch import load_file
 
     from stormshard.graphs.builder import load_graph

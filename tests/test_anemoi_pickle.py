@@ -24,7 +24,7 @@ from stormshard.checkpoint.anemoi_pickle import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
-VARIANTS = ("gt", "transformer", "gt_truncated", "gt_bounded")
+VARIANTS = ("gt", "transformer", "gt_truncated", "gt_bounded", "gnn")
 
 
 def _probe(code: str) -> dict:

@@ -5,7 +5,7 @@ Two ways, chosen by where the model came from:
 - **written into its anemoi checkpoint** (a bundle made by ``import-anemoi`` from an anemoi-models
   0.19 inference checkpoint, possibly fine-tuned since, or a bundle of a run fine-tuned from one):
   the checkpoint it descends from (kept as ``anemoi_source.ckpt``) gets the bundle's weights (the
-  inverse of :func:`stormshard.checkpoint.anemoi_import.anemoi_weights`) written into its tensors, and
+  inverse of :func:`stormshard.checkpoint.anemoi_weights.anemoi_weights`) written into its tensors, and
   every other zip entry (the pickled model, ``anemoi-metadata/anemoi.json``, the supporting arrays) is
   copied unchanged: the bundle's residual must be the pickled one (a truncated residual's matrices its
   graph's truncation edges), else a :class:`ConversionError`. Nothing is unpickled with code (:mod:`stormshard.checkpoint.anemoi_pickle`); no

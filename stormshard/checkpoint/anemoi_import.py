@@ -8,7 +8,8 @@ architecture from the pickled model (or, for Lightning and older files, from the
 the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuilding anything:
 
 - the model config: processor kind (``GraphTransformerProcessor`` -> ``graphtransformer``,
-  ``TransformerProcessor`` -> ``transformer``), channels, layers, heads, MLP ratios, window, the
+  ``TransformerProcessor`` -> ``transformer``, ``GNNProcessor`` with GNN mappers -> ``gnn`` with anemoi's GNN
+  options, :mod:`~stormshard.checkpoint.anemoi_gnn`), channels, layers, heads, MLP ratios, window, the
   trainable node and edge sizes, ``latent_skip``, the decoder's own input embedding
   (``decoder_embedding``), the output boundings (every anemoi-models 0.19 class; ReluBoundings only:
   ``relu_bounded``; any other list: ``bounding``, in order, the normalized kinds' ``norm_min_val`` from the
@@ -27,7 +28,7 @@ the metadata: :class:`AnemoiArchitecture`), then builds from it, never rebuildin
 - the variables (dataset order, forcing, diagnostic) from ``data_indices``, and the normaliser
   statistics from ``_norm_mul`` / ``_norm_add`` (anemoi normalises ``x * mul + add``: exactly
   mean-std with ``mean = -add / mul``, ``stdev = 1 / mul``, whatever anemoi's method was);
-- the weights, mapped by name (:func:`anemoi_parameter_map`), shape-checked against the model.
+- the weights, mapped by name (:mod:`stormshard.checkpoint.anemoi_weights`), shape-checked against the model.
 - ``finetune_config.json`` (:func:`finetune_config`): a training config that fine-tunes the bundle
   (its graph file, statistics and weights, anemoi's training loss where stormshard has it:
   :mod:`stormshard.checkpoint.anemoi_loss`; ``data.path`` a placeholder the user overrides).
@@ -63,12 +64,14 @@ from stormshard.checkpoint.anemoi_bounding import (
     stormshard_boundings,
 )
 from stormshard.checkpoint.anemoi_files import check_anemoi_file
+from stormshard.checkpoint.anemoi_gnn import GNN_PROCESSOR, gnn_model_sections, gnn_problems
 from stormshard.checkpoint.anemoi_layouts import (
     AnemoiArchitecture,
     CanonicalTensors,
     architecture_from_config,
     canonical_tensors,
     dataset_and_hidden_names,
+    model_config_json,
 )
 from stormshard.checkpoint.anemoi_loss import anemoi_training_loss, anemoi_variable_weights
 from stormshard.checkpoint.anemoi_node_weights import loss_node_weights
@@ -83,6 +86,7 @@ from stormshard.checkpoint.anemoi_truncation import (
     add_truncation_graph,
     read_truncation,
 )
+from stormshard.checkpoint.anemoi_weights import qkv_names, stormshard_weights
 from stormshard.checkpoint.consolidate import atomic_directory, check_output_free, save_safetensors
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.export import BUNDLE_FORMAT
@@ -92,15 +96,17 @@ from stormshard.models.config import MapperConfig, ModelConfig, ProcessorConfig
 from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
-__all__ = ["import_anemoi", "read_anemoi", "ImportedAnemoi", "finetune_config", "anemoi_model_parts", "anemoi_weights",
+__all__ = ["import_anemoi", "read_anemoi", "ImportedAnemoi", "finetune_config", "anemoi_model_parts",
            "anemoi_architecture", "anemoi_latlon",
            "TEMPLATE", "FINETUNE_DATA_PLACEHOLDER"]
 
 #: the anemoi checkpoint an imported bundle keeps (``export-anemoi`` writes its weights into it)
 TEMPLATE = "anemoi_source.ckpt"
 
-_PROCESSORS = {"GraphTransformerProcessor": "graphtransformer", "TransformerProcessor": "transformer"}
-_UNSUPPORTED_FIX = "only anemoi-models 0.19 encoder-processor-decoders with graph-transformer mappers import"
+_PROCESSORS = {"GraphTransformerProcessor": "graphtransformer", "TransformerProcessor": "transformer",
+               GNN_PROCESSOR: "gnn"}
+_UNSUPPORTED_FIX = ("only anemoi-models 0.19 encoder-processor-decoders import: graph-transformer mappers with a "
+                    "GraphTransformerProcessor or TransformerProcessor, or anemoi's GNN (GNN mappers and GNNProcessor)")
 
 
 def _attr(obj: Any, *path: str) -> Any:
@@ -185,8 +191,8 @@ def _pickled_architecture(ckpt: AnemoiCheckpoint) -> AnemoiArchitecture:
     return AnemoiArchitecture(
         source="pickled model", processor=_short(proc), encoders=tuple(_short(e) for e in encoders),
         decoders=tuple(_short(d) for d in decoders), processor_heads=heads,
-        encoder_heads=int(_attr(encoders[0], "proc").__dict__["num_heads"]) if encoders else 0,
-        decoder_heads=int(_attr(decoders[0], "proc").__dict__["num_heads"]) if decoders else 0,
+        encoder_heads=int(_attr(encoders[0], "proc").__dict__.get("num_heads") or 0) if encoders else 0,
+        decoder_heads=int(_attr(decoders[0], "proc").__dict__.get("num_heads") or 0) if decoders else 0,
         window_size=window, attention_options=options, latent_skip=bool(state.get("latent_skip", False)),
         boundings=tuple(boundings),
         n_step_input=int(state.get("n_step_input", 0) or (config.get("task") or {}).get("multistep_input") or 1),
@@ -214,9 +220,11 @@ def _check_kinds(ckpt: AnemoiCheckpoint, arch: AnemoiArchitecture) -> str:
         problems.append(f"processor {arch.processor} (supported: {sorted(_PROCESSORS)})")
     if len(arch.encoders) != 1 or len(arch.decoders) != 1:
         problems.append(f"{len(arch.encoders)} encoders and {len(arch.decoders)} decoders (one dataset only)")
-    if arch.encoders and arch.encoders[0] != "GraphTransformerForwardMapper":
+    if kind == "gnn" and arch.encoders and arch.decoders:
+        problems += gnn_problems(model_config_json(ckpt.metadata), arch.encoders[0], arch.decoders[0])
+    elif arch.encoders and arch.encoders[0] != "GraphTransformerForwardMapper":
         problems.append(f"encoder {arch.encoders[0]} (only GraphTransformerForwardMapper)")
-    if arch.decoders and arch.decoders[0] != "GraphTransformerBackwardMapper":
+    if kind != "gnn" and arch.decoders and arch.decoders[0] != "GraphTransformerBackwardMapper":
         problems.append(f"decoder {arch.decoders[0]} (only GraphTransformerBackwardMapper)")
     if arch.residual != "SkipConnection" and arch.residual not in TRUNCATED_RESIDUALS:
         problems.append(f"residual {arch.residual} (stormshard's residuals: the last input step, anemoi's "
@@ -284,7 +292,7 @@ def _graph(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str,
     g["data"].area_weight = node_weights.weights
     g["hidden"].area_weight = torch.ones(g["hidden"].x.shape[0])  # unused: no loss on hidden nodes
     providers = {ENCODER: "model.encoder_graph_provider.data", DECODER: "model.decoder_graph_provider.data"}
-    if kind == "graphtransformer":
+    if kind != "transformer":  # the sliding-window transformer uses no processor edges
         providers[PROCESSOR] = "model.processor_graph_provider"
     for edge_type, prefix in providers.items():
         g[edge_type].edge_index = t[f"{prefix}.edge_index_base"].long()
@@ -297,131 +305,51 @@ def _graph(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str,
     return g, node_weights.source
 
 
-def _permute(weight: Tensor, first: int, inverse: bool = False) -> Tensor:
-    """anemoi's node inputs ``[x..., sin lat, sin lon, cos lat, cos lon, trainable...]`` <-> stormshard's
-    ``[x..., sin lat, cos lat, sin lon, cos lon, trainable...]`` (input columns of a Linear; the
-    swap of columns ``first + 1`` and ``first + 2`` is its own inverse)."""
-    order = list(range(first)) + [first, first + 2, first + 1, first + 3] + list(range(first + 4, weight.shape[1]))
-    return weight[:, order]
-
-
-_GT_BLOCK = {"lin_query": "to_q", "lin_key": "to_k", "lin_value": "to_v", "lin_edge": "to_e", "lin_self": "to_self",
-             "projection": "proj", "layer_norm_mlp_dst": "norm_mlp", "node_dst_mlp.mlp.0": "mlp.0",
-             "node_dst_mlp.mlp.2": "mlp.2", "layer_norm_attention_src": "norm_src",
-             "layer_norm_attention_dest": "norm_dst", "layer_norm_attention": "norm"}
-
-
-def _gt_block(src: str, dst: str, mapper: bool) -> list[tuple[str, str]]:
-    pairs = []
-    for a, s in _GT_BLOCK.items():
-        if mapper and a == "layer_norm_attention" or not mapper and a.startswith("layer_norm_attention_"):
-            continue  # a mapper's layer_norm_attention is its layer_norm_attention_dest under a second name
-        pairs += [(f"{dst}.{s}.{p}", f"{src}.{a}.{p}") for p in ("weight", "bias")]
-    return pairs
-
-
-def _transformer_block(src: str, dst: str) -> list[tuple[str, str]]:
-    pairs = []
-    for p in ("weight", "bias"):
-        pairs += [(f"{dst}.attention.projection.{p}", f"{src}.attention.projection.{p}"),
-                  (f"{dst}.norm_attention.{p}", f"{src}.layer_norm_attention.{p}"),
-                  (f"{dst}.norm_mlp.{p}", f"{src}.layer_norm_mlp.{p}"),
-                  (f"{dst}.mlp.fc1.{p}", f"{src}.mlp.mlp.0.{p}"), (f"{dst}.mlp.fc2.{p}", f"{src}.mlp.mlp.2.{p}")]
-    return pairs
-
-
-def _renames(config: ModelConfig, first: int) -> tuple[list[tuple[str, str]], list[tuple[str, str, int]]]:
-    """(stormshard, anemoi) parameter names that map unchanged, and those whose input columns are
-    permuted (with the index of the first coordinate column)."""
-    same = [("data_embedding", "model.node_attributes.trainable_tensors.data.trainable"),
-            ("hidden_embedding", "model.node_attributes.trainable_tensors.hidden.trainable"),
-            ("embed_data.bias", "model.encoder.0.emb_nodes_src.bias"),
-            ("embed_hidden.bias", "model.encoder.0.emb_nodes_dst.bias"),
-            ("embed_data_decoder.bias", "model.decoder.0.emb_nodes_dst.bias")]
-    permuted = [("embed_data.weight", "model.encoder.0.emb_nodes_src.weight", first),
-                ("embed_hidden.weight", "model.encoder.0.emb_nodes_dst.weight", 0),
-                ("embed_data_decoder.weight", "model.decoder.0.emb_nodes_dst.weight", first)]
-    same += _gt_block("model.encoder.0.proc", "encoder", True) + _gt_block("model.decoder.0.proc", "decoder", True)
-    for i in range(config.processor.num_layers):
-        if config.name == "graphtransformer":
-            same += _gt_block(f"model.processor.proc.{i}", f"processor.blocks.{i}", False)
-        else:
-            same += _transformer_block(f"model.processor.proc.{i}", f"processor.processor.blocks.{i}")
-    for ours, theirs, size in (("encoder_edges", "model.encoder_graph_provider.data", config.encoder.trainable_edge_size),
-                               ("decoder_edges", "model.decoder_graph_provider.data", config.decoder.trainable_edge_size),
-                               ("processor.edges", "model.processor_graph_provider",
-                                config.processor.trainable_edge_size)):
-        if size:
-            same.append((f"{ours}.trainable", f"{theirs}.trainable.trainable"))
-    for p in ("weight", "bias"):
-        same += [(f"head.0.{p}", f"model.decoder.0.node_data_extractor.0.{p}"),
-                 (f"head.1.{p}", f"model.decoder.0.node_data_extractor.1.{p}")]
-    return same, permuted
-
-
-def _qkv_names(config: ModelConfig) -> list[tuple[str, str]]:
-    """(stormshard ``lin_qkv`` prefix, anemoi attention prefix) of each transformer block."""
-    if config.name != "transformer":
-        return []
-    return [(f"processor.processor.blocks.{i}.attention.lin_qkv", f"model.processor.proc.{i}.attention")
-            for i in range(config.processor.num_layers)]
-
-
-def _weights(t: dict[str, Tensor], config: ModelConfig, n_in: int) -> dict[str, Tensor]:
-    """anemoi tensors -> stormshard parameters."""
-    same, permuted = _renames(config, config.multistep_input * n_in)
-    out = {ours: t[theirs] for ours, theirs in same if theirs in t}
-    out.update({ours: _permute(t[theirs], first) for ours, theirs, first in permuted})
-    heads = config.processor.num_heads
-    for ours, theirs in _qkv_names(config):
-        q, k, v = (t[f"{theirs}.lin_{n}.weight"] for n in "qkv")
-        c = q.shape[0]
-        # stormshard's lin_qkv rows are "(heads three d)": per head its q, k and v rows
-        out[f"{ours}.weight"] = torch.stack([w.reshape(heads, c // heads, -1) for w in (q, k, v)],
-                                            dim=1).reshape(3 * c, -1)
-        out[f"{ours}.bias"] = torch.zeros(3 * c)  # anemoi's q/k/v projections have no bias
-    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
-
-
-def anemoi_weights(weights: dict[str, Tensor], config: ModelConfig, n_in: int) -> dict[str, Tensor]:
-    """stormshard parameters -> anemoi tensors (the inverse of the import's mapping). A non-zero
-    ``lin_qkv`` bias (anemoi's q/k/v have none) is a :class:`ConversionError`."""
-    same, permuted = _renames(config, config.multistep_input * n_in)
-    out = {theirs: weights[ours] for ours, theirs in same if ours in weights}
-    out.update({theirs: _permute(weights[ours], first) for ours, theirs, first in permuted})
-    heads = config.processor.num_heads
-    for ours, theirs in _qkv_names(config):
-        if bool(weights[f"{ours}.bias"].any()):
-            raise ConversionError(f"{ours}.bias is not zero: anemoi's q/k/v projections have no bias",
-                                  fix="fine-tune imported transformer models with that bias frozen at zero")
-        w = weights[f"{ours}.weight"]
-        c = w.shape[0] // 3
-        q, k, v = w.reshape(heads, 3, c // heads, -1).unbind(1)
-        for name, part in zip("qkv", (q, k, v), strict=True):
-            out[f"{theirs}.lin_{name}.weight"] = part.reshape(c, -1)
-    return {k: v.detach().contiguous() for k, v in out.items()}
-
-
 def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture,
                   truncated: bool, variables: VariableIndex) -> ModelConfig:
     """The stormshard model config: sizes from the (canonical) tensors, the rest from ``arch``."""
     problems = []
     if "model.decoder.0.emb_nodes_src.weight" in t:
         problems.append("decoder emb_nodes_src (processor width != decoder width)")
-    c = t["model.encoder.0.emb_nodes_src.weight"].shape[0]
     relu, bounding = stormshard_boundings(
         arch.boundings, t, str(ckpt.path), variables.output_names,
         checkpoint_statistics(ckpt.root, dataset_and_hidden_names(ckpt.metadata)[0]), variables.variables)
-
-    def mlp_ratio(prefix: str) -> float:
-        return t[f"{prefix}.mlp.0.weight"].shape[0] / c if f"{prefix}.mlp.0.weight" in t else \
-            t[f"{prefix}.node_dst_mlp.mlp.0.weight"].shape[0] / c
 
     def edge_size(prefix: str) -> int:
         w = t.get(f"{prefix}.trainable.trainable")
         return 0 if w is None else int(w.shape[1])
 
+    edges = {"processor": edge_size("model.processor_graph_provider"),
+             "encoder": edge_size("model.encoder_graph_provider.data"),
+             "decoder": edge_size("model.decoder_graph_provider.data")}
     layers = len({int(m[1]) for k in t if (m := re.match(r"^model\.processor\.proc\.(\d+)\.", k))})
+    if kind == "gnn":
+        fields, more = gnn_model_sections(t, layers)
+        problems += more
+    else:
+        fields = _attention_sections(t, kind, arch, layers, problems)
+    if problems:
+        raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent:", problems,
+                              fix=_UNSUPPORTED_FIX)
+    sections = {name: (ProcessorConfig if name == "processor" else MapperConfig)(
+        **fields.pop(name), trainable_edge_size=edges[name]) for name in edges}
+    return ModelConfig(
+        name=kind, multistep_input=arch.n_step_input,
+        trainable_size=int(t["model.node_attributes.trainable_tensors.data.trainable"].shape[1]),
+        latent_skip=arch.latent_skip, relu_bounded=relu, bounding=bounding,
+        residual="truncated" if truncated else "last_step", **sections, **fields)
+
+
+def _attention_sections(t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture, layers: int,
+                        problems: list[str]) -> dict[str, object]:
+    """The ModelConfig fields of a graph-transformer or sliding-window-transformer model (``processor`` /
+    ``encoder`` / ``decoder`` without their trainable edge sizes); what does not map is added to ``problems``."""
+    c = t["model.encoder.0.emb_nodes_src.weight"].shape[0]
+
+    def mlp_ratio(prefix: str) -> float:
+        return t[f"{prefix}.mlp.0.weight"].shape[0] / c if f"{prefix}.mlp.0.weight" in t else \
+            t[f"{prefix}.node_dst_mlp.mlp.0.weight"].shape[0] / c
+
     if kind == "graphtransformer":
         p_ratio = mlp_ratio("model.processor.proc.0")
         window = ProcessorConfig().window_size  # unused by graph processors
@@ -430,22 +358,13 @@ def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch:
         window = arch.window_size
     if p_ratio != int(p_ratio):
         problems.append(f"processor mlp_hidden_ratio {p_ratio} (stormshard's processor takes whole ratios)")
-    if problems:
-        raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent:", problems,
-                              fix=_UNSUPPORTED_FIX)
-    return ModelConfig(
-        name=kind, num_channels=c, multistep_input=arch.n_step_input,
-        trainable_size=int(t["model.node_attributes.trainable_tensors.data.trainable"].shape[1]),
-        processor=ProcessorConfig(num_layers=layers, num_heads=arch.processor_heads, mlp_ratio=int(p_ratio),
-                                  window_size=window, self_projection=kind == "graphtransformer",
-                                  trainable_edge_size=edge_size("model.processor_graph_provider")),
-        encoder=MapperConfig(num_heads=arch.encoder_heads, mlp_ratio=mlp_ratio("model.encoder.0.proc"),
-                             self_projection=True, trainable_edge_size=edge_size("model.encoder_graph_provider.data")),
-        decoder=MapperConfig(num_heads=arch.decoder_heads, mlp_ratio=mlp_ratio("model.decoder.0.proc"),
-                             self_projection=True, trainable_edge_size=edge_size("model.decoder_graph_provider.data")),
-        latent_skip=arch.latent_skip, decoder_embedding=True, relu_bounded=relu, bounding=bounding,
-        residual="truncated" if truncated else "last_step",
-    )
+    return {"num_channels": c, "decoder_embedding": True,
+            "processor": dict(num_layers=layers, num_heads=arch.processor_heads, mlp_ratio=max(1, int(p_ratio)),
+                              window_size=window, self_projection=kind == "graphtransformer"),
+            "encoder": dict(num_heads=arch.encoder_heads, mlp_ratio=mlp_ratio("model.encoder.0.proc"),
+                            self_projection=True),
+            "decoder": dict(num_heads=arch.decoder_heads, mlp_ratio=mlp_ratio("model.decoder.0.proc"),
+                            self_projection=True)}
 
 
 def _statistics(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], variables: VariableIndex) -> dict[str, dict[str, float]]:
@@ -487,7 +406,7 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
         truncation = read_truncation(ckpt, arch, anemoi_latlon(t["model.node_attributes.latlons_data"]))
         config = _model_config(ckpt, t, kind, arch, truncation is not None, variables)
         graph, weights_source = _graph(ckpt, t, kind, truncation)
-        weights = _weights(t, config, len(variables.input_names))
+        weights = stormshard_weights(t, config, len(variables.input_names))
     except KeyError as err:  # a tensor of the 0.19 layout is absent: a layout no migration rule maps
         raise ConversionError(
             f"{ckpt.path}: the anemoi model has no {err.args[0]!r} (after anemoi-models' migration rules: "
@@ -572,7 +491,7 @@ def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict
     (anemoi's q/k/v have none) are frozen at zero, so the result exports back to anemoi."""
     b = Path(bundle).resolve()
     v, config = imported.variables, imported.config
-    freeze = [name for name, _ in _qkv_names(config)]
+    freeze = [name for name, _ in qkv_names(config)]
     loss = (imported.metadata.get("anemoi") or {}).get("training_loss") or {}
     return {
         "name": f"finetune-{b.name}",

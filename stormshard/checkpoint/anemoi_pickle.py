@@ -112,6 +112,8 @@ _STUB_GLOBALS: dict[str, frozenset[str]] = {
     "pathlib": frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}),
     "typing": frozenset({"Any", "Union", "Optional", "OrderedDict", "List", "Dict", "Tuple", "Callable", "Literal",
                          "Set", "FrozenSet", "Type", "Sequence", "Mapping"}),
+    # torch-geometric's Inspector records annotations such as tuple[Tensor, Tensor] (anemoi's GraphConv, GNN models)
+    "types": frozenset({"GenericAlias"}),
     "operator": frozenset({"getitem"}),
     "_operator": frozenset({"getitem"}),
     "torch": frozenset({"Tensor", "Size", "device", "Generator"}),

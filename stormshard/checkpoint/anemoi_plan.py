@@ -10,6 +10,8 @@ What maps (stormshard -> anemoi-models 0.19):
 
 - ``name: graphtransformer`` / ``transformer`` -> ``GraphTransformerProcessor`` / ``TransformerProcessor``
   (sliding window ``window_size``, scaled-dot-product attention); graph-transformer mappers both ways;
+  ``name: gnn`` with anemoi's GNN options -> ``GNNProcessor``, ``GNNForwardMapper`` / ``GNNBackwardMapper``
+  (``mlp_extra_layers`` = ``mlp_hidden_layers - 2``, :mod:`~stormshard.checkpoint.anemoi_gnn`);
 - channels, layers, heads, MLP ratios, ``trainable_size`` (``node_trainable_parameters``), trainable edge
   sizes (the graph providers' ``trainable_size``), ``latent_skip``, ``relu_bounded`` (``ReluBounding``) and
   ``bounding`` (anemoi's classes; the normalized kinds' thresholds in physical units for a variable normalised
@@ -31,7 +33,8 @@ What maps (stormshard -> anemoi-models 0.19):
   ``[length, east, north]`` named ``edge_length`` and ``edge_dirs`` (any other width: ``edge_attr``).
 
 What does not (a :class:`ConversionError` naming the option and its value, before any work): the
-``gnn`` and ``ensemble`` models and custom builders, an MLP width anemoi rounds otherwise.
+``ensemble`` model and custom builders, a ``gnn`` model without anemoi's GNN options
+(:func:`~stormshard.checkpoint.anemoi_gnn.check_gnn_exportable`), an MLP width anemoi rounds otherwise.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from einops import rearrange
 from torch import Tensor
 
 from stormshard.checkpoint.anemoi_bounding import anemoi_bounding_config
-from stormshard.checkpoint.anemoi_import import anemoi_weights
+from stormshard.checkpoint.anemoi_gnn import check_gnn_exportable, gnn_component_configs
 from stormshard.checkpoint.anemoi_truncation import EDGE_WEIGHT_ATTRIBUTE, truncation_residual_config
+from stormshard.checkpoint.anemoi_weights import anemoi_weights
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, TRUNCATION_DOWN, TRUNCATION_UP
 from stormshard.graphs.hetero import HeteroGraph
@@ -61,7 +65,8 @@ __all__ = ["ExportSource", "AnemoiExportPlan", "plan_anemoi_export", "check_expo
 
 #: stormshard model -> anemoi processor
 EXPORTABLE_MODELS = {"graphtransformer": "anemoi.models.layers.processor.GraphTransformerProcessor",
-                     "transformer": "anemoi.models.layers.processor.TransformerProcessor"}
+                     "transformer": "anemoi.models.layers.processor.TransformerProcessor",
+                     "gnn": "anemoi.models.layers.processor.GNNProcessor"}
 _PROVIDERS = {ENCODER: "model.encoder_graph_provider.data", DECODER: "model.decoder_graph_provider.data",
               PROCESSOR: "model.processor_graph_provider"}
 _KERNELS = {"LayerNorm": {"_target_": "torch.nn.LayerNorm"}, "Linear": {"_target_": "torch.nn.Linear"},
@@ -111,11 +116,11 @@ def _fail(source: Path, what: str, fix: str) -> ConversionError:
 
 def check_exportable(config: ModelConfig, source: Path) -> None:
     """A :class:`ConversionError` naming the first option (and its value) anemoi's model lacks."""
-    fix = ("export-anemoi writes graphtransformer and transformer models (anemoi's GraphTransformerProcessor / "
-           "TransformerProcessor); export other models as stormshard bundles (convert_checkpoint.py export)")
+    fix = ("export-anemoi writes graphtransformer, transformer and gnn models (anemoi's GraphTransformerProcessor / "
+           "TransformerProcessor / GNNProcessor); export other models as stormshard bundles (convert_checkpoint.py "
+           "export)")
     if config.name not in EXPORTABLE_MODELS:
-        what = ("a custom model builder" if not config.is_builtin else
-                "the noise-conditioned ensemble processor" if config.name == "ensemble" else "a GNN processor")
+        what = "a custom model builder" if not config.is_builtin else "the noise-conditioned ensemble processor"
         raise _fail(source, f"model.name={config.name!r} has no anemoi equivalent ({what}; anemoi export maps "
                             f"{sorted(EXPORTABLE_MODELS)})", fix)
     c = config.num_channels
@@ -126,6 +131,8 @@ def check_exportable(config: ModelConfig, source: Path) -> None:
             raise _fail(source, f"model.{section}.mlp_ratio={ratio} has no anemoi equivalent: {c} x {ratio} rounds "
                                 f"to {ours} MLP channels here and to {theirs} in anemoi (halves round up)",
                         "choose a ratio whose product with num_channels is not a half-integer")
+    if config.name == "gnn":
+        check_gnn_exportable(config, source)
 
 
 def _qkv(config: ModelConfig) -> list[tuple[str, str]]:
@@ -195,7 +202,7 @@ def anemoi_parameters(weights: dict[str, Tensor], config: ModelConfig, n_in: int
     with the options anemoi's model always has filled in and a transformer's ``lin_qkv`` bias folded;
     and notes saying how."""
     w, notes, c = dict(weights), [], config.num_channels
-    if not config.decoder_embedding:
+    if not config.decoder_embedding and config.name != "gnn":  # anemoi's GNN decoder embeds nothing
         w["embed_data_decoder.weight"], w["embed_data_decoder.bias"] = w["embed_data.weight"], w["embed_data.bias"]
         notes.append("decoder_embedding: false -> the decoder's emb_nodes_dst is a copy of the encoder's emb_nodes_src")
     blocks = [("encoder", config.encoder.self_projection), ("decoder", config.decoder.self_projection)]
@@ -254,7 +261,7 @@ def _anemoi_graph(graph: HeteroGraph, kind: str, truncated: bool = False
         area = store.area_weight if "area_weight" in store else torch.ones(x.shape[0])
         nodes[name] = {"x": x.contiguous(), "area_weight": area.float().reshape(-1, 1).contiguous()}
     edges = {}
-    for edge_type in (ENCODER, DECODER) + ((PROCESSOR,) if kind == "graphtransformer" else ()):
+    for edge_type in (ENCODER, DECODER) + ((PROCESSOR,) if kind != "transformer" else ()):
         order = _edge_order(graph, edge_type)
         index = graph[edge_type].edge_index.long().index_select(1, order)
         attr = graph[edge_type].edge_attr.float().index_select(0, order)
@@ -300,6 +307,13 @@ def _model_section(config: ModelConfig, graph: HeteroGraph, bounding: list[dict[
         processor |= {"window_size": p.window_size, "dropout_p": 0.0, "softcap": 0.0, "use_alibi_slopes": False,
                       "use_rotary_embeddings": False, "attention_implementation": "scaled_dot_product_attention"}
     mappers = "anemoi.models.layers.mapper.GraphTransformer{}Mapper"
+    encoder = _mapper(config, "encoder", graph[ENCODER].edge_attr.shape[1], mappers.format("Forward"))
+    decoder = _mapper(config, "decoder", graph[DECODER].edge_attr.shape[1], mappers.format("Backward"))
+    if kind == "gnn":  # anemoi's GNN mappers and processor
+        widths = {"processor": PROCESSOR, "encoder": ENCODER, "decoder": DECODER}
+        gnn = gnn_component_configs(config, {k: list(_edge_attribute_names(graph[e].edge_attr.shape[1]))
+                                             for k, e in widths.items()})
+        processor, encoder, decoder = gnn["processor"], gnn["encoder"], gnn["decoder"]
     return {
         "keep_batch_sharded": True, "sparse_projector": {"num_chunks": 1},
         "model": {"_target_": "anemoi.models.models.AnemoiModelEncProcDec", "hidden_nodes_name": "hidden",
@@ -311,11 +325,9 @@ def _model_section(config: ModelConfig, graph: HeteroGraph, bounding: list[dict[
         "latent_aggregator": {"_target_": "anemoi.models.layers.aggregator.SumAggregator"},
         "processor": processor,
         "encoders": {"0": {"source_datasets": ["data"], "dataset_fusing_strategy": "not_supported",
-                           "mapper": _mapper(config, "encoder", graph[ENCODER].edge_attr.shape[1],
-                                             mappers.format("Forward"))}},
+                           "mapper": encoder}},
         "decoders": {"0": {"target_datasets": ["data"], "target_node_features": ["encoded_data"],
-                           "mapper": _mapper(config, "decoder", graph[DECODER].edge_attr.shape[1],
-                                             mappers.format("Backward"))}},
+                           "mapper": decoder}},
         "residual": {"datasets": {"data": truncation_residual_config() if config.residual == "truncated" else
                                   {"_target_": "anemoi.models.layers.residual.SkipConnection", "step": -1}}},
         "compile": [], "recompile_limit": 8,
