@@ -7,7 +7,9 @@ write, leave or lose something, or fail late with a message that named the wrong
   ``export-anemoi --out DIR --overwrite`` did the whole export, then failed naming ``DIR.partial``.
 - A full disk while a file was copied into the output (``shutil``'s ``sendfile``) was reported as a full disk
   writing the *source* file; a full disk while a graph cache was saved named no file ("writing the output").
-- ``inspect`` of a bundle whose ``metadata.json`` is damaged printed a bare JSON error.
+- ``inspect`` of a bundle whose ``metadata.json`` is damaged printed a bare JSON error; a dataset chunk that
+  cannot be decoded (truncated, overwritten) was ``error: RuntimeError: error during blosc decompression: -1``
+  (with zarr's tracebacks at exit when run as a script), the store unnamed.
 - A forecast wrote into the bundle or checkpoint it read (``--out`` equal to or inside ``--model``); a forecast
   with ``--overwrite`` that failed half-way deleted the previous forecast (and kept its stale scores).
 - A run wrote into its dataset, its ``training.init_weights`` bundle or another run's checkpoint step
@@ -178,6 +180,20 @@ def test_a_failed_forecast_with_overwrite_keeps_the_previous_one(run, dataset, t
                                                      "scores.json"]
 
 
+def test_a_damaged_dataset_is_named_and_leaves_no_forecast(run, dataset, tmp_path, capsys):
+    data = shutil.copytree(dataset, tmp_path / "data.zarr")
+    args = ["--model", str(run.parent / "bundle"), "--dataset", str(data), *FORECAST, "--no-scores", "--out",
+            str(tmp_path / "fc")]
+    chunk = data / "data" / "44.0.0.0"  # 2020-01-12T00, an input of the forecast
+    chunk.write_bytes(chunk.read_bytes()[:10])
+    _refused(capsys, "forecast", args, tmp_path, f"DamagedStoreError: {data}: the array 'data' at dates",
+             "cannot be read (RuntimeError: error during blosc decompression", "the store is damaged", status=1)
+    latitudes = data / "latitudes" / "0"
+    latitudes.write_bytes(latitudes.read_bytes()[:10])
+    _refused(capsys, "forecast", args, tmp_path, f"error: {data}: the array 'latitudes' cannot be read",
+             "the store is damaged")
+
+
 # ------------------------------------------------------------------------------ training
 
 
@@ -214,6 +230,25 @@ def test_no_room_for_the_first_checkpoint_leaves_no_graph_behind(dataset, tmp_pa
     err = capsys.readouterr().err
     assert "has 1000 B free but the checkpoint of step 1 needs" in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no run folder, no graph.pt
+
+
+def test_a_config_json_that_cannot_be_written_leaves_no_temporary_file(dataset, tmp_path, monkeypatch):
+    from stormshard.training import launch
+    from stormshard.training.config import load_experiment_config
+
+    config = load_experiment_config(tiny_config(dataset, tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+
+    def full(src, dst) -> None:  # noqa: ANN001
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(launch.os, "replace", full)
+    with pytest.raises(OSError):
+        launch.save_resolved_config(config)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.json"]
+    assert (tmp_path / "run" / "config.json").read_text() == "{}"
 
 
 # ------------------------------------------------------------------------------ python -m stormshard.data.synthetic

@@ -380,6 +380,20 @@ def test_a_state_the_codec_cannot_store_keeps_the_previous_checkpoint_and_resume
     assert len(result.losses) == 2 and Path(result.checkpoint).name == "step_00000003"
 
 
+def test_upgrade_on_a_file_system_without_directory_fsync(tmp_path, monkeypatch):
+    """``upgrade`` fsyncs each rewritten step directory; a file system that cannot (EINVAL) used to fail it."""
+    from stormshard.checkpoint.upgrade import upgrade_checkpoints
+    from tests.test_checkpoint import to_pickled_format
+
+    save_checkpoint(tmp_path, 1, {"x": torch.zeros(2)}, {}, {"world_size": 1}, 0, 1, model=torch.nn.Linear(2, 2))
+    to_pickled_format(tmp_path / "step_00000001")
+    monkeypatch.setattr(os, "fsync", _fsync_fails_for(None, lambda: True, OSError(errno.EINVAL,
+                                                                                   os.strerror(errno.EINVAL))))
+    assert [what for _, what in upgrade_checkpoints(tmp_path)] == ["upgraded from format 1 to 2"]
+    monkeypatch.undo()
+    assert checkpoint_problems(tmp_path / "step_00000001", contents=True) == []
+
+
 def test_a_checkpoints_weights_are_on_the_disk_before_the_rename(tmp_path, monkeypatch):
     synced: list[str] = []
     real = os.fsync

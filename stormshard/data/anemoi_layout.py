@@ -52,11 +52,12 @@ from stormshard.data.statistics import (
 
 __all__ = [
     "AnemoiLayoutError",
+    "DamagedStoreError",
     "Statistics",
     "AnemoiDataset",
     "compute_statistics",
     "write_anemoi_dataset",
-    "settle_zarr_writes",
+    "settle_zarr_tasks",
     "parse_frequency",
     "frequency_to_string",
     "as_datetime64",
@@ -69,6 +70,11 @@ LAYOUT_VERSION = "0.30"
 
 class AnemoiLayoutError(ValueError):
     """A store does not follow the anemoi-datasets layout; the message names what is wrong."""
+
+
+class DamagedStoreError(RuntimeError):
+    """A chunk of the ``data`` array that zarr cannot decode, met while reading (a rank's slice, mid-run): not
+    a ``ValueError``, so every rank that meets it reports it (bad input is printed by rank 0 alone)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,9 +224,28 @@ def write_anemoi_dataset(
         zarr.consolidate_metadata(path, zarr_format=2)
 
 
-def settle_zarr_writes(timeout: float = 60.0) -> None:
-    """After a zarr write that failed (a full disk), wait for the chunk writes of that call that zarr's event loop
-    still runs: left pending, the interpreter's exit cuts each off with a traceback after the error message."""
+def _damaged(path: str, what: str, exc: BaseException, error: type[Exception] = AnemoiLayoutError) -> Exception:
+    """The ``error`` for ``what`` of the store ``path`` that zarr cannot decode (``exc``)."""
+    settle_zarr_tasks()
+    detail = (str(exc).strip().splitlines() or [""])[0][:160]
+    return error(f"{path}: {what} cannot be read ({type(exc).__name__}: {detail}): the store is damaged (a truncated "
+                 "or overwritten chunk); copy or write it again")
+
+
+def _read_whole(array: zarr.Array, path: str, what: str) -> np.ndarray:
+    """``array[:]``; a chunk zarr cannot decode is :func:`_damaged`."""
+    try:
+        return array[:]
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the codec raises
+        raise _damaged(path, what, exc) from exc
+
+
+def settle_zarr_tasks(timeout: float = 60.0) -> None:
+    """After a zarr read or write that failed (a damaged chunk, a full disk), wait for the other chunks of that call
+    that zarr's event loop still decodes or writes: left pending (or failed, unretrieved), the interpreter's exit
+    reports each with a traceback after the error message."""
     from zarr.core import sync as zarr_sync
 
     loop = (getattr(zarr_sync, "loop", None) or [None])[0]
@@ -324,7 +349,7 @@ class AnemoiDataset:
 
         if "dates" not in arrays:
             raise err("missing the array 'dates'")
-        raw_dates = root["dates"][:]
+        raw_dates = _read_whole(root["dates"], path, "the array 'dates'")
         try:
             dates = raw_dates.astype("datetime64[s]")
         except (TypeError, ValueError):
@@ -354,7 +379,7 @@ class AnemoiDataset:
             array = root[name]
             if array.size and array.nchunks_initialized == 0:  # listed, but no value was ever written
                 unwritten.append(f"{name} (fill value {array.fill_value})")
-            values = np.asarray(array[:], dtype=np.float64)
+            values = np.asarray(_read_whole(array, path, f"the array '{name}'"), dtype=np.float64)
             if values.shape != (n_cells,):
                 raise err(f"array '{name}' has shape {values.shape} but 'data' has {n_cells} cells")
             bad = np.flatnonzero(~np.isfinite(values) | (np.abs(values) > (90.0 if name.startswith("lat") else 360.0)))
@@ -370,7 +395,7 @@ class AnemoiDataset:
                 if name in STATISTICS_REQUIRED:
                     raise err(f"missing the statistics array '{name}'")
                 continue
-            values = np.asarray(root[name][:])
+            values = np.asarray(_read_whole(root[name], path, f"the statistics array '{name}'"))
             if values.shape != (n_vars,):
                 raise err(f"statistics array '{name}' has shape {values.shape} but there are {n_vars} variables")
             stats[name] = values
@@ -493,6 +518,14 @@ class AnemoiDataset:
                              f"{frequency_to_string(self.frequency)})")
         return i
 
+    def _read_chunks(self, dates: np.ndarray | slice, lo: int, hi: int) -> np.ndarray:
+        """``data[dates, :, :, lo:hi]``: a run of consecutive dates as one slice (zarr's fast path)."""
+        if isinstance(dates, slice):
+            return np.asarray(self.data[dates, :, :, lo:hi])
+        if dates.size and np.all(np.diff(dates) == 1):
+            return np.asarray(self.data[int(dates[0]) : int(dates[-1]) + 1, :, :, lo:hi])
+        return np.asarray(self.data.get_orthogonal_selection((dates, slice(None), slice(None), slice(lo, hi))))
+
     def read(self, date_indices: Sequence[int] | np.ndarray | slice, cells: slice | None = None) -> np.ndarray:
         """``data[date_indices, :, :, cells]`` as a numpy array ``(dates, variables, ensemble, cells)``.
 
@@ -505,16 +538,19 @@ class AnemoiDataset:
             raise ValueError(f"cells must be a contiguous slice, got step {step}")
         per_chunk = int(self.data.chunks[3])
         lo, hi = (start // per_chunk) * per_chunk, min(-(-stop // per_chunk) * per_chunk, self.num_cells)
-        if isinstance(date_indices, slice):
-            out = np.asarray(self.data[date_indices, :, :, lo:hi])
-        else:
-            idx = np.asarray(date_indices, dtype=np.int64)
-            if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= self.num_dates)):
-                raise IndexError(f"date indices {idx.tolist()} out of range for {self.num_dates} dates")
-            if idx.size and np.all(np.diff(idx) == 1):
-                out = np.asarray(self.data[int(idx[0]) : int(idx[-1]) + 1, :, :, lo:hi])
-            else:
-                out = np.asarray(self.data.get_orthogonal_selection((idx, slice(None), slice(None), slice(lo, hi))))
+        dates = date_indices
+        if not isinstance(date_indices, slice):
+            dates = np.asarray(date_indices, dtype=np.int64)
+            if dates.ndim != 1 or (dates.size and (dates.min() < 0 or dates.max() >= self.num_dates)):
+                raise IndexError(f"date indices {dates.tolist()} out of range for {self.num_dates} dates")
+        try:  # a damaged chunk (truncated, overwritten) is the store's fault: name it, not the codec's error
+            out = self._read_chunks(dates, lo, hi)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the codec raises (blosc, zlib, a wrong size)
+            chosen = self.dates[dates]
+            where = f" at dates {chosen.min()} to {chosen.max()}" if chosen.size else ""
+            raise _damaged(self.path, f"the array 'data'{where}", exc, DamagedStoreError) from exc
         if (lo, hi) == (start, stop):
             return out
         return np.ascontiguousarray(out[..., start - lo : stop - lo])

@@ -55,7 +55,7 @@ from stormshard.data.anemoi_layout import (
     as_datetime64,
     frequency_to_string,
     parse_frequency,
-    settle_zarr_writes,
+    settle_zarr_tasks,
     write_anemoi_dataset,
 )
 from stormshard.errors import OutputPathError, check_writable_directory, is_disk_full, no_partial_output
@@ -352,7 +352,7 @@ def _write_replacing(args: argparse.Namespace) -> None:
                 os.replace(old, args.out)
             raise
     except BaseException:
-        settle_zarr_writes()  # no chunk write still running into the folder removed below
+        settle_zarr_tasks()  # no chunk write still running into the folder removed below
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)

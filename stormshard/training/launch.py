@@ -359,8 +359,12 @@ def save_resolved_config(config: ExperimentConfig) -> Path:
     out = Path(config.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     target, tmp = out / "config.json", out / ".config.json.tmp"
-    tmp.write_text(json.dumps(config.model_dump(mode="json"), indent=1) + "\n")
-    os.replace(tmp, target)
+    try:
+        tmp.write_text(json.dumps(config.model_dump(mode="json"), indent=1) + "\n")
+        os.replace(tmp, target)
+    except BaseException:  # a full disk: the old config.json (if any) as it was, no temporary file left
+        tmp.unlink(missing_ok=True)
+        raise
     return target
 
 
