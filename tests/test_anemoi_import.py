@@ -106,6 +106,29 @@ def test_import_errors(tmp_path, capsys):
     assert not (tmp_path / "d").exists()
 
 
+def test_gnn_import_refuses_what_stormshard_gnn_does_not_compute(tmp_path, capsys):
+    """anemoi's GNN with gated MLPs, another activation or other decoder inputs than the encoder's data latents:
+    exit 2, one error naming each, nothing written (read from the checkpoint's config, inference or Lightning)."""
+    from tests.anemoi_repickle import rewrite_metadata
+
+    def edit(meta: dict) -> None:
+        model = meta["config"]["model"]
+        model["processor"]["mlp_implementation"] = "swiglu"
+        model["encoders"]["0"]["mapper"]["layer_kernels"]["Activation"] = {"_target_": "torch.nn.SiLU"}
+        model["decoders"]["0"]["target_node_features"] = ["encoded_data", "coordinates"]
+
+    for name in ("inference.ckpt", "last.ckpt"):
+        src = rewrite_metadata(FIXTURES / "gnn" / name, tmp_path / name, edit)
+        assert convert_main(["import-anemoi", str(src), "--out", str(tmp_path / "b")]) == 2
+        err = capsys.readouterr().err
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
+        for fragment in ("processor mlp_implementation='swiglu' (gated MLPs", "encoder layer_kernels.Activation="
+                         "torch.nn.SiLU (stormshard's GNN computes torch.nn.GELU)",
+                         "decoder target_node_features=['encoded_data', 'coordinates']"):
+            assert fragment in err, err
+        assert not (tmp_path / "b").exists()
+
+
 def _predict_error(model, variant: str) -> np.ndarray:
     """Per output variable: max |stormshard predict - anemoi predict_step| / the variable's spread."""
     x = torch.from_numpy(np.load(FIXTURES / variant / "input.npy"))
