@@ -2,7 +2,8 @@
 write, leave or lose something, or fail late with a message that named the wrong path.
 
 - ``--overwrite`` of a conversion over a file left ``.<name>.old-<pid>`` beside it, and a rename that failed
-  when the new output was swapped in lost the old one (moved aside, never put back).
+  when the new output was swapped in lost the old one (moved aside, never put back); ``reshard --overwrite``
+  into a checkpoints folder that failed after its step was in place lost the old step and ``latest``.
 - ``reshard --out FILE`` read and converted the whole checkpoint, then failed naming a temporary path;
   ``export-anemoi --out DIR --overwrite`` did the whole export, then failed naming ``DIR.partial``.
 - A full disk while a file was copied into the output (``shutil``'s ``sendfile``) was reported as a full disk
@@ -113,6 +114,24 @@ def test_reshard_into_a_file_and_export_anemoi_into_a_folder_fail_before_any_wor
                    f"--out {folder} is a directory: export-anemoi writes one anemoi checkpoint file",
                    f"e.g. {folder / 'model.ckpt'}")
     assert "export-anemoi:" not in err, err
+
+
+def test_a_failed_reshard_with_overwrite_leaves_the_checkpoints_it_would_replace(run, tmp_path, capsys, monkeypatch):
+    import stormshard.checkpoint.reshard as reshard
+
+    out = shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    (out / "resume_config.json").write_text("{}")
+    real = os.replace
+
+    def replace(src, dst) -> None:  # noqa: ANN001 - the last file of the reshard cannot be written
+        if Path(src).name == "resume_config.json.part":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(src))
+        real(src, dst)
+
+    monkeypatch.setattr(reshard.os, "replace", replace)
+    _refused(capsys, "convert_checkpoint", ["reshard", str(run / "checkpoints" / "step_00000002"), "--gpus-per-model",
+                                            "1", "--out", str(out), "--overwrite"], tmp_path,
+             "Input/output error", status=1)  # its step_00000002, latest and resume_config.json as they were
 
 
 def test_a_full_disk_copying_into_the_output_names_the_output_not_the_source(run, tmp_path, capsys, monkeypatch):

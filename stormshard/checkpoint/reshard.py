@@ -63,6 +63,7 @@ from stormshard.checkpoint.stored_config import (
     stored_shard_strategy,
 )
 from stormshard.checkpoint.zero import flatten_flat_master, flatten_zero
+from stormshard.errors import kept_until_replaced
 from stormshard.models.parallelize import check_parallel_strategy
 from stormshard.parallel.partition import Partition, get_partition
 from stormshard.parallel.shard import SHARD_STRATEGIES
@@ -212,52 +213,55 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
     layout_json = dataclasses.asdict(layout)
     tables = [parameter_table(t) for t in targets]
     out = Path(out)
-    with atomic_directory(out / step_name(step), overwrite) as tmp:
-        for rank in range(world):
-            note(f"checkpoint: writing rank {rank + 1}/{world} of {out / step_name(step)}", throttle=rank > 0)
-            model_rank, replica = rank % gpus_per_model, rank // gpus_per_model
-            target = targets[model_rank]
-            names = [n for n, _ in target.named_parameters()]
-            parts = {n: get_partition(p) for n, p in target.named_parameters()}
-            module = {n: _slice(ckpt.model[n], parts[n]) for n in names}
-            engine = dict(ckpt.engine)
-            engine["module"] = module
-            if "zero_extras" in ckpt.engine:  # DeepSpeed ZeRO 1/2: flat partitions over the replicas
-                local = {n: {k: (_slice(t, parts[n]) if isinstance(t, Tensor) and t.dim() > 0 and
-                                 tuple(t.shape) == shapes[n] else t) for k, t in ckpt.optimizer["state"][n].items()}
-                         for n in names}
-                hyper = [{k: v for k, v in g.items() if k != "param_names"} for g in ckpt.optimizer["param_groups"]]
-                engine.pop("zero_extras")
-                engine["optimizer"] = flatten_zero(ckpt.engine["zero_extras"], hyper, names, module, local,
-                                                   replicas, replica)
-            elif "flat_master_extras" in ckpt.engine:  # bf16 at ZeRO 0: the unpartitioned fp32 master
-                local = {n: {k: (_slice(t, parts[n]) if isinstance(t, Tensor) and t.dim() > 0 and
-                                 tuple(t.shape) == shapes[n] else t) for k, t in ckpt.optimizer["state"][n].items()}
-                         for n in names}
-                hyper = [{k: v for k, v in g.items() if k != "param_names"} for g in ckpt.optimizer["param_groups"]]
-                engine.pop("flat_master_extras")
-                engine["optimizer"] = flatten_flat_master(ckpt.engine["flat_master_extras"], hyper, names, module,
-                                                          local)
-            else:
-                engine["optimizer"] = _optimizer_for_rank(ckpt.optimizer, names, parts, shapes)
-            rep = ckpt.replicas[replica]
-            payload = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world,
-                       "state": {"engine": engine, "data": rep["data"], "step": step}, "rng": rep["rng"]}
-            name = rank_name(rank)
-            write_state_file(payload, tmp / f"{name}.pt")
-            save_safetensors(module, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
-            (tmp / f"{name}.json").write_text(json.dumps({"rank": rank, "parameters": tables[model_rank]}))
-        metadata = {"format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
-                    "layout": layout_json, "config": config_json,
-                    "ranks": [{"rank": r, "parameters": tables[r % gpus_per_model]} for r in range(world)],
-                    "resharded_from": {"layout": ckpt.source_layout, "path": str(source)}}
-        metadata[FILES] = record_files(sorted(tmp.iterdir()))
-        (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
-    (out / f"{LATEST}.part").write_text(step_name(step) + "\n")
-    os.replace(out / f"{LATEST}.part", out / LATEST)
-    resume = dict(config_json)
-    if out.name == "checkpoints":
-        resume["training"] = {**resume["training"], "output_dir": str(out.parent)}
-    (out / f"{RESUME_CONFIG}.part").write_text(json.dumps(resume, indent=1))  # never rewritten in place
-    os.replace(out / f"{RESUME_CONFIG}.part", out / RESUME_CONFIG)
-    return out / step_name(step)
+    # with --overwrite, what it writes again (the step, latest, resume_config.json) stays until all is written
+    replaced = [out / step_name(step), out / LATEST, out / RESUME_CONFIG] if overwrite else []
+    with kept_until_replaced(replaced):
+        with atomic_directory(out / step_name(step), overwrite) as tmp:
+            for rank in range(world):
+                note(f"checkpoint: writing rank {rank + 1}/{world} of {out / step_name(step)}", throttle=rank > 0)
+                model_rank, replica = rank % gpus_per_model, rank // gpus_per_model
+                target = targets[model_rank]
+                names = [n for n, _ in target.named_parameters()]
+                parts = {n: get_partition(p) for n, p in target.named_parameters()}
+                module = {n: _slice(ckpt.model[n], parts[n]) for n in names}
+                engine = dict(ckpt.engine)
+                engine["module"] = module
+                if "zero_extras" in ckpt.engine:  # DeepSpeed ZeRO 1/2: flat partitions over the replicas
+                    local = {n: {k: (_slice(t, parts[n]) if isinstance(t, Tensor) and t.dim() > 0 and
+                                     tuple(t.shape) == shapes[n] else t) for k, t in ckpt.optimizer["state"][n].items()}
+                             for n in names}
+                    hyper = [{k: v for k, v in g.items() if k != "param_names"} for g in ckpt.optimizer["param_groups"]]
+                    engine.pop("zero_extras")
+                    engine["optimizer"] = flatten_zero(ckpt.engine["zero_extras"], hyper, names, module, local,
+                                                       replicas, replica)
+                elif "flat_master_extras" in ckpt.engine:  # bf16 at ZeRO 0: the unpartitioned fp32 master
+                    local = {n: {k: (_slice(t, parts[n]) if isinstance(t, Tensor) and t.dim() > 0 and
+                                     tuple(t.shape) == shapes[n] else t) for k, t in ckpt.optimizer["state"][n].items()}
+                             for n in names}
+                    hyper = [{k: v for k, v in g.items() if k != "param_names"} for g in ckpt.optimizer["param_groups"]]
+                    engine.pop("flat_master_extras")
+                    engine["optimizer"] = flatten_flat_master(ckpt.engine["flat_master_extras"], hyper, names, module,
+                                                              local)
+                else:
+                    engine["optimizer"] = _optimizer_for_rank(ckpt.optimizer, names, parts, shapes)
+                rep = ckpt.replicas[replica]
+                payload = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world,
+                           "state": {"engine": engine, "data": rep["data"], "step": step}, "rng": rep["rng"]}
+                name = rank_name(rank)
+                write_state_file(payload, tmp / f"{name}.pt")
+                save_safetensors(module, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})
+                (tmp / f"{name}.json").write_text(json.dumps({"rank": rank, "parameters": tables[model_rank]}))
+            metadata = {"format": FORMAT_VERSION, "step": step, "world_size": world, "time": time.time(),
+                        "layout": layout_json, "config": config_json,
+                        "ranks": [{"rank": r, "parameters": tables[r % gpus_per_model]} for r in range(world)],
+                        "resharded_from": {"layout": ckpt.source_layout, "path": str(source)}}
+            metadata[FILES] = record_files(sorted(tmp.iterdir()))
+            (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
+        (out / f"{LATEST}.part").write_text(step_name(step) + "\n")
+        os.replace(out / f"{LATEST}.part", out / LATEST)
+        resume = dict(config_json)
+        if out.name == "checkpoints":
+            resume["training"] = {**resume["training"], "output_dir": str(out.parent)}
+        (out / f"{RESUME_CONFIG}.part").write_text(json.dumps(resume, indent=1))  # never rewritten in place
+        os.replace(out / f"{RESUME_CONFIG}.part", out / RESUME_CONFIG)
+        return out / step_name(step)
