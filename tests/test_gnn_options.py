@@ -1,6 +1,7 @@
 """GNN block options for anemoi-models' GNN architecture, in float64: ``mlp_hidden_layers`` (MLP
-depth), ``edge_in_channels`` (an MLP embedding of the raw edge attributes) and
-``aggregate_updated_edges`` (sum of ``e_ji + m_ji``); and the fused, edge-blocked edge MLP
+depth), ``edge_in_channels`` (an MLP embedding of the raw edge attributes),
+``aggregate_updated_edges`` (sum of ``e_ji + m_ji``), ``edge_mlp_ratio`` and the mapper's
+``update_sources``; and the fused, edge-blocked edge MLP
 (``gnn_kernels.fused_edge_mlp``, CPU float32/64) against the plain autograd path it replaced.
 
 - the defaults build the same modules (names, shapes) as before the options;
@@ -129,6 +130,21 @@ def test_gnn_mlp_fused_equals_modules(hidden_layers, shape):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         torch.testing.assert_close(mlp(x), ref[0].detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_edge_mlp_ratio_and_source_update():
+    """``edge_mlp_ratio`` sizes the edge MLP only (anemoi's GraphConv: 1 whatever the node MLP's ratio);
+    ``update_sources`` is ``x + node_mlp([x, x])`` (anemoi's update_src_nodes), and needs equal widths."""
+    plan = GraphShardPlan.build(random_graph(9, 7, 30, seed=0), (9, 7))
+    block = GNNMapperBlock(8, 8, 8, plan, mlp_ratio=2.0, edge_in_channels=3, edge_mlp_ratio=1.0).double()
+    assert block.edge_mlp[0].out_features == 8 and block.node_mlp[0].out_features == 16
+    assert block.edge_embedding[0].out_features == 16  # the embedding keeps mlp_ratio
+    x = torch.randn(9, 2, 8, dtype=F64)
+    torch.testing.assert_close(block.update_sources(x), x + modules(block.node_mlp, torch.cat([x, x], dim=-1)))
+    with pytest.raises(ValueError, match="update_sources needs src_channels == dst_channels == edge_channels"):
+        GNNMapperBlock(8, 8, 3, plan).update_sources(torch.randn(9, 8))
+    with pytest.raises(ValueError, match="edge_mlp_ratio must be positive"):
+        GNNMapperBlock(8, 8, 3, plan, edge_mlp_ratio=0.0)
 
 
 def test_bad_options():
