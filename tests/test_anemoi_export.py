@@ -65,7 +65,11 @@ MODELS = {
                    "model.decoder": {"mlp_ratio": 1.0, **_ANEMOI_GNN, "mlp_hidden_layers": 2, "trainable_edge_size": 2}},
     # anemoi's bounding kinds after ReluBounding, in order: HardtanhBounding, LeakyFractionBounding of a bounded
     # total, NormalizedReluBounding (its threshold exported in physical units, rebuilt by anemoi from the statistics)
-    "bounded": {"model.relu_bounded": ["tracer_2"], "model.bounding": [
+    # trained with a Huber loss and per-variable and level weights: exported as anemoi's training_loss and scalers
+    "bounded": {"training.loss": "huber", "training.huber_delta": 0.5,
+                "training.loss_scaling": {"variables": {"tracer": 2.0, "tracer_product": 0.5},
+                                          "pressure_level": {"type": "linear", "slope": 0.1, "y_intercept": 0.3}},
+                "model.relu_bounded": ["tracer_2"], "model.bounding": [
         {"kind": "hardtanh", "variables": ["tracer_3"], "min_val": -0.3, "max_val": 0.3},
         {"kind": "leaky_fraction", "variables": ["tracer_product"], "min_val": 0.0, "max_val": 0.8,
          "total_variable": "tracer_2"},
@@ -159,6 +163,11 @@ def test_export_of_a_stormshard_model_predicts_in_anemoi(name, trained, tmp_path
         assert kinds == [("relu", ("tracer_2",)), ("hardtanh", ("tracer_3",)), ("leaky_fraction", ("tracer_product",)),
                          ("normalized_relu", ("tracer_1",))] and not back.config.relu_bounded, kinds
         assert abs(back.config.bounding[3].thresholds[0] - 0.2) < 1e-6
+        # the loss read back as it was trained: Huber 0.5, tracer_<n> weighted 2 * (0.1 n + 0.3), tracer_product 0.5
+        training = json.loads((tmp_path / "back" / "finetune_config.json").read_text())["training"]
+        assert (training["loss"], training["huber_delta"]) == ("huber", 0.5)
+        assert training["loss_scaling"]["variables"] == pytest.approx(
+            {"tracer_1": 0.8, "tracer_2": 1.0, "tracer_3": 1.2, "tracer_product": 0.5})
         bounded = ours[..., list(model.variables.output_names).index("tracer_3")]
         # it binds: the prediction (physical units) sits at both clamp values at many points
         assert (bounded == bounded.max()).sum() > 10 and (bounded == bounded.min()).sum() > 10
@@ -318,3 +327,17 @@ def test_trained_qkv_bias_writes_into_an_imported_checkpoint_folded(tmp_path):
     spread = theirs.reshape(-1, theirs.shape[-1]).std(axis=0)
     assert (np.abs(ours - theirs).reshape(-1, theirs.shape[-1]).max(axis=0) / spread <= 1e-4).all()
     assert not np.allclose(theirs, np.load(variant / "output.npy"), atol=1e-2)  # the biases changed the forecast
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_a_damaged_bundle_weights_file_is_one_error_naming_it(tmp_path, capsys, template):
+    """Written into the anemoi file the bundle came from, or built: a truncated model.safetensors is one error line
+    naming the file, before anything is written (no anemoi needed: it fails before anemoi is imported)."""
+    bundle = import_anemoi(FIXTURES / "gt" / ("inference.ckpt" if template else "last.ckpt"), tmp_path / "bundle")
+    weights = bundle / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    out = tmp_path / "out.ckpt"
+    assert convert_main(["export-anemoi", str(bundle), "--out", str(out)]) == 2
+    errors = _errors(capsys)
+    assert len(errors) == 1 and f"{weights}" in errors[0] and "damaged" in errors[0], errors
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]

@@ -96,14 +96,24 @@ def _template(bundle: Path, meta: dict) -> Path | None:
     return None
 
 
-def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> Path:
-    """The bundle's weights written into the tensors of the anemoi checkpoint it descends from."""
+def _bundle_weights(bundle: Path) -> dict[str, torch.Tensor]:
+    """The bundle's ``model.safetensors``; a damaged file is a :class:`ConversionError` naming it."""
     from safetensors.torch import load_file
 
+    path = bundle / "model.safetensors"
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - a header or data error of any kind means a damaged file
+        raise ConversionError(f"{path}: cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
+                              fix="the bundle is damaged: export it again") from None
+
+
+def _write_into_template(b: Path, meta: dict, template: Path, target: Path) -> Path:
+    """The bundle's weights written into the tensors of the anemoi checkpoint it descends from."""
     config = stored_model_config(meta["model"])
     roles = meta["variables"]
     variables = VariableIndex.build(roles["dataset"], roles["forcing"], roles["diagnostic"])
-    weights = load_file(str(b / "model.safetensors"))
+    weights = _bundle_weights(b)
     check_anemoi_file(template)
     ckpt = open_anemoi_checkpoint(template)
     canonical = canonical_tensors(ckpt)
@@ -205,18 +215,19 @@ def export_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
 
 
 def _export_source(src: Path, bundle: Path, meta: dict, reference: InferenceModel) -> ExportSource:
-    """What the plan needs from a bundle (``reference``: the bundle loaded, for its graph, variables, config)."""
-    from safetensors.torch import load_file
-
+    """What the plan needs from a bundle (``reference``: the bundle loaded, for its graph, variables, config); the
+    loss of the run that trained it (its ``experiment.training``, or for an imported bundle the anemoi loss the
+    import read)."""
     stats = json.loads((bundle / "statistics.json").read_text())
     variables = reference.variables
     timestep = meta.get("timestep") or _dataset_frequency(meta, src)
     return ExportSource(
         path=src, config=reference.config, graph=reference.graph, variables=variables,
-        weights=load_file(str(bundle / "model.safetensors")),
+        weights=_bundle_weights(bundle),
         statistics={k: np.array([stats[n][k] for n in variables.variables], dtype=np.float64) for k in _STATS},
         normalisation=meta.get("normalisation") or {"default": "mean-std", "methods": {}}, timestep=str(timestep),
-        step=int(meta.get("step", 0)), dataset=meta.get("dataset") or {})
+        step=int(meta.get("step", 0)), dataset=meta.get("dataset") or {},
+        training=(meta.get("experiment") or {}).get("training") or (meta.get("anemoi") or {}).get("training_loss") or {})
 
 
 def _dataset_frequency(meta: dict, src: Path) -> str:

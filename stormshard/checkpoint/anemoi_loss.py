@@ -242,3 +242,79 @@ def _scaler_factors(kind: str, scaler: dict[str, Any], output_names: list[str] |
                       level * slope + intercept if kind == "LinearVariableLevelScaler" else
                       (slope * level) ** 2 + intercept)
     return factors
+
+
+#: stormshard ``training.loss`` -> anemoi-training's loss class
+_TARGETS = {"mse": "MSELoss", "mae": "MAELoss", "huber": "HuberLoss", "logcosh": "LogCoshLoss", "rmse": "RMSELoss"}
+#: stormshard ``loss_scaling.pressure_level.type`` -> anemoi-training's variable-level scaler
+_LEVEL_TARGETS = {"relu": "ReluVariableLevelScaler", "linear": "LinearVariableLevelScaler",
+                  "polynomial": "PolynomialVariableLevelScaler"}
+_SCALER_MODULE = "anemoi.training.losses.scalers"
+#: the group the exported level scaler applies to (``training.variable_groups``)
+LEVEL_GROUP = "stormshard_levels"
+
+
+def anemoi_loss_config(training: dict[str, Any], output_names: list[str] | tuple[str, ...]
+                       ) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """anemoi-training's ``training_loss``, ``scalers`` and ``variable_groups`` (for dataset ``data``) of a stormshard
+    run's ``training`` section (``loss``, ``huber_delta``, ``loss_scaling``), and notes on what they cannot say.
+
+    The per-variable weights become a ``GeneralVariableLossScaler`` by parameter (anemoi weighs every level of a
+    parameter alike, so a weight given to one full name ``t_850`` must equal its parameter's others) and the
+    pressure-level scaling a ``Relu`` / ``Linear`` / ``PolynomialVariableLevelScaler`` on a group of the
+    parameters it applies to (``constant`` is folded into the parameter weights); the grid is weighted by the
+    graph's ``area_weight`` (``unit-sum``), as the import reads it. :func:`anemoi_variable_weights` reads them
+    back to the same weights."""
+    from stormshard.training.scaling import LossScalingSettings, level_weight, variable_loss_weights
+
+    kind = str(training.get("loss") or "mse")
+    loss: dict[str, Any] = {"_target_": f"anemoi.training.losses.{_TARGETS[kind]}",
+                            "scalers": ["general_variable", "node_weights"], "ignore_nans": True}
+    if kind == "huber":
+        loss["delta"] = float(training.get("huber_delta", 1.0))
+    scalers: dict[str, Any] = {"node_weights": {"_target_": f"{_SCALER_MODULE}.GraphNodeAttributeScaler",
+                                                "nodes_attribute_name": "area_weight", "norm": "unit-sum"}}
+    groups: dict[str, Any] = {"default": "sfc"}
+    notes: list[str] = []
+    settings = LossScalingSettings.model_validate(training.get("loss_scaling") or {})
+    level = settings.pressure_level
+    base = variable_loss_weights(output_names, settings.model_copy(update={"pressure_level": None}))
+    leveled: dict[str, float] = {}  # output -> its anemoi level, where the level scaler applies
+    if level is not None:
+        for name in output_names:
+            param, lvl = _crack(name)
+            if lvl is not None and (level.params is None or param in level.params):
+                leveled[name] = float(lvl)
+    by_param: dict[str, set[float]] = {}
+    for name, w in zip(output_names, base, strict=True):
+        w = float(w) * (level_weight(leveled[name], level) if level is not None and level.type == "constant"
+                        and name in leveled else 1.0)
+        by_param.setdefault(_crack(name)[0], set()).add(w)
+    mixed = sorted(p for p, ws in by_param.items() if len(ws) > 1)
+    if mixed:
+        notes.append(f"training.loss_scaling weighs levels of {mixed} differently through full variable names, which "
+                     "anemoi's GeneralVariableLossScaler cannot: its weights are left at 1")
+    else:
+        scalers["general_variable"] = {"_target_": f"{_SCALER_MODULE}.GeneralVariableLossScaler",
+                                       "weights": {"default": 1.0, **{p: ws.pop() for p, ws in by_param.items()}}}
+    if level is not None and level.type != "constant" and leveled:
+        unparsed = [n for n in output_names if n not in leveled and _level_of(n) is not None
+                    and (level.params is None or _level_of(n)[0] in level.params)]
+        if unparsed:
+            notes.append(f"training.loss_scaling.pressure_level applies to {unparsed}, whose levels anemoi does not "
+                         "read from the name (not whole numbers): the exported level scaler leaves them out")
+        groups[LEVEL_GROUP] = sorted({_crack(n)[0] for n in leveled})
+        scalers["pressure_level"] = {"_target_": f"{_SCALER_MODULE}.{_LEVEL_TARGETS[level.type]}",
+                                     "group": LEVEL_GROUP, "slope": level.slope, "y_intercept": level.y_intercept}
+        loss["scalers"].insert(1, "pressure_level")
+    if "general_variable" not in scalers:
+        loss["scalers"].remove("general_variable")
+    return ({"training_loss": {"datasets": {"data": loss}}, "scalers": {"datasets": {"data": scalers}},
+             "variable_groups": {"datasets": {"data": groups}}}, tuple(notes))
+
+
+def _level_of(name: str) -> tuple[str, float] | None:
+    """stormshard's reading of a level from the name (``t_0.5`` too), for the note on what anemoi cannot read."""
+    from stormshard.training.scaling import split_level
+
+    return split_level(name)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from torch import Tensor
 
 from stormshard.checkpoint.anemoi_bounding import anemoi_bounding_config
 from stormshard.checkpoint.anemoi_gnn import check_gnn_exportable, gnn_component_configs
+from stormshard.checkpoint.anemoi_loss import anemoi_loss_config
 from stormshard.checkpoint.anemoi_truncation import EDGE_WEIGHT_ATTRIBUTE, truncation_residual_config
 from stormshard.checkpoint.anemoi_weights import anemoi_weights
 from stormshard.checkpoint.errors import ConversionError
@@ -90,6 +91,7 @@ class ExportSource:
     timestep: str
     step: int
     dataset: dict[str, Any]  # {"path": ..., "resolution": ...}
+    training: dict[str, Any] = field(default_factory=dict)  # the run's training section: loss, huber_delta, loss_scaling
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,7 @@ def _bounding(source: ExportSource) -> list[dict[str, Any]]:
                                   source.statistics, methods, str(source.path))
 
 
-def _training_config(source: ExportSource, model: dict[str, Any], run_id: str) -> dict[str, Any]:
+def _training_config(source: ExportSource, model: dict[str, Any], run_id: str, loss: dict[str, Any]) -> dict[str, Any]:
     v, ts, m = source.variables, source.timestep, source.config.multistep_input
     path = str(source.dataset.get("path") or "")
     data = {"forcing": list(v.forcing), "diagnostic": list(v.diagnostic), "target": None,
@@ -377,7 +379,7 @@ def _training_config(source: ExportSource, model: dict[str, Any], run_id: str) -
         "task": {"_target_": "anemoi.training.tasks.Forecaster", "multistep_input": m, "multistep_output": 1,
                  "timestep": ts, "rollout": {"start": 1, "epoch_increment": 0, "maximum": 1}},
         "training": {"run_id": run_id, "fork_run_id": None, "precision": "32", "multistep_input": m,
-                     "max_steps": source.step},
+                     "max_steps": source.step, **loss},
         "model": model,
         "graph": {"overwrite": False, "stormshard": {
             "note": "the graph of the stormshard model, stored in the model (graph_data); no recipe rebuilds it",
@@ -436,7 +438,9 @@ def plan_anemoi_export(source: ExportSource) -> AnemoiExportPlan:
     parameters, notes = anemoi_parameters(source.weights, config, len(v.input_names), source.graph, source.path)
     nodes, edges = _anemoi_graph(source.graph, config.name, config.residual == "truncated")
     run_id = str(uuid.uuid4())
-    training = _training_config(source, _model_section(config, source.graph, _bounding(source)), run_id)
+    loss, loss_notes = anemoi_loss_config(source.training, v.output_names)
+    notes = (*notes, *loss_notes)
+    training = _training_config(source, _model_section(config, source.graph, _bounding(source)), run_id, loss)
     mul, add = _normaliser(source)
     lat, lon = (np.degrees(source.graph["data"].x[:, i].double().numpy()) for i in (0, 1))
     return AnemoiExportPlan(

@@ -174,12 +174,15 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, *,
 
     p = Path(path)
     meta = read_bundle_metadata(p, trust_model_code=trust_model_code)
+    reading = p / "model.safetensors"
     try:
-        weights = load_file(str(p / "model.safetensors"))
-        stats_json = json.loads((p / "statistics.json").read_text())
-        graph = load_graph(p / "graph.pt")
+        weights = load_file(str(reading))
+        reading = p / "statistics.json"
+        stats_json = json.loads(reading.read_text())
+        reading = p / "graph.pt"
+        graph = load_graph(reading)
     except Exception as exc:  # noqa: BLE001
-        raise ConversionError(f"{p}: a bundle file cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
+        raise ConversionError(f"{reading}: cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
                               fix="the bundle is damaged: export it again") from None
     config = stored_model_config(meta["model"])
     roles = meta["variables"]
