@@ -146,3 +146,33 @@ def test_variable_weights_follow_anemoi_groups_and_metadata():
     assert found.weights == {"temp850": 6.0, "2t": 2.0} and found.applied == ("general_variable",)
     assert "pressure_level (ReluVariableLevelScaler) could not be read" in found.notes[0]
     assert "variable_groups.ml selects by ['is_model_level'] and 2t has no variables_metadata" in found.notes[0]
+
+
+def test_variable_weights_of_older_anemoi_training_configs():
+    """Before ``training.scalers``: anemoi-training 0.1-0.3's ``variable_loss_scaling`` ``{default, pl, sfc}`` with its
+    ``pressure_level_scaler`` (a level variable is ``<first part>_..._<digits>``; pl weights only the parameters it
+    names), and 0.4-0.5's flat table with ``additional_scalars`` chosen by the loss's ``scalars`` list."""
+    old = {"config": {"training": {
+        "training_loss": {"_target_": "anemoi.training.losses.mse.WeightedMSELoss"},
+        "variable_loss_scaling": {"default": 1, "pl": {"q": 0.6, "t": 6, "z": 12}, "sfc": {"sp": 10, "tp": 0.025}},
+        "pressure_level_scaler": {"_target_": "anemoi.training.data.scaling.ReluPressureLevelScaler",
+                                  "minimum": 0.2, "slope": 0.001}}}}
+    found = anemoi_variable_weights(old, ["q_50", "t_850", "z_500", "w_500", "sp", "tp", "2t", "tracer_x_3"])
+    assert found.weights == pytest.approx({"q_50": 0.6 * 0.2, "t_850": 6 * 0.85, "z_500": 12 * 0.5, "w_500": 1.0,
+                                           "sp": 10.0, "tp": 0.025, "2t": 1.0, "tracer_x_3": 1.0})
+    old["config"]["training"]["pressure_level_scaler"] = {"_target_": "x.LinearPressureLevelScaler", "minimum": 0.1,
+                                                          "slope": 0.002}
+    assert anemoi_variable_weights(old, ["t_850"]).weights == pytest.approx({"t_850": 6 * (1.7 + 0.1)})
+    middle = {"config": {"training": {
+        "training_loss": {"_target_": "x.WeightedMSELoss", "scalars": ["variable", "variable_pressure_level"]},
+        "variable_groups": {"default": "sfc", "pl": ["q", "t"]},
+        "variable_loss_scaling": {"default": 1, "q": 0.6, "t": 6, "sp": 10},
+        "additional_scalars": [
+            {"_target_": "x.ReluVariableLevelScaler", "name": "variable_pressure_level", "group": "pl",
+             "y_intercept": 0.2, "slope": 0.001},
+            {"_target_": "x.StdevTendencyScaler", "name": "tendency"}]}}}  # not in the loss's list: not applied
+    found = anemoi_variable_weights(middle, ["q_50", "t_850", "sp", "2t"])
+    assert found.weights == pytest.approx({"q_50": 0.12, "t_850": 5.1, "sp": 10.0, "2t": 1.0}) and not found.notes
+    middle["config"]["training"]["training_loss"]["scalars"].append("tendency")
+    assert "tendency (StdevTendencyScaler) has no stormshard equivalent" in \
+        anemoi_variable_weights(middle, ["q_50"]).notes[0]

@@ -21,7 +21,9 @@ weights (``loss_scaling.variables``), so fine-tuning weighs each variable as ane
 :mod:`stormshard.checkpoint.anemoi_node_weights`'; ``UniformTimeStepScaler`` and ``NaNMaskScaler`` change
 nothing stormshard computes (it skips NaN targets itself); any other scaler (the tendency scalers, which need
 statistics of the tendencies the checkpoint does not carry, ...) is left out with a note. Scaler ``norm``
-options only scale the loss by a constant (stormshard's loss divides by the sum of the weights).
+options only scale the loss by a constant (stormshard's loss divides by the sum of the weights). Configs before
+``training.scalers`` (anemoi-training 0.1-0.5, the AIFS 1.x checkpoints) are read by their own rules
+(:func:`_older_scalers`).
 """
 
 from __future__ import annotations
@@ -80,10 +82,40 @@ def loss_scalers(metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
     defined = {k: v for k, v in defined.items() if isinstance(v, dict)} if isinstance(defined, dict) else {}
     names = loss.get("scalers") if isinstance(loss, dict) else None
     if not isinstance(names, list):
-        return {}
+        return _older_scalers(metadata, loss) if not defined else {}
     if "*" in names:
         names = [k for k in defined if f"!{k}" not in names]
     return {str(k): defined[k] for k in names if k in defined}
+
+
+#: the private kind of anemoi-training 0.1-0.3's ``variable_loss_scaling: {default, pl: {...}, sfc: {...}}``
+_PL_SFC = "stormshard.older_layout.PlSfcVariableScaling"
+
+
+def _older_scalers(metadata: dict[str, Any], loss: Any) -> dict[str, dict[str, Any]]:
+    """The variable scalers of configs before ``training.scalers`` (anemoi-training 0.1-0.5), as scaler configs.
+
+    0.1-0.3: ``variable_loss_scaling`` (``loss_scaling`` before it) ``{default, pl: {param: w}, sfc: {name: w}}``
+    with ``pressure_level_scaler`` (``Relu`` / ``Linear`` / ``Polynomial`` / ``NoPressureLevelScaler``, ``slope``,
+    ``minimum``), always applied. 0.4-0.5: ``variable_loss_scaling`` ``{default, <param or name>: w}`` (the
+    ``GeneralVariableLossScaler`` rule) and ``additional_scalars`` (each with a ``name``), applied when the
+    loss's ``scalars`` list names them (``"variable"`` for the first; every one without a list)."""
+    training = ((metadata.get("config") or {}).get("training") or {}) if isinstance(metadata, dict) else {}
+    table = training.get("variable_loss_scaling", training.get("loss_scaling"))
+    if not isinstance(table, dict):
+        return {}
+    if isinstance(table.get("pl"), dict) or isinstance(table.get("sfc"), dict):
+        return {"variable_loss_scaling": {"_target_": _PL_SFC, "table": table,
+                                          "pressure_level_scaler": training.get("pressure_level_scaler") or {}}}
+    chosen = loss.get("scalars") if isinstance(loss, dict) else None
+    found: dict[str, dict[str, Any]] = {}
+    if not isinstance(chosen, list) or "variable" in chosen:
+        found["variable"] = {"_target_": "GeneralVariableLossScaler", "weights": table}
+    extra = training.get("additional_scalars")
+    for scaler in extra if isinstance(extra, list) else []:
+        if isinstance(scaler, dict) and (not isinstance(chosen, list) or scaler.get("name") in chosen):
+            found[str(scaler.get("name"))] = scaler
+    return found
 
 
 def anemoi_training_loss(metadata: dict[str, Any]) -> TrainingLoss:
@@ -222,6 +254,8 @@ def anemoi_variable_weights(metadata: dict[str, Any], output_names: list[str] | 
 def _scaler_factors(kind: str, scaler: dict[str, Any], output_names: list[str] | tuple[str, ...],
                     info: _VariableInfo) -> dict[str, float] | None:
     """One variable scaler's weight per output variable, or None for a kind stormshard does not compute."""
+    if kind == _PL_SFC.rsplit(".", 1)[-1]:
+        return _pl_sfc_factors(scaler, output_names)
     if kind == "GeneralVariableLossScaler":
         table = scaler.get("weights") or {}
         default = float(table.get("default", 1.0))
@@ -318,3 +352,29 @@ def _level_of(name: str) -> tuple[str, float] | None:
     from stormshard.training.scaling import split_level
 
     return split_level(name)
+
+
+def _pl_sfc_factors(scaler: dict[str, Any], output_names: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """anemoi-training 0.1-0.3's weights (its ``get_variable_scaling``): a name ``<a>_..._<digits>`` is a pressure
+    level of parameter ``<a>`` (the text before the first underscore), weighted ``pl[a] * level scaler`` when ``pl``
+    names it; any other name ``sfc[name]``; else ``default``."""
+    table, level = scaler["table"], scaler["pressure_level_scaler"]
+    default = float(table.get("default", 1.0))
+    pl, sfc = table.get("pl") or {}, table.get("sfc") or {}
+    kind = str(level.get("_target_", "")).rsplit(".", 1)[-1]
+    slope = float(level.get("slope", 0.0 if kind == "NoPressureLevelScaler" else 1.0 / 1000))
+    minimum = float(level.get("minimum", 1.0 if kind == "NoPressureLevelScaler" else 0.0))
+    scale = {"ReluPressureLevelScaler": lambda p: max(minimum, p * slope),
+             "LinearPressureLevelScaler": lambda p: p * slope + minimum,
+             "PolynomialPressureLevelScaler": lambda p: (slope * p) ** 2 + minimum,
+             "NoPressureLevelScaler": lambda p: 1.0}.get(kind)
+    if scale is None:
+        raise ValueError(f"pressure_level_scaler {kind or 'without _target_'} is not one of anemoi-training's")
+    factors = {}
+    for name in output_names:
+        split = name.split("_")
+        if len(split) > 1 and split[-1].isdigit():
+            factors[name] = float(pl[split[0]]) * scale(int(split[-1])) if split[0] in pl else default
+        else:
+            factors[name] = float(sfc.get(name, default))
+    return factors
