@@ -8,10 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
-from stormshard.training.config import load_experiment_config
-from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
-from stormshard.training.scaling import (
+from stormshard.models.loss_weights import (
     LossScalingSettings,
     PressureLevelScaling,
     combined_weights,
@@ -19,6 +16,9 @@ from stormshard.training.scaling import (
     split_level,
     variable_loss_weights,
 )
+from stormshard.parallel.shapes import balanced_offsets, balanced_sizes
+from stormshard.training.config import load_experiment_config
+from stormshard.training.losses import AlmostFairCRPSLoss, WeightedMSELoss
 from tests.distributed import run_distributed
 
 OUTPUTS = ["q_50", "q_850", "t_500", "t_1000", "2t", "tp"]

@@ -299,7 +299,7 @@ def anemoi_loss_config(training: dict[str, Any], output_names: list[str] | tuple
     parameters it applies to (``constant`` is folded into the parameter weights); the grid is weighted by the
     graph's ``area_weight`` (``unit-sum``), as the import reads it. :func:`anemoi_variable_weights` reads them
     back to the same weights."""
-    from stormshard.training.scaling import LossScalingSettings, level_weight, variable_loss_weights
+    from stormshard.models.loss_weights import LossScalingSettings, level_weight, variable_loss_weights
 
     kind = str(training.get("loss") or "mse")
     loss: dict[str, Any] = {"_target_": f"anemoi.training.losses.{_TARGETS[kind]}",
@@ -349,7 +349,7 @@ def anemoi_loss_config(training: dict[str, Any], output_names: list[str] | tuple
 
 def _level_of(name: str) -> tuple[str, float] | None:
     """stormshard's reading of a level from the name (``t_0.5`` too), for the note on what anemoi cannot read."""
-    from stormshard.training.scaling import split_level
+    from stormshard.models.loss_weights import split_level
 
     return split_level(name)
 

@@ -20,12 +20,13 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("compile_blocks", "compiled_block_names"), "compile"),
     "ModelShardPlan": "sharding",
     "VariableIndex": "variables",
+    **dict.fromkeys(("LossScalingSettings", "PressureLevelScaling", "variable_loss_weights"), "loss_weights"),
 }
 __all__ = [
     "ModelConfig", "VariableIndex", "ModelShardPlan", "ModelBuilder", "build_model", "register_model",
     "parallelize", "check_parallel_strategy", "parallelize_processor", "build_transformer_processor",
     "EncoderProcessorDecoder", "EnsembleEncoderProcessorDecoder", "advance_window", "compile_blocks",
-    "compiled_block_names",
+    "compiled_block_names", "LossScalingSettings", "PressureLevelScaling", "variable_loss_weights",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -17,7 +17,6 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("AlmostFairCRPSLoss", "WeightedMSELoss", "WeightedPointwiseLoss"), "losses"),
     "preflight": "preflight",
     **dict.fromkeys(("RolloutSchedule", "rollout_at"), "rollout_schedule"),
-    **dict.fromkeys(("LossScalingSettings", "PressureLevelScaling", "variable_loss_weights"), "scaling"),
     **dict.fromkeys(("EnsembleForecastTask", "ForecastTask"), "tasks"),
     "RankFailure": "watchdog",
 }
@@ -26,7 +25,7 @@ __all__ = [
     "EnsembleForecastTask", "build_engine", "EngineSettings", "WeightedMSELoss", "WeightedPointwiseLoss",
     "AlmostFairCRPSLoss",
     "Trainer", "TrainResult", "train", "init_distributed", "run_training",
-    "RolloutSchedule", "rollout_at", "LossScalingSettings", "PressureLevelScaling", "variable_loss_weights",
+    "RolloutSchedule", "rollout_at",
     "LaunchEnvironment", "LaunchError", "detect_launch", "RankFailure", "DiskSpaceError",
 ]
 

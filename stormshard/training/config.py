@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from stormshard.graphs.config import GraphConfig, KNNEdges
 from stormshard.models.config import ModelConfig
+from stormshard.models.loss_weights import LossScalingSettings
 from stormshard.parallel.shard_strategy import ShardStrategy
 from stormshard.training.config_file import ConfigError, apply_overrides, read_json_object, validate_config
 from stormshard.training.deepspeed_file import deepspeed_optimizer_moves, same_value
@@ -53,7 +54,6 @@ from stormshard.training.engine.settings import (
 )
 from stormshard.training.loss_kinds import LossKind
 from stormshard.training.rollout_schedule import RolloutSchedule
-from stormshard.training.scaling import LossScalingSettings
 from stormshard.training.schedule import LRScheduleSettings
 
 if TYPE_CHECKING:  # this module imports no torch: launch/train.py validates a config before torch loads

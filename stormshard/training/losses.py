@@ -8,7 +8,7 @@ every rank then holds the same full loss, and the gradient each rank sends back 
 slice. The loss is therefore the same number for every layout.
 
 Weights: ``W[g, v] = area[g] * variable_weights[v]`` (the variable weights are the product of the
-per-variable and pressure-level weights of :mod:`stormshard.training.scaling`). Missing targets:
+per-variable and pressure-level weights of :mod:`stormshard.models.loss_weights`). Missing targets:
 an optional boolean ``mask`` (True = the target is valid, e.g. ``~isnan(target)``) removes the
 masked points from both the sum and its normaliser, so the loss is the ``W``-weighted mean over
 valid points; NaN targets at masked points are ignored (they reach neither the loss nor the

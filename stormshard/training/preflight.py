@@ -66,6 +66,7 @@ from stormshard.env import check_environment
 from stormshard.errors import check_writable_directory, nearest_existing_parent
 from stormshard.graphs.builder import KNNEdges, is_graph_file
 from stormshard.graphs.grids import grid_from_name
+from stormshard.models.loss_weights import variable_loss_weights
 from stormshard.models.parallelize import (
     check_attention_kernel_for_training,
     check_graph_kernel_for_device,
@@ -87,7 +88,6 @@ from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.finetune import InitWeights, check_finetune_inputs
 from stormshard.training.rollout_schedule import max_rollout
 from stormshard.training.run_dir import METRICS_FILE, check_run_directory
-from stormshard.training.scaling import variable_loss_weights
 from stormshard.training.tasks import task_type
 
 __all__ = ["RunInputs", "preflight", "checkpoint_dir", "RESUME_MAY_CHANGE", "check_environment_variables",

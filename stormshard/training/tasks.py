@@ -21,7 +21,7 @@ its variable's fill value, ``data.imputation``, normalised; the mean by default,
 the states fed back during the rollout (cells whose truth is missing get the fill value, as at
 the first step), and the loss skips NaN targets through a mask (``~isnan(target)``), elementwise,
 so it is the same at every layout. Loss weights: ``loss_weights`` per output variable
-(:mod:`stormshard.training.scaling`) times the area weights.
+(:mod:`stormshard.models.loss_weights`) times the area weights.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """Loss weights as AIFS sets them: per variable by name, by pressure level, by node area.
 
+Kept with the models (beside their :mod:`~stormshard.models.variables`): the rules read only the output
+variables' names, and both training (its losses) and checkpoint conversion (anemoi's scalers in and out)
+use them.
+
 The loss of every task weighs the error at output variable ``v`` and grid cell ``g`` by
 
     W[g, v] = area[g] * variable_weight[v] * level_weight[v]
