@@ -1,6 +1,6 @@
 """Convert training checkpoints: consolidate, reshard, export, inspect, upgrade.
 
-    python launch/convert_checkpoint.py inspect runs/quickstart/checkpoints [--json]
+    python launch/convert_checkpoint.py inspect runs/quickstart/checkpoints [--json] [--verify]
     python launch/convert_checkpoint.py consolidate runs/quickstart/checkpoints --out runs/quickstart/full
     python launch/convert_checkpoint.py reshard runs/quickstart/checkpoints --gpus-per-model 4 \\
         [--shard-strategy tensor] [--world-size N] --out runs/k4/checkpoints
@@ -43,7 +43,7 @@ from stormshard.checkpoint.consolidate import (  # noqa: E402
 )
 from stormshard.checkpoint.errors import ConversionError  # noqa: E402
 from stormshard.checkpoint.export import export_bundle  # noqa: E402
-from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint  # noqa: E402
+from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint, verify_checkpoint  # noqa: E402
 from stormshard.checkpoint.reshard import reshard_checkpoint  # noqa: E402
 from stormshard.checkpoint.upgrade import upgrade_checkpoints  # noqa: E402
 from stormshard.cli import add_debug_flag, add_trust_flag, check_arguments_not_empty, run_cli  # noqa: E402
@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--brief", action="store_true", help="leave out the parameter table")
+    p.add_argument("--verify", action="store_true", help="also check every file against the size and sha256 recorded "
+                   "when it was written (a copy's integrity); a damaged file is an error naming it")
     p = sub.add_parser("consolidate", help="one full-model checkpoint (safetensors + optimizer state)")
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True)
@@ -131,6 +133,8 @@ def _run(args: argparse.Namespace) -> None:
         check_writable_directory(Path(args.out).parent, "--out", args.out)  # before anything is read
     if args.command == "inspect":
         info = inspect_checkpoint(args.checkpoint)
+        if args.verify:  # before anything is printed: a damaged checkpoint is the one error line
+            info["verified"] = verify_checkpoint(args.checkpoint)
         print(json.dumps(info, indent=1) if args.json else format_inspection(info, parameters=not args.brief))
     elif args.command == "upgrade":
         for path, what in upgrade_checkpoints(args.checkpoint, trust_pickles=args.trust_model_code):

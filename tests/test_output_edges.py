@@ -169,6 +169,45 @@ def test_inspect_names_a_damaged_bundle_metadata(run, tmp_path, capsys):
              f"{bundle / 'metadata.json'} cannot be read", "is damaged")
 
 
+@pytest.mark.parametrize("what", ["training", "bundle", "consolidated"])
+def test_inspect_verify_checks_every_file_against_its_checksum(run, tmp_path, capsys, what):
+    """``inspect --verify``: a copy whose files match prints the verified count; one byte changed in the weights (the
+    same size: only the sha256 tells) or a truncated file is one error naming it, and nothing is printed before."""
+    from launch.convert_checkpoint import main as convert_main
+
+    if what == "training":
+        source = shutil.copytree(run / "checkpoints" / "step_00000002", tmp_path / "step_00000002")
+        victim = next(source.glob("rank_*.safetensors"))
+    elif what == "bundle":
+        source = shutil.copytree(run.parent / "bundle", tmp_path / "bundle")
+        victim = source / "model.safetensors"
+    else:
+        source = tmp_path / "consolidated"
+        assert convert_main(["consolidate", str(run / "checkpoints"), "--out", str(source)]) == 0
+        victim = source / "model.safetensors"
+    capsys.readouterr()
+    assert convert_main(["inspect", str(source), "--verify", "--brief"]) == 0
+    assert "verified: " in capsys.readouterr().out
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    out = _refused(capsys, "convert_checkpoint", ["inspect", str(source), "--verify"], tmp_path,
+                   f"{victim}: its contents differ from the sha256 recorded", "damaged")
+    assert "verified" not in out
+    victim.write_bytes(bytes(data[:100]))
+    _refused(capsys, "convert_checkpoint", ["inspect", str(source), "--verify"], tmp_path,
+             f"{victim}: 100 bytes", "truncated")
+
+
+def test_inspect_verify_of_a_bundle_without_checksums_says_so(run, tmp_path, capsys):
+    bundle = shutil.copytree(run.parent / "bundle", tmp_path / "bundle")
+    meta = json.loads((bundle / "metadata.json").read_text())
+    del meta["files"]
+    (bundle / "metadata.json").write_text(json.dumps(meta))
+    _refused(capsys, "convert_checkpoint", ["inspect", str(bundle), "--verify"], tmp_path,
+             "no checksums were recorded", "write it again")
+
+
 # ------------------------------------------------------------------------------ forecasts
 
 

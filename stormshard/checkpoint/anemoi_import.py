@@ -89,7 +89,7 @@ from stormshard.checkpoint.anemoi_truncation import (
 from stormshard.checkpoint.anemoi_weights import qkv_names, stormshard_weights
 from stormshard.checkpoint.consolidate import atomic_directory, check_output_free, save_safetensors
 from stormshard.checkpoint.errors import ConversionError
-from stormshard.checkpoint.export import BUNDLE_FORMAT
+from stormshard.checkpoint.export import BUNDLE_FORMAT, write_bundle_metadata
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, save_graph
 from stormshard.graphs.hetero import HeteroGraph
 from stormshard.models.config import MapperConfig, ModelConfig, ProcessorConfig
@@ -527,8 +527,8 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
         save_safetensors(imported.weights, tmp / "model.safetensors", {"step": str(meta["step"])})
         (tmp / "statistics.json").write_text(json.dumps(imported.statistics, indent=1))
         save_graph(imported.graph, tmp / "graph.pt")
-        (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
         (tmp / "finetune_config.json").write_text(json.dumps(finetune_config(imported, out), indent=1) + "\n")
         if meta["anemoi"]["template"]:  # for export-anemoi (read with the restricted unpickler)
             shutil.copyfile(imported.path, tmp / TEMPLATE)
+        write_bundle_metadata(tmp, meta, ("model.safetensors", "statistics.json", "graph.pt", TEMPLATE))
     return Path(out)

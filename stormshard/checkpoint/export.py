@@ -39,6 +39,7 @@ from stormshard.checkpoint.consolidate import (
 )
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.groups import model_on_meta
+from stormshard.checkpoint.integrity import FILES, record_files
 from stormshard.checkpoint.sources import full_shapes, model_sources, state_differences
 from stormshard.checkpoint.stored_config import (
     check_checkpoint_builder,
@@ -55,7 +56,7 @@ from stormshard.models.registry import build_model
 from stormshard.models.variables import VariableIndex
 
 __all__ = ["BUNDLE_FORMAT", "InferenceModel", "export_bundle", "load_model", "build_normalisers",
-           "bundle_shard_strategy", "check_bundle_metadata", "read_bundle_metadata"]
+           "bundle_shard_strategy", "check_bundle_metadata", "read_bundle_metadata", "write_bundle_metadata"]
 
 BUNDLE_FORMAT = "stormshard-bundle"
 _STATS = ("mean", "stdev", "minimum", "maximum")
@@ -119,8 +120,16 @@ def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset:
         save_safetensors(ckpt.model, tmp / "model.safetensors", {"step": str(ckpt.step)})
         (tmp / "statistics.json").write_text(json.dumps(stats, indent=1))
         shutil.copyfile(src.graph_path, tmp / "graph.pt")
-        (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
+        write_bundle_metadata(tmp, meta, ("model.safetensors", "statistics.json", "graph.pt"))
     return Path(out)
+
+
+def write_bundle_metadata(directory: Path, meta: dict[str, Any], files: tuple[str, ...]) -> None:
+    """``metadata.json`` of the bundle being written in ``directory``, last, with the size and sha256 of each of its
+    ``files`` (``meta["files"]``: what ``inspect --verify`` checks; a file a user edits, such as
+    ``finetune_config.json``, is left out)."""
+    meta[FILES] = record_files(directory / name for name in files)
+    (directory / "metadata.json").write_text(json.dumps(meta, indent=1))
 
 
 def check_bundle_metadata(meta: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:

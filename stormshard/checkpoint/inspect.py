@@ -10,9 +10,10 @@ from typing import Any
 
 from stormshard.checkpoint.consolidate import CONSOLIDATED_FORMAT, checked_metadata, resolve_checkpoint
 from stormshard.checkpoint.errors import ConversionError
+from stormshard.checkpoint.integrity import FILES, checkpoint_problems, file_problems
 from stormshard.checkpoint.stored_config import stored_shard_strategy
 
-__all__ = ["inspect_checkpoint", "format_inspection", "human_bytes"]
+__all__ = ["inspect_checkpoint", "format_inspection", "human_bytes", "verify_checkpoint"]
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 
@@ -103,6 +104,9 @@ def format_inspection(info: dict[str, Any], parameters: bool = True) -> str:
         f"{info['partitioned']} tensors sliced per rank",
         f"  files: {len(info['files'])}, {human_bytes(info['files_bytes'])} on disk",
     ]
+    if info.get("verified"):
+        v = info["verified"]
+        lines.append(f"  verified: {v['files']} files, {human_bytes(v['bytes'])}: sizes and sha256 as recorded")
     if parameters:
         width = max((len(r["name"]) for r in info["parameters"]), default=10)
         lines.append(f"  {'name':<{width}}  {'full shape':<16} {'rank 0 shape':<16} partition")
@@ -111,3 +115,28 @@ def format_inspection(info: dict[str, Any], parameters: bool = True) -> str:
             ptxt = f"dim {part['dim']} / {part['parts']} parts" if part else "replicated"
             lines.append(f"  {r['name']:<{width}}  {str(r['full_shape']):<16} {str(r['shape']):<16} {ptxt}")
     return "\n".join(lines)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Every file of a bundle, a consolidated or a training checkpoint (a checkpoints directory: its latest
+    complete step) against the size and sha256 recorded when it was written (``inspect --verify``): ``{"path",
+    "kind", "files", "bytes"}`` when all match; a :class:`ConversionError` listing each damaged file otherwise,
+    or naming the files when nothing was recorded (written before checksums)."""
+    p = Path(path)
+    bundle = _bundle_metadata(p)
+    if bundle is None:
+        p = resolve_checkpoint(p)
+        meta = checked_metadata(p)
+        kind = "consolidated" if meta.get("format") == CONSOLIDATED_FORMAT else "training"
+    else:
+        meta, kind = bundle, "inference bundle"
+    records = meta.get(FILES)
+    if not isinstance(records, dict) or not records:
+        raise ConversionError(f"{p}: no checksums were recorded (a {kind} written before they were): its files cannot "
+                              "be verified", fix="write it again (export, consolidate or save) to record them")
+    problems = checkpoint_problems(p, contents=True) if kind == "training" else file_problems(p, records)
+    if problems:
+        raise ConversionError(f"{p}: damaged {kind}:", problems,
+                              fix="copy it again from where it was written, or use an earlier checkpoint")
+    return {"path": str(p), "kind": kind, "files": len(records),
+            "bytes": sum(int(r.get("bytes", 0)) for r in records.values() if isinstance(r, dict))}
