@@ -48,7 +48,8 @@ def _first_loss(bundle: Path, dataset: Path, out: Path, *extra: str) -> float:
     return run_training(cfg).losses[0]
 
 
-@pytest.mark.parametrize("variant", ["gt", "transformer", "gt_truncated", "gt_bounded", "gnn"])
+@pytest.mark.parametrize("variant", ["gt", "transformer", "gt_truncated", "gt_bounded", "gnn", "transformer_qk_gated",
+                                     "gt_qk_gated"])
 def test_first_finetune_loss_equals_anemoi_trainings(variant, dataset, tmp_path):
     """The imported model's first fine-tuning loss equals anemoi-training's loss of the same weights on
     the same window (gt 0.78430599 vs 0.78430593, transformer 0.73775935 vs 0.73775929: 8e-8 apart),
@@ -57,7 +58,8 @@ def test_first_finetune_loss_equals_anemoi_trainings(variant, dataset, tmp_path)
     gt_truncated (anemoi's TruncatedConnection): its inference checkpoint, written at the step of the
     last.ckpt anemoi-training warm-started from (a Lightning file holds no truncation matrices). gt_bounded
     (anemoi's bounding list: relu, hardtanh, fraction, leaky hardtanh, normalized relu) from its last.ckpt. gnn
-    (anemoi-training's packaged GNN model) from its last.ckpt: 0.50750125 recorded."""
+    (anemoi-training's packaged GNN model) from its last.ckpt: 0.50750125 recorded. transformer_qk_gated / gt_qk_gated
+    (anemoi's qk_norm and gated MLPs, tests/test_anemoi_options.py) from their last.ckpt."""
     ref = json.loads((FIXTURES / variant / "first_loss.json").read_text())
     source = "inference.ckpt" if variant == "gt_truncated" else "last.ckpt"
     bundle = import_anemoi(FIXTURES / variant / source, tmp_path / "bundle")

@@ -284,6 +284,13 @@ def _layers():
         ("graph-transformer processor", GraphTransformerProcessorBlock(16, 3, 4, plan_one), (x_dst, attr_one)),
         ("gnn mapper", GNNMapperBlock(16, 16, 3, plan_bip), (x_src, x_dst, attr_bip)),
         ("gnn processor", GNNProcessorBlock(16, 3, plan_one), (x_dst, attr_one)),
+        # anemoi's qk_norm and gated MLPs (mlp_implementation), drawn last
+        ("transformer block, qk_norm + swiglu", TransformerBlock(16, 4, 5, mlp_ratio=2.5, qk_norm=True,
+                                                                  mlp_kind="swiglu"),
+         (torch.randn(2, 40, 16, generator=g),)),
+        ("graph-transformer mapper, qk_norm + geglu", GraphTransformerMapperBlock(16, 16, 3, 4, plan_bip, qk_norm=True,
+                                                                                  mlp_kind="geglu"),
+         (x_src, x_dst, attr_bip)),
     ]
 
 

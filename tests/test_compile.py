@@ -48,6 +48,11 @@ MODELS = {  # model config changes per case: every processor kind, checkpointing
                                           decoder=dict(activation_checkpointing=True)),
     "gnn": dict(name="gnn", activation_checkpointing=True),
     "ensemble": dict(name="ensemble", ensemble=dict(noise_channels=2)),
+    # anemoi's qk_norm and gated MLPs (mlp_implementation) in the processor blocks and the mappers
+    "transformer-qk-gated": dict(name="transformer", processor=dict(qk_norm=True, mlp_implementation="swiglu"),
+                                 encoder=dict(qk_norm=True, mlp_implementation="geglu")),
+    "graphtransformer-qk-gated": dict(name="graphtransformer", processor=dict(qk_norm=True, mlp_implementation="reglu"),
+                                      decoder=dict(qk_norm=True, mlp_implementation="glu")),
 }
 
 

@@ -68,6 +68,21 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
                                     aggregate_updated_edges=True, edge_mlp_ratio=1.0, trainable_edge_size=2)),
     # anemoi's TruncatedConnection: the last input state through the graph's truncation grid (o2) and back
     "transformer-truncated": dict(name="transformer", residual="truncated"),
+    # anemoi's qk_norm (per head over head_dim 4: 48 channels, 12 heads) and gated MLPs (mlp_implementation) at
+    # fractional ratios, in the processor (every strategy: halo, head all-to-all, tensor with fc1's interleaved
+    # gate / value rows sliced over 2-4 ranks: 84 hidden channels) and the mappers
+    **{f"transformer-qk-gated-{strategy}": dict(
+        name="transformer", strategy=strategy, num_channels=48,
+        processor=dict(qk_norm=True, mlp_implementation="swiglu", mlp_ratio=1.75),
+        encoder=dict(qk_norm=True, mlp_implementation="geglu", mlp_ratio=1.5),
+        decoder=dict(mlp_implementation="glu")) for strategy in ("shard_sequence", "shard_heads", "tensor")},
+    "graphtransformer-qk-gated": dict(name="graphtransformer", num_channels=48,
+                                      processor=dict(num_chunks=2, qk_norm=True, mlp_implementation="reglu",
+                                                     mlp_ratio=1.25, self_projection=True),
+                                      encoder=dict(qk_norm=True, mlp_implementation="swiglu", mlp_ratio=2.5),
+                                      decoder=dict(qk_norm=True, mlp_implementation="geglu")),
+    "ensemble-qk-gated": dict(name="ensemble", strategy="shard_heads", ensemble=dict(noise_channels=3),
+                              processor=dict(qk_norm=True, mlp_implementation="glu")),
     # the Triton graph kernel (Triton's interpreter on a CPU) in encoder, processor and decoder, against the
     # csr kernel's single-process model; trainable edge features give the attribute gradients a path
     # (small: the interpreter runs every Triton program in numpy; o2 data, ico0 hidden, one processor block)
@@ -80,7 +95,8 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
 # the memory-lean paths (stormshard.layers.norm_linear, row_chunked_mlp) forced on at these small sizes in the
 # sharded model, against the plain single-process model: the norms inside the projections (the decoder's and the
 # head's), the MLPs in 5-row chunks with their norm inside
-LEAN = {"graphtransformer-lean": "graphtransformer", "transformer-anemoi-lean": "transformer-anemoi"}
+LEAN = {"graphtransformer-lean": "graphtransformer", "transformer-anemoi-lean": "transformer-anemoi",
+        "graphtransformer-qk-gated-lean": "graphtransformer-qk-gated"}
 CASES.update({lean: CASES[base] for lean, base in LEAN.items()})
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -110,9 +126,9 @@ def _config(case: str) -> tuple[ModelConfig, str]:
     strategy = spec.pop("strategy", "shard_sequence")
     proc = dict(num_layers=2, num_heads=12, window_size=9, mlp_ratio=2)
     proc.update(spec.pop("processor", {}))
-    encoder = dict(num_heads=2, mlp_ratio=2.0, **spec.pop("encoder", {}))
-    decoder = dict(num_heads=2, mlp_ratio=1.0, **spec.pop("decoder", {}))
-    config = ModelConfig(num_channels=24, multistep_input=2, trainable_size=3, processor=proc,
+    encoder = dict(num_heads=2, mlp_ratio=2.0) | spec.pop("encoder", {})
+    decoder = dict(num_heads=2, mlp_ratio=1.0) | spec.pop("decoder", {})
+    config = ModelConfig(num_channels=spec.pop("num_channels", 24), multistep_input=2, trainable_size=3, processor=proc,
                          encoder=encoder, decoder=decoder, **spec)
     return config, strategy
 

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_block_options import block_options, block_prefixes, mlp_hidden
 from stormshard.checkpoint.anemoi_bounding import (
     ANEMOI_BOUNDINGS,
     checkpoint_statistics,
@@ -172,7 +173,7 @@ def _pickled_architecture(ckpt: AnemoiCheckpoint) -> AnemoiArchitecture:
         heads = int(attention["num_heads"])
         w = attention.get("window_size")
         window = int(w[0] if isinstance(w, (tuple, list)) else w or 0)
-        options = tuple(k for k in ("qk_norm", "use_alibi_slopes", "use_rotary_embeddings", "softcap") if attention.get(k))
+        options = tuple(k for k in ("use_alibi_slopes", "use_rotary_embeddings", "softcap") if attention.get(k))
     elif _short(proc) == "GraphTransformerProcessor":
         heads = int(block0.__dict__["num_heads"])  # KeyError for a chunked (older) processor
     else:
@@ -234,8 +235,8 @@ def _check_kinds(ckpt: AnemoiCheckpoint, arch: AnemoiArchitecture) -> str:
     if arch.n_step_output != 1:
         problems.append(f"n_step_output={arch.n_step_output} (one output step only)")
     if arch.attention_options:
-        problems.append(f"transformer attention with {', '.join(arch.attention_options)} (qk_norm / ALiBi / rotary "
-                        "embeddings / softcap are not supported)")
+        problems.append(f"transformer attention with {', '.join(arch.attention_options)} (ALiBi / rotary embeddings / "
+                        "softcap are not supported)")
     if problems:
         raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent (read from its "
                               f"{arch.source}):", problems, fix=_UNSUPPORTED_FIX)
@@ -327,7 +328,7 @@ def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch:
         fields, more = gnn_model_sections(t, layers)
         problems += more
     else:
-        fields = _attention_sections(t, kind, arch, layers, problems)
+        fields = _attention_sections(ckpt, t, kind, arch, layers, problems)
     if problems:
         raise ConversionError(f"{ckpt.path}: this anemoi model has no stormshard equivalent:", problems,
                               fix=_UNSUPPORTED_FIX)
@@ -340,31 +341,26 @@ def _model_config(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch:
         residual="truncated" if truncated else "last_step", **sections, **fields)
 
 
-def _attention_sections(t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture, layers: int,
-                        problems: list[str]) -> dict[str, object]:
+def _attention_sections(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], kind: str, arch: AnemoiArchitecture,
+                        layers: int, problems: list[str]) -> dict[str, object]:
     """The ModelConfig fields of a graph-transformer or sliding-window-transformer model (``processor`` /
-    ``encoder`` / ``decoder`` without their trainable edge sizes); what does not map is added to ``problems``."""
+    ``encoder`` / ``decoder`` without their trainable edge sizes; ``qk_norm`` and gated MLPs:
+    :mod:`~stormshard.checkpoint.anemoi_block_options`); what does not map is added to ``problems``."""
     c = t["model.encoder.0.emb_nodes_src.weight"].shape[0]
+    options = block_options(ckpt, t, kind, problems)
 
-    def mlp_ratio(prefix: str) -> float:
-        return t[f"{prefix}.mlp.0.weight"].shape[0] / c if f"{prefix}.mlp.0.weight" in t else \
-            t[f"{prefix}.node_dst_mlp.mlp.0.weight"].shape[0] / c
+    def mlp_ratio(section: str) -> float:  # hidden / c: stormshard's round(c x ratio) gives the hidden width back
+        ratio = mlp_hidden(t, block_prefixes(kind, section)[1]) / c
+        return int(ratio) if section == "processor" and ratio == int(ratio) else ratio
 
-    if kind == "graphtransformer":
-        p_ratio = mlp_ratio("model.processor.proc.0")
-        window = ProcessorConfig().window_size  # unused by graph processors
-    else:
-        p_ratio = t["model.processor.proc.0.mlp.mlp.0.weight"].shape[0] / c
-        window = arch.window_size
-    if p_ratio != int(p_ratio):
-        problems.append(f"processor mlp_hidden_ratio {p_ratio} (stormshard's processor takes whole ratios)")
+    window = ProcessorConfig().window_size if kind == "graphtransformer" else arch.window_size  # graphs: unused
     return {"num_channels": c, "decoder_embedding": True,
-            "processor": dict(num_layers=layers, num_heads=arch.processor_heads, mlp_ratio=max(1, int(p_ratio)),
-                              window_size=window, self_projection=kind == "graphtransformer"),
-            "encoder": dict(num_heads=arch.encoder_heads, mlp_ratio=mlp_ratio("model.encoder.0.proc"),
-                            self_projection=True),
-            "decoder": dict(num_heads=arch.decoder_heads, mlp_ratio=mlp_ratio("model.decoder.0.proc"),
-                            self_projection=True)}
+            "processor": dict(num_layers=layers, num_heads=arch.processor_heads, mlp_ratio=mlp_ratio("processor"),
+                              window_size=window, self_projection=kind == "graphtransformer", **options["processor"]),
+            "encoder": dict(num_heads=arch.encoder_heads, mlp_ratio=mlp_ratio("encoder"), self_projection=True,
+                            **options["encoder"]),
+            "decoder": dict(num_heads=arch.decoder_heads, mlp_ratio=mlp_ratio("decoder"), self_projection=True,
+                            **options["decoder"])}
 
 
 def _statistics(ckpt: AnemoiCheckpoint, t: dict[str, Tensor], variables: VariableIndex) -> dict[str, dict[str, float]]:

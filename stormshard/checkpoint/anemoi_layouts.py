@@ -412,7 +412,7 @@ def architecture_from_config(metadata: dict[str, Any]) -> AnemoiArchitecture:
         encoder_heads=int((encs[0] if encs else {}).get("num_heads") or 0),
         decoder_heads=int((decs[0] if decs else {}).get("num_heads") or 0),
         window_size=int(window[0] if isinstance(window, (list, tuple)) else window or 0),
-        attention_options=tuple(k for k in ("qk_norm", "use_alibi_slopes", "use_rotary_embeddings", "softcap")
+        attention_options=tuple(k for k in ("use_alibi_slopes", "use_rotary_embeddings", "softcap")
                                 if _target(proc) == "TransformerProcessor" and proc.get(k)),
         # anemoi-models before the option added the processor's input to its output unconditionally
         latent_skip=bool(inner.get("latent_skip", True)),

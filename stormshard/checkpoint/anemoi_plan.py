@@ -27,7 +27,10 @@ What maps (stormshard -> anemoi-models 0.19):
   the key bias shifts every logit of a query equally (softmax ignores it), the value bias passes through
   the attention weights (they sum to one) into the projection's bias, and the query bias moves into the
   block's ``layer_norm_attention`` bias and ``lin_q`` (a LayerNorm output is ``gamma * n + beta`` with
-  ``sum(n) = 0``, so ``lin_q`` may add any ``u (1 / gamma)^T`` without changing its ``n`` part);
+  ``sum(n) = 0``, so ``lin_q`` may add any ``u (1 / gamma)^T`` without changing its ``n`` part); with ``qk_norm``
+  the keys are normed before the logits, so the key bias moves into ``lin_k`` the same way (exactly);
+- ``qk_norm`` and ``mlp_implementation`` of each section as anemoi's keys of the same names (anemoi's default
+  ``QueryNorm`` / ``KeyNorm``; a gated MLP's ``fc1`` rows split into ``gate_proj`` / ``value_proj``);
 - the graph: node coordinates (radians), area weights, edges sorted by destination (stable, as anemoi's
   graph provider sorts them; trainable edge rows permuted alike), edge attributes
   ``[length, east, north]`` named ``edge_length`` and ``edge_dirs`` (any other width: ``edge_attr``).
@@ -50,6 +53,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_block_options import anemoi_block_options
 from stormshard.checkpoint.anemoi_bounding import anemoi_bounding_config
 from stormshard.checkpoint.anemoi_gnn import check_gnn_exportable, gnn_component_configs
 from stormshard.checkpoint.anemoi_loss import anemoi_loss_config
@@ -126,7 +130,7 @@ def check_exportable(config: ModelConfig, source: Path) -> None:
         raise _fail(source, f"model.name={config.name!r} has no anemoi equivalent ({what}; anemoi export maps "
                             f"{sorted(EXPORTABLE_MODELS)})", fix)
     c = config.num_channels
-    for section in ("encoder", "decoder"):
+    for section in ("encoder", "decoder") + (("processor",) if config.name != "gnn" else ()):
         ratio = getattr(config, section).mlp_ratio
         ours, theirs = max(1, int(round(c * ratio))), int(c * ratio + 0.5)
         if ours != theirs:
@@ -149,14 +153,17 @@ def fold_qkv_bias(block: dict[str, Tensor], heads: int, name: str) -> dict[str, 
     ``attention.projection.bias`` that compute what stormshard's block with ``lin_qkv`` bias computes.
 
     ``block`` holds (float64, anemoi's row order ``(heads d)``): ``gamma``, ``beta`` (the norm),
-    ``wq``, ``wk``, ``wv``, ``wo``, ``bo`` and ``bias`` (stormshard's ``lin_qkv`` bias, ``(heads three d)``).
-    Exact in exact arithmetic (module docstring); a norm weight too close to zero for the query bias to
-    move into ``lin_q`` is a :class:`ConversionError` naming ``name``.
+    ``wq``, ``wk``, ``wv``, ``wo``, ``bo`` and ``bias`` (stormshard's ``lin_qkv`` bias, ``(heads three d)``);
+    with ``qk_norm`` also ``qn`` / ``kn`` (the query / key norm weights): the keys then fold exactly too, into
+    ``wk``. Exact in exact arithmetic (module docstring); a norm weight too close to zero for the query (or key)
+    bias to move into ``lin_q`` is a :class:`ConversionError` naming ``name``.
     """
     gamma, beta, wq, wk, wv, wo, bo = (block[k] for k in ("gamma", "beta", "wq", "wk", "wv", "wo", "bo"))
-    bq, _bk, bv = rearrange(block["bias"], "(h three d) -> three (h d)", h=heads, three=3).unbind(0)
-    if not bool(bq.any()):  # no query bias: drop the key bias, move the value bias into the projection
-        return {"beta": beta, "wq": wq, "bo": bo + wo @ bv}
+    bq, bk, bv = rearrange(block["bias"], "(h three d) -> three (h d)", h=heads, three=3).unbind(0)
+    exact_keys = "kn" in block  # qk_norm: a key bias changes the normed keys, it must fold into lin_k
+    if not bool(bq.any()) and not (exact_keys and bool(bk.any())):
+        # no query bias (nor, with qk_norm, a key bias): drop the key bias, move the value bias into the projection
+        return {"beta": beta, "wq": wq, "wk": wk, "bo": bo + wo @ bv}
     if float(gamma.abs().min()) < 1e-3 * float(gamma.abs().max()):
         raise ConversionError(f"{name}.norm_attention.weight has an entry of {float(gamma.abs().min()):.3g} (max "
                               f"{float(gamma.abs().max()):.3g}): the lin_qkv query bias cannot be folded into anemoi's "
@@ -167,7 +174,10 @@ def fold_qkv_bias(block: dict[str, Tensor], heads: int, name: str) -> dict[str, 
     sign = 1.0 if s >= 0 else -1.0
     shift = sign * gamma  # beta' = beta + shift; sum(shift / gamma) = sign * C keeps the divisor away from 0
     u = (bq - wq @ shift) / (s + sign * c)
-    return {"beta": beta + shift, "wq": wq + torch.outer(u, 1.0 / gamma), "bo": bo + wo @ (bv - wv @ shift)}
+    folded = {"beta": beta + shift, "wq": wq + torch.outer(u, 1.0 / gamma), "wk": wk, "bo": bo + wo @ (bv - wv @ shift)}
+    if exact_keys:  # the same identity for the keys: lin_k gains u_k (1 / gamma)^T
+        folded["wk"] = wk + torch.outer((bk - wk @ shift) / (s + sign * c), 1.0 / gamma)
+    return folded
 
 
 def _check_fold(block: dict[str, Tensor], folded: dict[str, Tensor], heads: int, name: str) -> None:
@@ -176,16 +186,20 @@ def _check_fold(block: dict[str, Tensor], folded: dict[str, Tensor], heads: int,
     c = block["gamma"].numel()
     x = torch.randn(64, c, generator=g, dtype=torch.float64) * 3 + torch.randn(c, generator=g, dtype=torch.float64)
 
-    def attend(beta: Tensor, wq: Tensor, bias: Tensor, bo: Tensor) -> Tensor:
+    def attend(beta: Tensor, wq: Tensor, wk: Tensor, bias: Tensor, bo: Tensor) -> Tensor:
         h = torch.nn.functional.layer_norm(x.float(), (c,), block["gamma"].float(), beta.float())
         b = rearrange(bias, "(h three d) -> three (h d)", h=heads, three=3).float()
-        q, k, v = (h @ w.float().T + bb for w, bb in zip((wq, block["wk"], block["wv"]), b, strict=True))
+        q, k, v = (h @ w.float().T + bb for w, bb in zip((wq, wk, block["wv"]), b, strict=True))
         q, k, v = (rearrange(t, "n (h d) -> h n d", h=heads) for t in (q, k, v))
+        if "kn" in block:  # qk_norm: per head over d
+            d = q.shape[-1]
+            q = torch.nn.functional.layer_norm(q, (d,), block["qn"].float())
+            k = torch.nn.functional.layer_norm(k, (d,), block["kn"].float())
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         return rearrange(out, "h n d -> n (h d)") @ block["wo"].float().T + bo.float()
 
-    ref = attend(block["beta"], block["wq"], block["bias"], block["bo"])
-    got = attend(folded["beta"], folded["wq"], torch.zeros_like(block["bias"]), folded["bo"])
+    ref = attend(block["beta"], block["wq"], block["wk"], block["bias"], block["bo"])
+    got = attend(folded["beta"], folded["wq"], folded["wk"], torch.zeros_like(block["bias"]), folded["bo"])
     err = float((got - ref).abs().max() / ref.std().clamp_min(1e-12))
     if not err <= 1e-4:
         raise ConversionError(f"{name}: the lin_qkv bias folded into anemoi's bias-free attention differs by {err:.2g} "
@@ -232,16 +246,19 @@ def anemoi_parameters(weights: dict[str, Tensor], config: ModelConfig, n_in: int
                  "wq": theirs[f"{anemoi}.attention.lin_q.weight"], "wk": theirs[f"{anemoi}.attention.lin_k.weight"],
                  "wv": theirs[f"{anemoi}.attention.lin_v.weight"], "wo": theirs[f"{anemoi}.attention.projection.weight"],
                  "bo": theirs[f"{anemoi}.attention.projection.bias"]}
+        if config.processor.qk_norm:
+            block |= {"qn": theirs[f"{anemoi}.attention.q_norm.weight"], "kn": theirs[f"{anemoi}.attention.k_norm.weight"]}
         block = {k: v.double() for k, v in block.items()} | {"bias": biases[ours]}
         new = fold_qkv_bias(block, config.processor.num_heads, f"{source}: {ours}")
         _check_fold(block, new, config.processor.num_heads, f"{source}: {ours}")
         theirs[f"{anemoi}.layer_norm_attention.bias"] = new["beta"].float()
         theirs[f"{anemoi}.attention.lin_q.weight"] = new["wq"].float()
+        theirs[f"{anemoi}.attention.lin_k.weight"] = new["wk"].float()
         theirs[f"{anemoi}.attention.projection.bias"] = new["bo"].float()
         folded += 1
     if folded:
-        notes.append(f"lin_qkv bias folded into layer_norm_attention.bias, lin_q and projection.bias "
-                     f"({folded} of {len(biases)} blocks)")
+        notes.append(f"lin_qkv bias folded into layer_norm_attention.bias, lin_q{', lin_k' * config.processor.qk_norm} "
+                     f"and projection.bias ({folded} of {len(biases)} blocks)")
     return {k: v.detach().float().contiguous() for k, v in theirs.items()}, tuple(notes)
 
 
@@ -284,7 +301,7 @@ def _mapper(config: ModelConfig, section: str, edge_width: int, target: str) -> 
     out = {"_target_": target, "_convert_": "all", "num_channels": config.num_channels, "num_chunks": m.num_chunks,
            "num_heads": m.num_heads, "mlp_hidden_ratio": float(m.mlp_ratio), "attn_channels": None,
            "trainable_size": m.trainable_edge_size, "sub_graph_edge_attributes": list(_edge_attribute_names(edge_width)),
-           "qk_norm": False, "cpu_offload": False, "gradient_checkpointing": False, "mlp_implementation": "mlp",
+           "cpu_offload": False, "gradient_checkpointing": False, **anemoi_block_options(config, section),
            "layer_kernels": _KERNELS, "shard_strategy": "edges", "graph_attention_backend": "pyg",
            "edge_pre_mlp": False}
     if section == "decoder":
@@ -299,8 +316,8 @@ def _model_section(config: ModelConfig, graph: HeteroGraph, bounding: list[dict[
     processor: dict[str, Any] = {
         "_target_": EXPORTABLE_MODELS[kind], "_convert_": "all", "num_channels": config.num_channels,
         "num_layers": p.num_layers, "num_chunks": 1, "num_heads": p.num_heads, "mlp_hidden_ratio": float(p.mlp_ratio),
-        "attn_channels": None, "qk_norm": False, "cpu_offload": False, "gradient_checkpointing": False,
-        "mlp_implementation": "mlp", "layer_kernels": _KERNELS}
+        "attn_channels": None, "cpu_offload": False, "gradient_checkpointing": False,
+        **anemoi_block_options(config, "processor"), "layer_kernels": _KERNELS}
     if kind == "graphtransformer":
         processor |= {"trainable_size": p.trainable_edge_size, "shard_strategy": "edges", "edge_pre_mlp": False,
                       "sub_graph_edge_attributes": list(_edge_attribute_names(graph[PROCESSOR].edge_attr.shape[1])),

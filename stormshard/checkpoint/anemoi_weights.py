@@ -7,7 +7,10 @@
 - node embeddings (every kind): anemoi's node inputs are ``[x..., sin lat, sin lon, cos lat, cos lon, trainable...]``,
   stormshard's ``[x..., sin lat, cos lat, sin lon, cos lon, trainable...]`` (:func:`coordinate_columns`);
 - graph-transformer blocks and the sliding-window transformer's blocks renamed (``lin_query`` -> ``to_q``, ...); the
-  transformer's q/k/v weights become one ``lin_qkv`` (rows per head, zero bias: anemoi's have none);
+  transformer's q/k/v weights become one ``lin_qkv`` (rows per head, zero bias: anemoi's have none); ``qk_norm``'s
+  ``q_norm`` / ``k_norm`` keep their names; a gated MLP's ``gate_proj`` and ``value_proj`` (``mlp.0``) become one
+  ``fc1`` / ``mlp.0`` whose rows interleave them (gate ``0::2``, value ``1::2``: :func:`gated_names`,
+  :mod:`stormshard.layers.mlp`) and its output linear ``mlp.1`` is ``fc2`` / ``mlp.2``;
 - GNN (anemoi's ``GNNForwardMapper`` / ``GNNProcessor`` / ``GNNBackwardMapper`` as stormshard's ``gnn`` with the anemoi
   options): every anemoi ``MLP`` (``mlp.N`` linears, ``layer_norm``) is a stormshard GNN MLP (``N``, its last index the
   LayerNorm): ``emb_nodes_src`` / ``emb_nodes_dst`` -> ``embed_data`` / ``embed_hidden``, ``emb_edges`` -> the block's
@@ -30,8 +33,8 @@ from torch import Tensor
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.models.config import ModelConfig
 
-__all__ = ["parameter_pairs", "stormshard_weights", "anemoi_weights", "qkv_names", "coordinate_columns",
-           "swapped_node_blocks"]
+__all__ = ["parameter_pairs", "stormshard_weights", "anemoi_weights", "qkv_names", "gated_names",
+           "coordinate_columns", "swapped_node_blocks"]
 
 #: (stormshard name, anemoi name) pairs copied unchanged; (stormshard, anemoi, input-column involution) pairs
 Pairs = list[tuple[str, str]]
@@ -54,13 +57,20 @@ def swapped_node_blocks(weight: Tensor, channels: int) -> Tensor:
 
 
 _GT_BLOCK = {"lin_query": "to_q", "lin_key": "to_k", "lin_value": "to_v", "lin_edge": "to_e", "lin_self": "to_self",
-             "projection": "proj", "layer_norm_mlp_dst": "norm_mlp", "node_dst_mlp.mlp.0": "mlp.0",
-             "node_dst_mlp.mlp.2": "mlp.2", "layer_norm_attention_src": "norm_src",
-             "layer_norm_attention_dest": "norm_dst", "layer_norm_attention": "norm"}
+             "projection": "proj", "layer_norm_mlp_dst": "norm_mlp", "layer_norm_attention_src": "norm_src",
+             "layer_norm_attention_dest": "norm_dst", "layer_norm_attention": "norm", "q_norm": "q_norm",
+             "k_norm": "k_norm"}
 
 
-def _gt_block(src: str, dst: str, mapper: bool) -> Pairs:
-    pairs = []
+def _mlp_pairs(src: str, dst: str, fc1: str, fc2: str, gated: bool) -> Pairs:
+    """anemoi's block ``MLP`` ``src`` (``mlp.0``, GELU, ``mlp.2``; gated: ``mlp.0`` gate / value, ``mlp.1``) and
+    stormshard's ``dst``: the pairs copied unchanged (a gated ``fc1``: :func:`gated_names`)."""
+    pairs = [(f"{dst}.{fc2}.{p}", f"{src}.mlp.{1 if gated else 2}.{p}") for p in ("weight", "bias")]
+    return pairs if gated else pairs + [(f"{dst}.{fc1}.{p}", f"{src}.mlp.0.{p}") for p in ("weight", "bias")]
+
+
+def _gt_block(src: str, dst: str, mapper: bool, gated: bool) -> Pairs:
+    pairs = _mlp_pairs(f"{src}.node_dst_mlp", f"{dst}.mlp", "0", "2", gated)
     for a, s in _GT_BLOCK.items():
         if mapper and a == "layer_norm_attention" or not mapper and a.startswith("layer_norm_attention_"):
             continue  # a mapper's layer_norm_attention is its layer_norm_attention_dest under a second name
@@ -68,13 +78,14 @@ def _gt_block(src: str, dst: str, mapper: bool) -> Pairs:
     return pairs
 
 
-def _transformer_block(src: str, dst: str) -> Pairs:
-    pairs = []
+def _transformer_block(src: str, dst: str, gated: bool) -> Pairs:
+    pairs = _mlp_pairs(f"{src}.mlp", f"{dst}.mlp", "fc1", "fc2", gated)
     for p in ("weight", "bias"):
         pairs += [(f"{dst}.attention.projection.{p}", f"{src}.attention.projection.{p}"),
                   (f"{dst}.norm_attention.{p}", f"{src}.layer_norm_attention.{p}"),
                   (f"{dst}.norm_mlp.{p}", f"{src}.layer_norm_mlp.{p}"),
-                  (f"{dst}.mlp.fc1.{p}", f"{src}.mlp.mlp.0.{p}"), (f"{dst}.mlp.fc2.{p}", f"{src}.mlp.mlp.2.{p}")]
+                  (f"{dst}.attention.q_norm.{p}", f"{src}.attention.q_norm.{p}"),
+                  (f"{dst}.attention.k_norm.{p}", f"{src}.attention.k_norm.{p}")]
     return pairs
 
 
@@ -133,12 +144,16 @@ def parameter_pairs(config: ModelConfig, first: int) -> tuple[Pairs, Permuted]:
         ("embed_data.weight", "model.encoder.0.emb_nodes_src.weight", partial(coordinate_columns, first=first)),
         ("embed_hidden.weight", "model.encoder.0.emb_nodes_dst.weight", partial(coordinate_columns, first=0)),
         ("embed_data_decoder.weight", "model.decoder.0.emb_nodes_dst.weight", partial(coordinate_columns, first=first))]
-    same += _gt_block("model.encoder.0.proc", "encoder", True) + _gt_block("model.decoder.0.proc", "decoder", True)
+    gated = {section: getattr(config, section).mlp_implementation != "mlp" for section in ("processor", "encoder",
+                                                                                        "decoder")}
+    same += _gt_block("model.encoder.0.proc", "encoder", True, gated["encoder"])
+    same += _gt_block("model.decoder.0.proc", "decoder", True, gated["decoder"])
     for i in range(config.processor.num_layers):
         if config.name == "graphtransformer":
-            same += _gt_block(f"model.processor.proc.{i}", f"processor.blocks.{i}", False)
+            same += _gt_block(f"model.processor.proc.{i}", f"processor.blocks.{i}", False, gated["processor"])
         else:
-            same += _transformer_block(f"model.processor.proc.{i}", f"processor.processor.blocks.{i}")
+            same += _transformer_block(f"model.processor.proc.{i}", f"processor.processor.blocks.{i}",
+                                       gated["processor"])
     for p in ("weight", "bias"):
         same += [(f"head.0.{p}", f"model.decoder.0.node_data_extractor.0.{p}"),
                  (f"head.1.{p}", f"model.decoder.0.node_data_extractor.1.{p}")]
@@ -151,6 +166,23 @@ def qkv_names(config: ModelConfig) -> list[tuple[str, str]]:
         return []
     return [(f"processor.processor.blocks.{i}.attention.lin_qkv", f"model.processor.proc.{i}.attention")
             for i in range(config.processor.num_layers)]
+
+
+def gated_names(config: ModelConfig) -> list[tuple[str, str]]:
+    """(stormshard ``fc1`` prefix, anemoi ``GatedMLPLayer`` prefix) of every gated block MLP (``mlp_implementation``
+    other than ``"mlp"``): stormshard's rows ``2 i`` / ``2 i + 1`` are anemoi's ``gate_proj`` / ``value_proj`` row
+    ``i``."""
+    if config.name == "gnn":
+        return []
+    out = [(f"{ours}.mlp.0", f"{theirs}.node_dst_mlp.mlp.0") for ours, theirs, section in
+           (("encoder", "model.encoder.0.proc", config.encoder), ("decoder", "model.decoder.0.proc", config.decoder))
+           if section.mlp_implementation != "mlp"]
+    if config.processor.mlp_implementation != "mlp":
+        for i in range(config.processor.num_layers):
+            out.append((f"processor.blocks.{i}.mlp.0", f"model.processor.proc.{i}.node_dst_mlp.mlp.0")
+                       if config.name == "graphtransformer" else
+                       (f"processor.processor.blocks.{i}.mlp.fc1", f"model.processor.proc.{i}.mlp.mlp.0"))
+    return out
 
 
 def stormshard_weights(t: dict[str, Tensor], config: ModelConfig, n_in: int) -> dict[str, Tensor]:
@@ -167,6 +199,10 @@ def stormshard_weights(t: dict[str, Tensor], config: ModelConfig, n_in: int) -> 
         out[f"{ours}.weight"] = torch.stack([w.reshape(heads, c // heads, -1) for w in (q, k, v)],
                                             dim=1).reshape(3 * c, -1)
         out[f"{ours}.bias"] = torch.zeros(3 * c)  # anemoi's q/k/v projections have no bias
+    for ours, theirs in gated_names(config):  # rows interleaved: gate 0::2, value 1::2 (KeyError: not this layout)
+        for p in ("weight", "bias"):
+            gate, value = t[f"{theirs}.gate_proj.{p}"], t[f"{theirs}.value_proj.{p}"]
+            out[f"{ours}.{p}"] = torch.stack([gate, value], dim=1).flatten(0, 1)
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
 
 
@@ -186,4 +222,8 @@ def anemoi_weights(weights: dict[str, Tensor], config: ModelConfig, n_in: int) -
         q, k, v = w.reshape(heads, 3, c // heads, -1).unbind(1)
         for name, part in zip("qkv", (q, k, v), strict=True):
             out[f"{theirs}.lin_{name}.weight"] = part.reshape(c, -1)
+    for ours, theirs in gated_names(config):
+        for p in ("weight", "bias"):
+            out[f"{theirs}.gate_proj.{p}"] = weights[f"{ours}.{p}"][0::2]
+            out[f"{theirs}.value_proj.{p}"] = weights[f"{ours}.{p}"][1::2]
     return {k: v.detach().contiguous() for k, v in out.items()}

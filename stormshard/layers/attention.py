@@ -18,19 +18,28 @@ Two strategies give the same numbers (and share parameter names and shapes):
 
 These are ``ATTENTION_STRATEGIES`` (:mod:`stormshard.parallel.shard`); the third processor
 strategy, ``"tensor"``, swaps whole blocks (:mod:`stormshard.layers.tensor_parallel`).
+
+``qk_norm=True`` (anemoi-models' ``qk_norm``): the queries and keys of each head are layer-normed over
+``head_dim`` before the attention (``q_norm`` / ``k_norm``: a ``LayerNorm(head_dim)`` without bias, its weight
+shared by the heads, anemoi's default ``QueryNorm`` / ``KeyNorm``). The norm is per token and head, so it runs
+wherever the strategy holds q and k: on the halo-extended tokens (``shard_sequence``), on this rank's heads after
+the all-to-all (``shard_heads``), on this rank's heads over the whole sequence (``tensor``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import einops
 from torch import Tensor, nn
 
 from stormshard.kernels.dispatch import AttentionKernel, check_attention_kernel, sliding_window_attention
+from stormshard.layers.norm import LayerNorm
 from stormshard.layers.strategy import check_split, check_strategy_name
 from stormshard.parallel.sequence import add_halos, remove_halos, shard_heads, shard_sequence
 from stormshard.parallel.shard import ATTENTION_STRATEGIES, SequenceShard, ShardStrategy
 
-__all__ = ["SlidingWindowAttention", "split_qkv"]
+__all__ = ["SlidingWindowAttention", "split_qkv", "qk_norms", "norm_heads"]
 
 
 def split_qkv(qkv: Tensor, num_heads: int, heads_first: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -51,6 +60,26 @@ def split_qkv(qkv: Tensor, num_heads: int, heads_first: bool = False) -> tuple[T
     return parts[0].transpose(1, 2), parts[1].transpose(1, 2), parts[2].transpose(1, 2)
 
 
+def qk_norms(head_dim: int, qk_norm: bool) -> tuple[LayerNorm | None, LayerNorm | None]:
+    """``(q_norm, k_norm)``: anemoi's ``QueryNorm`` / ``KeyNorm`` (``LayerNorm(head_dim)``, no bias, shared by the
+    heads) with ``qk_norm``, else ``(None, None)`` (no parameters)."""
+    if not qk_norm:
+        return None, None
+    return LayerNorm(head_dim, bias=False), LayerNorm(head_dim, bias=False)
+
+
+def norm_heads(t: Tensor, norm: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """``norm`` over the last dim of q or k ``(batch, heads, seq, head_dim)`` (None: ``t`` itself). Where the heads
+    are inner to the tokens in memory (:func:`split_qkv`'s views of one projection) the normed copy keeps that
+    order, ``(batch, seq, heads, head_dim)`` (flash-attn's and flex's layout), seen as ``(batch, heads, seq,
+    head_dim)``."""
+    if norm is None:
+        return t
+    if t.stride(1) < t.stride(2):
+        return norm(t.transpose(1, 2)).transpose(1, 2)
+    return norm(t)
+
+
 def _check_shard(shard: object) -> None:
     if shard is not None and not isinstance(shard, SequenceShard):
         raise TypeError(f"shard must be a SequenceShard or None (unsharded), got {type(shard).__name__}")
@@ -61,12 +90,12 @@ class SlidingWindowAttention(nn.Module):
 
     Parameters (identical for every strategy and rank count): ``lin_qkv`` ``Linear(C, 3C)`` whose
     outputs are ordered ``(heads, 3, head_dim)``, and ``projection`` ``Linear(C, C)`` whose inputs
-    are ordered ``(heads, head_dim)``.
+    are ordered ``(heads, head_dim)``; with ``qk_norm`` also ``q_norm`` / ``k_norm`` (``(head_dim,)`` weights).
     """
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int,
                  shard_strategy: ShardStrategy = "shard_sequence", shard: SequenceShard | None = None,
-                 *, bias: bool = True, attention_kernel: AttentionKernel = "auto") -> None:
+                 *, bias: bool = True, attention_kernel: AttentionKernel = "auto", qk_norm: bool = False) -> None:
         super().__init__()
         if num_heads < 1 or num_channels % num_heads != 0:
             raise ValueError(
@@ -85,14 +114,20 @@ class SlidingWindowAttention(nn.Module):
         self.attention_kernel = attention_kernel
         self.lin_qkv = nn.Linear(num_channels, 3 * num_channels, bias=bias)
         self.projection = nn.Linear(num_channels, num_channels, bias=bias)
+        self.q_norm, self.k_norm = qk_norms(self.head_dim, qk_norm)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, window_size={self.window_size}, shard_strategy={self.shard_strategy}, "
                 f"attention_kernel={self.attention_kernel}, shard={self.shard}")
 
+    def _normed(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q and k through ``q_norm`` / ``k_norm`` (``qk_norm``; else unchanged)."""
+        return norm_heads(q, self.q_norm), norm_heads(k, self.k_norm), v
+
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(batch, seq, C)`` -> q, k, v each ``(batch, heads, seq, head_dim)``: views (:func:`split_qkv`)."""
-        return split_qkv(self.lin_qkv(x), self.num_heads)
+        """``(batch, seq, C)`` -> q, k, v each ``(batch, heads, seq, head_dim)``: views (:func:`split_qkv`; q and k
+        normed copies with ``qk_norm``)."""
+        return self._normed(*split_qkv(self.lin_qkv(x), self.num_heads))
 
     def _out(self, heads: Tensor) -> Tensor:
         """``(batch, heads, seq, head_dim)`` -> ``(batch, seq, C)`` through the output projection."""
@@ -128,7 +163,7 @@ class SlidingWindowAttention(nn.Module):
         # one all-to-all for q, k and v together: (b, heads, s_local, 3 * head_dim)
         qkv = einops.rearrange(self.lin_qkv(x), "b s (h three d) -> b h s (three d)", h=self.num_heads, three=3)
         qkv = shard_heads(qkv, shard.sizes, shard.group)
-        q, k, v = split_qkv(qkv, self.num_heads, heads_first=True)
+        q, k, v = self._normed(*split_qkv(qkv, self.num_heads, heads_first=True))
         out = sliding_window_attention(q, k, v, self.window_size, kernel=self.attention_kernel)
         return self._out(shard_sequence(out, shard.sizes, shard.group))
 

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from stormshard.kernels.names import AttentionKernel
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
+from stormshard.layers.mlp_kinds import MLPKind
 from stormshard.layers.norm import LayerNorm
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
 
@@ -40,18 +41,19 @@ class ConditionalTransformerBlock(nn.Module):
 
     ``forward(x (batch, seq_local, C), cond (batch, seq_local, cond_channels))``; the sequence is
     sharded as ``shard`` (bound at construction, None: unsharded) describes. The attention and
-    MLP are the processor's (same names and sharding).
+    MLP are the processor's (same names and sharding; ``qk_norm`` and ``mlp_kind`` as there).
     """
 
     def __init__(self, num_channels: int, num_heads: int, window_size: int, cond_channels: int,
-                 mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
-                 shard: SequenceShard | None = None, *, attention_kernel: AttentionKernel = "auto") -> None:
+                 mlp_ratio: float = 4, shard_strategy: ShardStrategy = "shard_sequence",
+                 shard: SequenceShard | None = None, *, attention_kernel: AttentionKernel = "auto",
+                 qk_norm: bool = False, mlp_kind: MLPKind = "mlp") -> None:
         super().__init__()
         self.norm_attention = ConditionalLayerNorm(num_channels, cond_channels)
         self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard,
-                                                attention_kernel=attention_kernel)
+                                                attention_kernel=attention_kernel, qk_norm=qk_norm)
         self.norm_mlp = ConditionalLayerNorm(num_channels, cond_channels)
-        self.mlp = MLP(num_channels, mlp_ratio)
+        self.mlp = MLP(num_channels, mlp_ratio, kind=mlp_kind)
 
     @property
     def shard(self) -> SequenceShard | None:

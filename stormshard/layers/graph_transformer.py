@@ -8,7 +8,10 @@ For an edge ``j -> i`` with edge features ``e_ji`` (per head ``h``, head size ``
     x_i <- x_i + MLP(LayerNorm(x_i))
 
 (pre-norm, residual; the bracketed term with ``self_projection=True``, anemoi-models'
-``lin_self``, so that a block has anemoi's parameters and cost). The blocks compute the attention with
+``lin_self``, so that a block has anemoi's parameters and cost). ``qk_norm=True`` (anemoi's ``qk_norm``): ``q_i``
+and ``W_k n_src(x_j)`` are layer-normed per head over ``d`` (``q_norm`` / ``k_norm``, no bias, weights shared by
+the heads) before the edge term is added to the keys, as anemoi normalises them; ``mlp_kind`` a gated MLP
+(:mod:`stormshard.layers.mlp`). The blocks compute the attention with
 :func:`stormshard.kernels.graph_csr.fused_graph_attention` (CSR sampled products, segment
 softmax and a sparse product; no ``(E, heads, d)`` tensor is formed or kept for the backward);
 :func:`graph_attention` is the same math written out per edge (torch-geometric ``softmax`` and
@@ -53,6 +56,7 @@ from torch import Tensor, nn
 
 from stormshard.kernels.dispatch import check_graph_kernel, graph_attention_kernel
 from stormshard.kernels.names import GraphKernel
+from stormshard.layers.attention import qk_norms
 from stormshard.layers.checkpointing import unwrapped_modules
 from stormshard.layers.chunking import (
     check_num_chunks,
@@ -67,6 +71,8 @@ from stormshard.layers.graph_inputs import (
     check_plan,
     check_positive_int,
 )
+from stormshard.layers.mlp import mlp_hidden_width
+from stormshard.layers.mlp_kinds import MLPKind
 from stormshard.layers.norm import LayerNorm
 from stormshard.layers.norm_linear import MIN_ELEMENTS as NORM_LINEAR_MIN_ELEMENTS
 from stormshard.layers.norm_linear import keeps_norm_input, norm_linear
@@ -78,10 +84,10 @@ from stormshard.parallel.halo_projection import halo_linear
 __all__ = ["GraphTransformerMapperBlock", "GraphTransformerProcessorBlock", "set_graph_kernel"]
 
 
-def _mlp(channels: int, ratio: float, lean: bool) -> RowChunkedMLP:
-    # Linear, GELU, Linear (nn.Sequential's keys); on very many rows (lean) it keeps one hidden activation
-    hidden = max(1, int(round(channels * ratio)))
-    return RowChunkedMLP(channels, hidden, min_elements=MLP_MIN_ELEMENTS if lean else None)
+def _mlp(channels: int, ratio: float, lean: bool, kind: MLPKind = "mlp") -> RowChunkedMLP:
+    # Linear, GELU (or a gate), Linear (nn.Sequential's keys); on very many rows (lean) it keeps fc1's output only
+    return RowChunkedMLP(channels, mlp_hidden_width(channels, ratio), min_elements=MLP_MIN_ELEMENTS if lean else None,
+                         kind=kind)
 
 
 class _GraphTransformerBase(PlanFollowsModule):
@@ -99,6 +105,8 @@ class _GraphTransformerBase(PlanFollowsModule):
         self_projection: bool = False,
         graph_kernel: GraphKernel = "auto",
         lean: bool = True,
+        qk_norm: bool = False,
+        mlp_kind: MLPKind = "mlp",
     ) -> None:
         super().__init__()
         check_graph_kernel(graph_kernel)
@@ -124,8 +132,10 @@ class _GraphTransformerBase(PlanFollowsModule):
         # anemoi's lin_self: a projection of the normed destination added to the attention output
         self.to_self = nn.Linear(dst_channels, hidden_dim) if self_projection else None
         self.proj = nn.Linear(hidden_dim, dst_channels)
+        # anemoi's q_norm / k_norm (qk_norm; None: none): per head over hidden_dim / num_heads
+        self.q_norm, self.k_norm = qk_norms(hidden_dim // num_heads, qk_norm)
         self.norm_mlp = LayerNorm(dst_channels)
-        self.mlp = _mlp(dst_channels, mlp_ratio, lean)
+        self.mlp = _mlp(dst_channels, mlp_ratio, lean, mlp_kind)
         # the norms inside their projections from this many input entries on (None: never; module docstring)
         self.norm_linear_min: int | None = NORM_LINEAR_MIN_ELEMENTS if lean else None
 
@@ -156,6 +166,8 @@ class _GraphTransformerBase(PlanFollowsModule):
             h_src = norm_src(x_src)
             k, v = halo_linear(plan, h_src, (self.to_k.weight, self.to_v.weight), (self.to_k.bias, self.to_v.bias))
         k, v = rearrange(k, split, h=heads), rearrange(v, split, h=heads)
+        if self.k_norm is not None:  # per source row and head, before the edge term joins the keys (anemoi's order)
+            k = self.k_norm(k)
         edge_index = plan.edge_index
         w_e, b_e = self.to_e.weight, self.to_e.bias
         if one_set and h_src is not None:  # the normed nodes are kept for the keys already: the queries share them
@@ -178,6 +190,8 @@ class _GraphTransformerBase(PlanFollowsModule):
                 q_in = rows(h_dst, first, end)
                 projected = [linear(q_in) for linear in dst_linears]
             q = rearrange(projected[0], split, h=heads)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
             # the edge embedding to_e(attr) added to keys and values, never formed as an (E, heads, d)
             # tensor; logits, softmax statistics and sums in fp32 whatever the compute dtype (bf16);
             # the kernel (csr or triton) chosen by stormshard.kernels.dispatch
@@ -215,9 +229,11 @@ class GraphTransformerMapperBlock(_GraphTransformerBase):
         self_projection: bool = False,
         graph_kernel: GraphKernel = "auto",
         lean: bool = True,
+        qk_norm: bool = False,
+        mlp_kind: MLPKind = "mlp",
     ) -> None:
         super().__init__(src_channels, dst_channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
-                         self_projection, graph_kernel, lean)
+                         self_projection, graph_kernel, lean, qk_norm, mlp_kind)
         self.plan = check_plan(plan, processor=False)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)
@@ -252,9 +268,11 @@ class GraphTransformerProcessorBlock(_GraphTransformerBase):
         self_projection: bool = False,
         graph_kernel: GraphKernel = "auto",
         lean: bool = True,
+        qk_norm: bool = False,
+        mlp_kind: MLPKind = "mlp",
     ) -> None:
         super().__init__(channels, channels, edge_channels, num_heads, mlp_ratio, num_chunks, hidden_dim,
-                         self_projection, graph_kernel, lean)
+                         self_projection, graph_kernel, lean, qk_norm, mlp_kind)
         self.plan = check_plan(plan, processor=True)
         # the edge chunks, once (not inside a compiled forward: their sizes depend on the edges)
         self.edge_chunks = precompute_chunks(self.plan.edge_index, self.plan.num_dst_local, self.num_chunks)

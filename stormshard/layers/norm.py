@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LayerNorm"]
+__all__ = ["LayerNorm", "layer_norm"]
 
 
 class LayerNorm(nn.LayerNorm):
@@ -24,7 +24,16 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_autocast_enabled(x.device.type) or x.dtype in (torch.float32, torch.float64):
             return super().forward(x)
-        weight = None if self.weight is None else self.weight.to(x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        return layer_norm(x, self)
+
+
+def layer_norm(x: Tensor, norm: nn.LayerNorm, weight: Tensor | None = None) -> Tensor:
+    """``norm(x)`` as :class:`LayerNorm` computes it (under autocast in ``x``'s dtype), with ``weight`` in place of
+    ``norm.weight`` where given (e.g. the weight seen through a collective whose backward sums its gradient)."""
+    weight = norm.weight if weight is None else weight
+    if not torch.is_autocast_enabled(x.device.type) or x.dtype in (torch.float32, torch.float64):
+        return F.layer_norm(x, norm.normalized_shape, weight, norm.bias, norm.eps)
+    weight = None if weight is None else weight.to(x.dtype)
+    bias = None if norm.bias is None else norm.bias.to(x.dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)

@@ -27,6 +27,10 @@ quickstart's sizes nor at O96, always at an N320 / O364 decoder; None: never, ``
 false) and without gradients. The forward and the
 backward are custom ops (``stormshard::row_chunked_mlp``, ``..._backward``), so a compiled block keeps what they
 keep: traced as plain operators, inductor's partitioner would save every chunk's GELU output again.
+A gated MLP (``kind`` ``glu`` / ``swiglu`` / ``geglu`` / ``reglu``, :mod:`stormshard.layers.mlp`: ``fc1``'s rows
+interleave a gate and a value per hidden channel) runs the same way: ``h`` is ``fc1``'s ``2 x hidden`` output, each
+chunk's ``act(gate) * value`` is recomputed in the backward and its gradient formed per chunk (plain autograd keeps
+``h``, ``act(gate)`` and the product: two hidden activations more).
 Layout: ``x`` ``(rows, *batch, C)``, any leading shape; nothing is communicated.
 """
 
@@ -36,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stormshard.layers.mlp import GatedActivation, fc1_width
+from stormshard.layers.mlp_kinds import MLPKind
 from stormshard.layers.norm_linear import cast_like, compute_dtype, layer_norm_in_dtype
 
 __all__ = ["RowChunkedMLP", "row_chunked_mlp", "MIN_ELEMENTS", "CHUNK_ELEMENTS"]
@@ -56,11 +62,46 @@ def _normed(x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps: float,
     return xn.to(dtype), mean, rstd
 
 
+_GATES = {"glu": torch.sigmoid, "swiglu": F.silu, "geglu": F.gelu, "reglu": torch.relu}
+
+
+def _activate(h: Tensor, kind: str) -> Tensor:
+    """The MLP's middle on ``fc1``'s output rows: GELU (``"mlp"``), else ``act(gate) * value`` of the interleaved
+    ``(R, (hidden two))`` (:class:`~stormshard.layers.mlp.GatedActivation`)."""
+    if kind == "mlp":
+        return F.gelu(h)
+    pairs = h.unflatten(-1, (-1, 2))
+    return _GATES[kind](pairs[..., 0]) * pairs[..., 1]
+
+
+def _activate_backward(dg: Tensor, h: Tensor, kind: str) -> Tensor:
+    """The gradient of :func:`_activate` at ``h`` for the output gradient ``dg``: ``(R, hidden)`` -> ``h``'s shape."""
+    if kind == "mlp":
+        return torch.ops.aten.gelu_backward(dg, h)
+    pairs = h.unflatten(-1, (-1, 2))
+    gate, value = pairs[..., 0], pairs[..., 1]
+    if kind == "glu":
+        a = torch.sigmoid(gate)
+        d_gate = dg * value * a * (1 - a)
+    elif kind == "swiglu":
+        a = F.silu(gate)
+        d_gate = torch.ops.aten.silu_backward(dg * value, gate)
+    elif kind == "geglu":
+        a = F.gelu(gate)
+        d_gate = torch.ops.aten.gelu_backward(dg * value, gate)
+    else:  # reglu
+        a = torch.relu(gate)
+        d_gate = torch.ops.aten.threshold_backward(dg * value, a, 0)
+    return torch.stack([d_gate, dg * a], dim=-1).flatten(-2)
+
+
 @torch.library.custom_op("stormshard::row_chunked_mlp", mutates_args=())
 def _mlp_op(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, rows: int,
-            norm_w: Tensor | None, norm_b: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(y (R, C_out), h (R, hidden), mean, rstd)`` for ``x`` ``(R, C)``, the products in ``w1``'s dtype; with
-    ``eps >= 0`` ``x`` is layer-normed first (``mean`` / ``rstd`` its statistics, else empty)."""
+            norm_w: Tensor | None, norm_b: Tensor | None, eps: float,
+            kind: str = "mlp") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y (R, C_out), h (R, fc1 features), mean, rstd)`` for ``x`` ``(R, C)``, the products in ``w1``'s dtype; with
+    ``eps >= 0`` ``x`` is layer-normed first (``mean`` / ``rstd`` its statistics, else empty); ``kind``: GELU
+    (``"mlp"``) or a gated kind."""
     with torch.autocast(x.device.type, enabled=False):
         xn, mean, rstd = _normed(x, norm_w, norm_b, eps, w1.dtype)
         h = F.linear(xn, w1, b1)
@@ -68,14 +109,15 @@ def _mlp_op(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | N
         y = h.new_empty(h.shape[0], w2.shape[0])
         for first in range(0, h.shape[0], rows):
             end = min(first + rows, h.shape[0])
-            y[first:end] = F.linear(F.gelu(h[first:end]), w2, b2)
+            y[first:end] = F.linear(_activate(h[first:end], kind), w2, b2)
     empty = x.new_empty(0, dtype=torch.float32)
     return y, h, empty if mean is None else mean, empty.clone() if rstd is None else rstd
 
 
 @_mlp_op.register_fake
 def _mlp_fake(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, rows: int,
-              norm_w: Tensor | None, norm_b: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+              norm_w: Tensor | None, norm_b: Tensor | None, eps: float,
+              kind: str = "mlp") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if eps >= 0:
         _xn, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
     else:
@@ -86,8 +128,8 @@ def _mlp_fake(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor |
 
 @torch.library.custom_op("stormshard::row_chunked_mlp_backward", mutates_args=())
 def _mlp_backward_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, rows: int, norm_w: Tensor | None,
-                     norm_b: Tensor | None, eps: float, mean: Tensor, rstd: Tensor,
-                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     norm_b: Tensor | None, eps: float, mean: Tensor, rstd: Tensor, needs: list[bool],
+                     kind: str = "mlp") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``(x, w1, b1, w2, b2, norm_w, norm_b)`` (empty where ``needs`` is False), per row chunk;
     weight and bias gradients summed in fp32 (or float64) and returned in the parameters' dtype. With a norm
     (``eps >= 0``) each chunk's normed rows are recomputed from ``x`` and the norm's backward runs per chunk."""
@@ -108,10 +150,10 @@ def _mlp_backward_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, r
             end = min(first + rows, h.shape[0])
             h_c, dy_c = h[first:end], dy[first:end]
             if need_w2:
-                dw2 += torch.mm(dy_c.t(), F.gelu(h_c)).to(acc)
+                dw2 += torch.mm(dy_c.t(), _activate(h_c, kind)).to(acc)
             if need_b2:
                 db2 += dy_c.sum(0, dtype=acc)
-            dh_c = torch.ops.aten.gelu_backward(torch.mm(dy_c, w2), h_c)
+            dh_c = _activate_backward(torch.mm(dy_c, w2), h_c, kind)
             x_c = x[first:end]
             if need_w1:
                 xn_c = _normed(x_c, norm_w, norm_b, eps, h.dtype)[0] if normed else x_c
@@ -143,8 +185,8 @@ def _mlp_backward_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, r
 
 @_mlp_backward_op.register_fake
 def _mlp_backward_fake(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor, rows: int, norm_w: Tensor | None,
-                       norm_b: Tensor | None, eps: float, mean: Tensor, rstd: Tensor,
-                       needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       norm_b: Tensor | None, eps: float, mean: Tensor, rstd: Tensor, needs: list[bool],
+                       kind: str = "mlp") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     likes = (x, w1, w1, w2, w2, norm_w, norm_b)
     shapes = (x.shape, w1.shape, w1.shape[:1], w2.shape, w2.shape[:1], x.shape[-1:], x.shape[-1:])
     return tuple(t.new_empty(shape) if need and t is not None else h.new_empty(0)
@@ -152,10 +194,10 @@ def _mlp_backward_fake(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h: Tensor,
 
 
 def _setup(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
-    x, w1, b1, w2, b2, rows, norm_w, norm_b, eps = inputs
+    x, w1, b1, w2, b2, rows, norm_w, norm_b, eps, kind = inputs
     _y, h, mean, rstd = output
     ctx.save_for_backward(x, w1, w2, h, norm_w, norm_b, mean, rstd)
-    ctx.rows, ctx.eps = rows, eps
+    ctx.rows, ctx.eps, ctx.kind = rows, eps, kind
     ctx.has = (b1 is not None, b2 is not None, norm_w is not None, norm_b is not None)
     ctx.set_materialize_grads(False)  # no (rows, hidden) zeros for h's gradient, which nothing produces
 
@@ -164,25 +206,27 @@ def _op_backward(ctx, dy: Tensor | None, _dh: Tensor | None, _dmean: Tensor | No
                  _drstd: Tensor | None) -> tuple:
     x, w1, w2, h, norm_w, norm_b, mean, rstd = ctx.saved_tensors
     if dy is None:
-        return (None,) * 9
+        return (None,) * 10
     n = ctx.needs_input_grad
     has_b1, has_b2, has_nw, has_nb = ctx.has
     needs = [bool(n[0]), bool(n[1]), bool(n[2]) and has_b1, bool(n[3]), bool(n[4]) and has_b2,
              bool(n[6]) and has_nw, bool(n[7]) and has_nb]
     grads = torch.ops.stormshard.row_chunked_mlp_backward(dy, x, w1, w2, h, ctx.rows, norm_w, norm_b, ctx.eps, mean,
-                                                          rstd, needs)
+                                                          rstd, needs, ctx.kind)
     g = [gr if need else None for gr, need in zip(grads, needs, strict=True)]
-    return g[0], g[1], g[2], g[3], g[4], None, g[5], g[6], None
+    return g[0], g[1], g[2], g[3], g[4], None, g[5], g[6], None, None
 
 
 _mlp_op.register_autograd(_op_backward, setup_context=_setup)
 
 
-def row_chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, rows: int, norm: nn.LayerNorm | None = None) -> Tensor:
-    """``fc2(GELU(fc1(norm(x))))`` on ``x`` ``(..., C)`` (no norm: ``fc2(GELU(fc1(x)))``), ``rows`` rows of the
-    flattened leading dims per chunk (module docstring); ``(..., fc2.out_features)`` in the compute dtype
-    (autocast's, else ``x``'s), the operands cast to it as ``nn.Linear`` under autocast does. With ``norm`` (a
-    layer norm over the last dim) ``x`` is kept for the backward instead of ``norm(x)``."""
+def row_chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, rows: int, norm: nn.LayerNorm | None = None,
+                    kind: MLPKind = "mlp") -> Tensor:
+    """``fc2(GELU(fc1(norm(x))))`` on ``x`` ``(..., C)`` (no norm: ``fc2(GELU(fc1(x)))``; a gated ``kind``:
+    ``act(gate) * value`` in GELU's place), ``rows`` rows of the flattened leading dims per chunk (module docstring);
+    ``(..., fc2.out_features)`` in the compute dtype (autocast's, else ``x``'s), the operands cast to it as
+    ``nn.Linear`` under autocast does. With ``norm`` (a layer norm over the last dim) ``x`` is kept for the
+    backward instead of ``norm(x)``."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows per chunk must be a positive int, got {rows!r}")
     if norm is not None and (len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != x.shape[-1]):
@@ -200,20 +244,22 @@ def row_chunked_mlp(x: Tensor, fc1: nn.Linear, fc2: nn.Linear, rows: int, norm: 
     else:  # normed in x's own dtype (its parameters cast to it), then the products in the compute dtype
         args = (flat, norm.weight, norm.bias, float(norm.eps))
     y, _h, _mean, _rstd = _mlp_op(args[0], cast(fc1.weight), cast(fc1.bias), cast(fc2.weight), cast(fc2.bias), rows,
-                                  *args[1:])
+                                  *args[1:], kind)
     return y.reshape(*lead, y.shape[-1])
 
 
 class RowChunkedMLP(nn.Sequential):
     """``nn.Sequential(Linear(C, hidden), GELU(), Linear(hidden, C_out))`` (the same children and state-dict
-    keys) whose forward runs :func:`row_chunked_mlp` where the hidden activation has at least
-    ``min_elements`` entries (None: never) and gradients are recorded (compiled or not); elsewhere the plain
-    ``nn.Sequential`` (module docstring)."""
+    keys; a gated ``kind``: ``Linear(C, 2 x hidden)``, :class:`~stormshard.layers.mlp.GatedActivation`, ``Linear``)
+    whose forward runs :func:`row_chunked_mlp` where ``fc1``'s output has at least ``min_elements`` entries (None:
+    never) and gradients are recorded (compiled or not); elsewhere the plain ``nn.Sequential`` (module docstring)."""
 
     def __init__(self, channels: int, hidden: int, out_channels: int | None = None, *,
-                 min_elements: int | None = MIN_ELEMENTS, chunk_elements: int = CHUNK_ELEMENTS) -> None:
-        super().__init__(nn.Linear(channels, hidden), nn.GELU(), nn.Linear(hidden, channels if out_channels is None
-                                                                             else out_channels))
+                 min_elements: int | None = MIN_ELEMENTS, chunk_elements: int = CHUNK_ELEMENTS,
+                 kind: MLPKind = "mlp") -> None:
+        super().__init__(nn.Linear(channels, fc1_width(hidden, kind)),
+                         nn.GELU() if kind == "mlp" else GatedActivation(kind),
+                         nn.Linear(hidden, channels if out_channels is None else out_channels))
         if (min_elements is not None and min_elements < 0) or chunk_elements < 1:
             raise ValueError(f"min_elements ({min_elements}) must be >= 0 (None: never chunked) and chunk_elements "
                              f"({chunk_elements}) >= 1")
@@ -223,7 +269,8 @@ class RowChunkedMLP(nn.Sequential):
         """``self(norm(x))`` (``norm`` None: ``self(x)``); on the chunked path ``x`` is kept, not ``norm(x)``."""
         fc1, act, fc2 = self[0], self[1], self[2]
         rows = x.numel() // x.shape[-1] if x.dim() else 1
+        kind = act.kind if isinstance(act, GatedActivation) else "mlp"
         if (self.min_elements is None or rows * fc1.out_features < self.min_elements or not torch.is_grad_enabled()
-                or act.approximate != "none"):
+                or kind == "mlp" and act.approximate != "none"):
             return super().forward(x if norm is None else norm(x))
-        return row_chunked_mlp(x, fc1, fc2, max(1, self.chunk_elements // fc1.out_features), norm)
+        return row_chunked_mlp(x, fc1, fc2, max(1, self.chunk_elements // fc1.out_features), norm, kind)

@@ -19,7 +19,13 @@ Layout: ``x`` is ``(batch, seq_local, channels)``. Two modes, fixed at construct
 
 Heads are split evenly: column-parallel ``lin_qkv`` (its outputs ordered ``(heads, 3, head_dim)``,
 so a contiguous slice of rows is a contiguous group of heads), local window attention over the full
-sequence, row-parallel ``projection``; column-parallel ``fc1``, GELU, row-parallel ``fc2``.
+sequence, row-parallel ``projection``; column-parallel ``fc1``, GELU, row-parallel ``fc2``. A gated MLP's
+``fc1`` interleaves a gate and a value row per hidden channel (:mod:`stormshard.layers.mlp`), so its
+column-parallel slice holds the gates and values of the hidden channels of this rank's ``fc2`` slice. The
+query / key norms (``qk_norm``) are replicated and run on this rank's heads: their weight gradients are this
+rank's heads' part, summed over the group after backward with sequence parallelism (as the other replicated
+parameters'); without it (every rank computes the whole output) the weights enter through ``copy_tensor``,
+whose backward sums them, so their gradients are complete as every other gradient of that mode.
 Parameter names equal :class:`~stormshard.layers.transformer.TransformerBlock`'s; the sliced ones
 carry :class:`~stormshard.parallel.partition.Partition` metadata, so
 :func:`~stormshard.parallel.tensor.full_state_dict` gives the single-process state dict.
@@ -28,16 +34,20 @@ carry :class:`~stormshard.parallel.partition.Partition` metadata, so
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import einops
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from stormshard.kernels.dispatch import AttentionKernel, check_attention_kernel, sliding_window_attention
-from stormshard.layers.attention import split_qkv
-from stormshard.layers.mlp import MLP
+from stormshard.layers.attention import norm_heads, split_qkv
+from stormshard.layers.mlp import MLP, mlp_hidden_width
+from stormshard.layers.mlp_kinds import MLPKind
+from stormshard.layers.norm import layer_norm
 from stormshard.layers.strategy import check_split
 from stormshard.layers.transformer import TransformerBlock
+from stormshard.parallel.comm import copy_tensor
 from stormshard.parallel.shapes import group_size
 from stormshard.parallel.shard import SequenceShard
 from stormshard.parallel.tensor import ColumnParallelLinear, RowParallelLinear
@@ -71,12 +81,14 @@ class TensorParallelSlidingWindowAttention(nn.Module):
 
     ``(batch, seq_local, C)`` (sequence parallel, ``shard`` given) or ``(batch, seq, C)``
     (``shard`` None, heads split over ``group``) -> same layout. This rank computes
-    ``num_heads / p`` heads over the whole sequence; ``projection`` sums the heads' parts.
+    ``num_heads / p`` heads over the whole sequence; ``projection`` sums the heads' parts. ``q_norm`` /
+    ``k_norm`` (``qk_norm``, replicated; None: none) norm this rank's heads' queries and keys.
     """
 
     def __init__(self, lin_qkv: nn.Linear, projection: nn.Linear, num_heads: int, window_size: int,
                  shard: SequenceShard | None = None, *, group: ProcessGroup | None = None,
-                 attention_kernel: AttentionKernel = "auto") -> None:
+                 attention_kernel: AttentionKernel = "auto", q_norm: nn.LayerNorm | None = None,
+                 k_norm: nn.LayerNorm | None = None) -> None:
         super().__init__()
         group = _tensor_group(shard, group)
         check_split("tensor", group_size(group), num_heads=num_heads)
@@ -89,13 +101,24 @@ class TensorParallelSlidingWindowAttention(nn.Module):
         self.lin_qkv = ColumnParallelLinear.from_linear(lin_qkv, group, sequence_shard=shard)
         self.projection = RowParallelLinear.from_linear(projection, group, input_is_parallel=True,
                                                         sequence_shard=shard)
+        self.q_norm = None if q_norm is None else copy.deepcopy(q_norm)  # replicated
+        self.k_norm = None if k_norm is None else copy.deepcopy(k_norm)
 
     @classmethod
     def from_attention(cls, attention: nn.Module, shard: SequenceShard | None = None, *,
                        group: ProcessGroup | None = None) -> TensorParallelSlidingWindowAttention:
         """Slice a full :class:`~stormshard.layers.attention.SlidingWindowAttention` (no communication)."""
         return cls(attention.lin_qkv, attention.projection, attention.num_heads, attention.window_size, shard,
-                   group=group, attention_kernel=getattr(attention, "attention_kernel", "auto"))
+                   group=group, attention_kernel=getattr(attention, "attention_kernel", "auto"),
+                   q_norm=getattr(attention, "q_norm", None), k_norm=getattr(attention, "k_norm", None))
+
+    def _head_norm(self, norm: nn.LayerNorm | None) -> Callable[[Tensor], Tensor] | None:
+        """``norm`` on this rank's heads; without sequence parallelism its weight through ``copy_tensor``
+        (class docstring: its backward sums the heads' parts of the gradient over the group)."""
+        if norm is None or self.shard is not None or group_size(self.group) == 1:
+            return norm
+        weight = copy_tensor(norm.weight, self.group)
+        return lambda t: layer_norm(t, norm, weight)
 
     def extra_repr(self) -> str:
         return f"heads={self.local_heads}/{self.num_heads}, window_size={self.window_size}, shard={self.shard}"
@@ -103,29 +126,32 @@ class TensorParallelSlidingWindowAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.lin_qkv(x)  # (b, seq, 3 C / p)
         q, k, v = split_qkv(qkv, self.local_heads)
+        q, k = norm_heads(q, self._head_norm(self.q_norm)), norm_heads(k, self._head_norm(self.k_norm))
         heads = sliding_window_attention(q, k, v, self.window_size, kernel=self.attention_kernel)  # (b, h / p, seq, d)
         heads = einops.rearrange(heads, "b h s d -> b s (h d)")
         return self.projection(heads)
 
 
 class TensorParallelMLP(nn.Module):
-    """``fc2(GELU(fc1(x)))`` with the hidden channels split over the group; layout as the attention's."""
+    """``fc2(act(fc1(x)))`` with the hidden channels split over the group; layout as the attention's.
+    ``activation``: the full MLP's (GELU, or a gated MLP's :class:`~stormshard.layers.mlp.GatedActivation`:
+    ``fc1``'s interleaved gate and value rows slice in whole pairs)."""
 
     def __init__(self, fc1: nn.Linear, fc2: nn.Linear, shard: SequenceShard | None = None, *,
-                 group: ProcessGroup | None = None) -> None:
+                 group: ProcessGroup | None = None, activation: nn.Module | None = None) -> None:
         super().__init__()
         group = _tensor_group(shard, group)
-        check_split("tensor", group_size(group), mlp_hidden=fc1.out_features)
+        check_split("tensor", group_size(group), mlp_hidden=fc2.in_features)
         self.shard, self.group = shard, group
         self.fc1 = ColumnParallelLinear.from_linear(fc1, group, sequence_shard=shard)
-        self.activation = nn.GELU()
+        self.activation = nn.GELU() if activation is None else copy.deepcopy(activation)
         self.fc2 = RowParallelLinear.from_linear(fc2, group, input_is_parallel=True, sequence_shard=shard)
 
     @classmethod
     def from_mlp(cls, mlp: MLP, shard: SequenceShard | None = None, *,
                  group: ProcessGroup | None = None) -> TensorParallelMLP:
         """Slice a full :class:`~stormshard.layers.mlp.MLP` (no communication)."""
-        return cls(mlp.fc1, mlp.fc2, shard, group=group)
+        return cls(mlp.fc1, mlp.fc2, shard, group=group, activation=mlp.activation)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.activation(self.fc1(x)))
@@ -141,13 +167,15 @@ class TensorParallelTransformerBlock(nn.Module):
     rank count starts from the same full model; :meth:`from_block` slices an existing block.
     """
 
-    def __init__(self, num_channels: int, num_heads: int, window_size: int, mlp_ratio: int = 4,
+    def __init__(self, num_channels: int, num_heads: int, window_size: int, mlp_ratio: float = 4,
                  shard: SequenceShard | None = None, *, group: ProcessGroup | None = None,
-                 attention_kernel: AttentionKernel = "auto") -> None:
+                 attention_kernel: AttentionKernel = "auto", qk_norm: bool = False,
+                 mlp_kind: MLPKind = "mlp") -> None:
         super().__init__()
         world = group_size(_tensor_group(shard, group))  # checked before the full block is drawn
-        check_split("tensor", world, num_heads=num_heads, mlp_hidden=mlp_ratio * num_channels)
-        block = TransformerBlock(num_channels, num_heads, window_size, mlp_ratio, attention_kernel=attention_kernel)
+        check_split("tensor", world, num_heads=num_heads, mlp_hidden=mlp_hidden_width(num_channels, mlp_ratio))
+        block = TransformerBlock(num_channels, num_heads, window_size, mlp_ratio, attention_kernel=attention_kernel,
+                                 qk_norm=qk_norm, mlp_kind=mlp_kind)
         self._setup(block, shard, group)
 
     @classmethod

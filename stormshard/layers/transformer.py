@@ -2,7 +2,9 @@
 
 Layout: ``x`` ``(batch, seq_local, channels)``; the sequence is sharded as the
 :class:`~stormshard.parallel.shard.SequenceShard` the layer was built with describes (None:
-unsharded). Each block computes ``x = x + attention(norm_attention(x)); x = x + mlp(norm_mlp(x))``.
+unsharded). Each block computes ``x = x + attention(norm_attention(x)); x = x + mlp(norm_mlp(x))``;
+``qk_norm`` layer-norms each head's queries and keys (:mod:`stormshard.layers.attention`), ``mlp_kind`` picks
+the MLP (GELU or gated: :mod:`stormshard.layers.mlp`).
 
 This module builds the single-device-looking processor only. Tensor parallelism (swapping in
 :class:`~stormshard.layers.tensor_parallel.TensorParallelTransformerBlock`) and activation
@@ -18,6 +20,7 @@ from torch import Tensor, nn
 from stormshard.kernels.names import AttentionKernel
 from stormshard.layers.attention import SlidingWindowAttention
 from stormshard.layers.mlp import MLP
+from stormshard.layers.mlp_kinds import MLPKind
 from stormshard.layers.norm import LayerNorm
 from stormshard.layers.strategy import check_strategy_name
 from stormshard.parallel.shard import SequenceShard, ShardStrategy
@@ -31,15 +34,16 @@ class TransformerBlock(nn.Module):
     ``shard``: the sequence's shard (None: unsharded); ``forward(x)`` takes this rank's tokens.
     """
 
-    def __init__(self, num_channels: int, num_heads: int, window_size: int, mlp_ratio: int = 4,
+    def __init__(self, num_channels: int, num_heads: int, window_size: int, mlp_ratio: float = 4,
                  shard_strategy: ShardStrategy = "shard_sequence", shard: SequenceShard | None = None, *,
-                 attention_kernel: AttentionKernel = "auto") -> None:
+                 attention_kernel: AttentionKernel = "auto", qk_norm: bool = False,
+                 mlp_kind: MLPKind = "mlp") -> None:
         super().__init__()
         self.norm_attention = LayerNorm(num_channels)
         self.attention = SlidingWindowAttention(num_channels, num_heads, window_size, shard_strategy, shard,
-                                                attention_kernel=attention_kernel)
+                                                attention_kernel=attention_kernel, qk_norm=qk_norm)
         self.norm_mlp = LayerNorm(num_channels)
-        self.mlp = MLP(num_channels, mlp_ratio)
+        self.mlp = MLP(num_channels, mlp_ratio, kind=mlp_kind)
 
     @property
     def shard(self) -> SequenceShard | None:
@@ -65,8 +69,9 @@ class TransformerProcessor(nn.Module):
     """
 
     def __init__(self, num_layers: int, num_channels: int, num_heads: int, window_size: int,
-                 mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
-                 shard: SequenceShard | None = None, *, attention_kernel: AttentionKernel = "auto") -> None:
+                 mlp_ratio: float = 4, shard_strategy: ShardStrategy = "shard_sequence",
+                 shard: SequenceShard | None = None, *, attention_kernel: AttentionKernel = "auto",
+                 qk_norm: bool = False, mlp_kind: MLPKind = "mlp") -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"num_layers must be at least 1, got {num_layers}")
@@ -76,7 +81,7 @@ class TransformerProcessor(nn.Module):
         attention_strategy = "shard_sequence" if shard_strategy == "tensor" else shard_strategy
         self.blocks = nn.ModuleList(
             TransformerBlock(num_channels, num_heads, window_size, mlp_ratio, attention_strategy, shard,
-                             attention_kernel=attention_kernel)
+                             attention_kernel=attention_kernel, qk_norm=qk_norm, mlp_kind=mlp_kind)
             for _ in range(num_layers)
         )
 

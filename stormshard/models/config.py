@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stormshard.kernels.names import AttentionKernel, GraphKernel
+from stormshard.layers.mlp_kinds import MLPKind
 
 __all__ = ["ProcessorConfig", "MapperConfig", "BoundingConfig", "EnsembleConfig", "ModelConfig", "BUILTIN_MODELS",
            "builder_module"]
@@ -66,6 +67,15 @@ _EDGE_MLP_RATIO = ("gnn: the edge MLP's hidden width over its edge channels (nul
 #: the gnn-only fields of a section, with their defaults (a non-default value elsewhere is a config error)
 _GNN_FIELDS = {"mlp_hidden_layers": 1, "edge_embedding": False, "aggregate_updated_edges": False,
                "edge_mlp_ratio": None}
+#: anemoi's attention and MLP options of the transformer and graph-transformer blocks (descriptions)
+_QK_NORM = ("layer-norm each head's queries and keys over the head dim before the attention (no bias, the weight "
+            "shared by the heads: anemoi's qk_norm with its default QueryNorm / KeyNorm); not for gnn")
+_MLP_IMPLEMENTATION = ("the blocks' MLP: 'mlp' (Linear, GELU, Linear) or a gated MLP fc2(act(gate) * value), act "
+                       "sigmoid ('glu'), SiLU ('swiglu'), GELU ('geglu') or ReLU ('reglu'), gate and value "
+                       "num_channels x mlp_ratio wide each (anemoi's mlp_implementation; anemoi recommends mlp_ratio "
+                       "~2.67 for gated MLPs); not for gnn")
+#: the attention-block fields of a section, with their defaults (not for gnn, whose blocks have neither)
+_BLOCK_FIELDS = {"qk_norm": False, "mlp_implementation": "mlp"}
 
 
 class ProcessorConfig(_Strict):
@@ -78,7 +88,8 @@ class ProcessorConfig(_Strict):
 
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(8, ge=1)
-    mlp_ratio: int = Field(4, ge=1)
+    mlp_ratio: int | float = Field(
+        4, gt=0, description="the blocks' MLP width over num_channels (rounded; whole numbers stay integers)")
     window_size: int = Field(64, description="sliding-window half width in hidden nodes, at least 1")
     attention_kernel: AttentionKernel = Field(
         "auto", description="sliding-window kernel: 'auto' (CUDA: flash-attn, else flex attention, else banded; "
@@ -87,6 +98,8 @@ class ProcessorConfig(_Strict):
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graphtransformer: anemoi's lin_self in every block
     trainable_edge_size: int = Field(0, ge=0)  # graph processors: trainable features per edge (anemoi's)
+    qk_norm: bool = Field(False, description=_QK_NORM)
+    mlp_implementation: MLPKind = Field("mlp", description=_MLP_IMPLEMENTATION)
     # gnn only (anemoi's GNNProcessor; defaults: stormshard's interaction network)
     mlp_hidden_layers: int = Field(1, ge=1, description=_MLP_LAYERS)
     edge_embedding: bool = Field(False, description=_EDGE_EMBEDDING + " in the first block (anemoi's proc.0.emb_edges)")
@@ -126,6 +139,8 @@ class MapperConfig(_Strict):
     num_chunks: int = Field(1, ge=1)
     self_projection: bool = False  # graph-transformer mapper: anemoi's lin_self
     trainable_edge_size: int = Field(0, ge=0)  # trainable features per edge, appended to the edge attributes
+    qk_norm: bool = Field(False, description=_QK_NORM)
+    mlp_implementation: MLPKind = Field("mlp", description=_MLP_IMPLEMENTATION)
     # gnn only (anemoi's GNNForwardMapper / GNNBackwardMapper; defaults: stormshard's interaction network)
     mlp_hidden_layers: int = Field(1, ge=1, description=_MLP_LAYERS)
     edge_embedding: bool = Field(False, description=_EDGE_EMBEDDING + " (the mapper's emb_edges)")
@@ -292,11 +307,25 @@ class ModelConfig(_Strict):
                     f"num_channels={c} is not divisible by {field}={heads}: choose heads dividing the channels"
                 )
         self._check_gnn_options()
+        self._check_block_options()
         if self.name == "ensemble" and self.ensemble is None:
             object.__setattr__(self, "ensemble", EnsembleConfig())
         if self.name != "ensemble" and self.ensemble is not None:
             raise ValueError(f"model.ensemble is set but model.name={self.name!r}: use name='ensemble' or drop it")
         return self
+
+    def _check_block_options(self) -> None:
+        """``qk_norm`` and ``mlp_implementation`` (anemoi's transformer and graph-transformer blocks): not on ``gnn``."""
+        if self.name != "gnn":
+            return
+        for section in ("processor", "encoder", "decoder"):
+            for field, default in _BLOCK_FIELDS.items():
+                value = getattr(getattr(self, section), field)
+                if value != default:
+                    raise ValueError(
+                        f"model.{section}.{field}={value!r} is set but model.name='gnn': it applies to the attention "
+                        "blocks of 'transformer', 'graphtransformer' and 'ensemble' (stormshard's GNN blocks have no "
+                        "attention and ungated MLPs): drop it")
 
     def _check_gnn_options(self) -> None:
         """The GNN options (anemoi's GNN model) only on ``gnn``, and only in combinations that build."""

@@ -176,7 +176,8 @@ class EncoderProcessorDecoder(nn.Module):
         return GraphTransformerMapperBlock(c, c, edge_channels, cfg.num_heads, plan, mlp_ratio=cfg.mlp_ratio,
                                            num_chunks=cfg.num_chunks, self_projection=cfg.self_projection,
                                            graph_kernel=self.config.graph_kernel,
-                                           lean=self.config.lean_activations)
+                                           lean=self.config.lean_activations, qk_norm=cfg.qk_norm,
+                                           mlp_kind=cfg.mlp_implementation)
 
     def check_input(self, x: Tensor) -> None:
         expect = (self.config.multistep_input, self.plan.data_sizes[self.plan.rank], len(self.variables.input_names))

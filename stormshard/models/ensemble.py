@@ -38,7 +38,8 @@ class NoiseConditionedProcessor(nn.Module):
         self.noise_embedding = nn.Sequential(nn.Linear(e.noise_channels, cond), nn.GELU(), nn.Linear(cond, cond))
         self.blocks = nn.ModuleList(
             ConditionalTransformerBlock(config.num_channels, p.num_heads, p.window_size, cond, p.mlp_ratio,
-                                        plan.shard_strategy, plan.hidden_shard, attention_kernel=p.attention_kernel)
+                                        plan.shard_strategy, plan.hidden_shard, attention_kernel=p.attention_kernel,
+                                        qk_norm=p.qk_norm, mlp_kind=p.mlp_implementation)
             for _ in range(p.num_layers)
         )
 

@@ -30,6 +30,8 @@ from torch import nn
 
 from stormshard.kernels.dispatch import AttentionKernel, attention_kernel_problem, graph_kernel_problem
 from stormshard.layers.checkpointing import ActivationCheckpoint, checkpoint_blocks, checkpoint_mode
+from stormshard.layers.mlp import mlp_hidden_width
+from stormshard.layers.mlp_kinds import MLPKind
 from stormshard.layers.strategy import indivisible_sizes
 from stormshard.layers.tensor_parallel import TensorParallelTransformerBlock
 from stormshard.layers.transformer import TransformerBlock, TransformerProcessor
@@ -105,7 +107,8 @@ def check_parallel_strategy(config: ModelConfig, shard_strategy: str, group_size
             "not tensor-parallel): choose 'shard_sequence' or 'shard_heads'"
         )
     p, k = config.processor, group_size
-    bad = indivisible_sizes(shard_strategy, k, num_heads=p.num_heads, mlp_hidden=p.mlp_ratio * config.num_channels)
+    bad = indivisible_sizes(shard_strategy, k, num_heads=p.num_heads,
+                            mlp_hidden=mlp_hidden_width(config.num_channels, p.mlp_ratio))
     if "num_heads" in bad:
         raise ValueError(
             f"model.processor.num_heads={p.num_heads} is not divisible by parallel.gpus_per_model={k}: "
@@ -142,10 +145,11 @@ def parallelize_processor(processor: TransformerProcessor, *,
 
 
 def build_transformer_processor(num_layers: int, num_channels: int, num_heads: int, window_size: int,
-                                mlp_ratio: int = 4, shard_strategy: ShardStrategy = "shard_sequence",
+                                mlp_ratio: float = 4, shard_strategy: ShardStrategy = "shard_sequence",
                                 shard: SequenceShard | None = None, *,
                                 activation_checkpointing: bool | str = False,
-                                attention_kernel: AttentionKernel = "auto") -> TransformerProcessor:
+                                attention_kernel: AttentionKernel = "auto", qk_norm: bool = False,
+                                mlp_kind: MLPKind = "mlp") -> TransformerProcessor:
     """A :class:`~stormshard.layers.transformer.TransformerProcessor` with its parallelism applied.
 
     ``shard``: the sequence's :class:`~stormshard.parallel.shard.SequenceShard` (None: one
@@ -154,7 +158,7 @@ def build_transformer_processor(num_layers: int, num_channels: int, num_heads: i
     same seed.
     """
     processor = TransformerProcessor(num_layers, num_channels, num_heads, window_size, mlp_ratio, shard_strategy,
-                                     shard, attention_kernel=attention_kernel)
+                                     shard, attention_kernel=attention_kernel, qk_norm=qk_norm, mlp_kind=mlp_kind)
     return parallelize_processor(processor, activation_checkpointing=activation_checkpointing)
 
 

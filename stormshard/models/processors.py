@@ -62,7 +62,8 @@ class WindowTransformerProcessor(nn.Module):
         self.processor = TransformerProcessor(
             num_layers=p.num_layers, num_channels=config.num_channels, num_heads=p.num_heads,
             window_size=p.window_size, mlp_ratio=p.mlp_ratio, shard_strategy=plan.shard_strategy,
-            shard=plan.hidden_shard, attention_kernel=p.attention_kernel,
+            shard=plan.hidden_shard, attention_kernel=p.attention_kernel, qk_norm=p.qk_norm,
+            mlp_kind=p.mlp_implementation,
         )
 
     @property
@@ -118,7 +119,8 @@ class GraphProcessor(nn.Module):
             self.blocks = nn.ModuleList(
                 GraphTransformerProcessorBlock(c, edge_channels, p.num_heads, graph_plan, mlp_ratio=p.mlp_ratio,
                                                num_chunks=p.num_chunks, self_projection=p.self_projection,
-                                               graph_kernel=config.graph_kernel, lean=config.lean_activations)
+                                               graph_kernel=config.graph_kernel, lean=config.lean_activations,
+                                               qk_norm=p.qk_norm, mlp_kind=p.mlp_implementation)
                 for _ in range(p.num_layers)
             )
 

@@ -66,6 +66,7 @@ from stormshard.env import check_environment
 from stormshard.errors import check_writable_directory, nearest_existing_parent
 from stormshard.graphs.builder import KNNEdges, is_graph_file
 from stormshard.graphs.grids import grid_from_name
+from stormshard.models.config import MapperConfig, ProcessorConfig
 from stormshard.models.loss_weights import variable_loss_weights
 from stormshard.models.parallelize import (
     check_attention_kernel_for_training,
@@ -490,10 +491,14 @@ def activation_estimate(config: ExperimentConfig, data_cells: int, gpus_per_mode
                         members: int) -> ActivationEstimate:
     """The activation memory of one rank at the maximum rollout (:mod:`~stormshard.training.activation_memory`)."""
     m = config.model
+
+    def kept_ratio(section: ProcessorConfig | MapperConfig) -> float:  # a gated MLP keeps fc1's gate and value too
+        return section.mlp_ratio * (1 if section.mlp_implementation == "mlp" else 2)
+
     return estimate_activation_memory(
         data_cells=data_cells, hidden=hidden_nodes(config.graph.hidden), gpus_per_model=gpus_per_model,
-        num_channels=m.num_channels, num_layers=m.processor.num_layers, mlp_ratio=m.processor.mlp_ratio,
-        mapper_mlp_ratio=max(m.encoder.mlp_ratio, m.decoder.mlp_ratio),
+        num_channels=m.num_channels, num_layers=m.processor.num_layers, mlp_ratio=kept_ratio(m.processor),
+        mapper_mlp_ratio=max(kept_ratio(m.encoder), kept_ratio(m.decoder)),
         activation_checkpointing=m.activation_checkpointing, samples=config.micro_batch * members,
         rollout=max_rollout(config.training.rollout),
         bytes_per_element=2 if config.training.precision == "bf16" else 4,
