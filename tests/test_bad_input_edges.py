@@ -635,3 +635,22 @@ def test_a_damaged_bundle_metadata_is_an_error_naming_it(world, capsys, damage, 
         load_model(bundle)
     assert fragment in str(err.value)
     shutil.rmtree(bundle)
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "statistics.json", "graph.pt"])
+def test_a_damaged_bundle_file_is_an_error_naming_it(world, capsys, damaged):
+    """A bundle whose weights, statistics or graph file is truncated: ``forecast.py --model`` and
+    ``stormshard.load_model`` name that file (status 2), not the bundle folder alone."""
+    from stormshard.checkpoint.errors import ConversionError
+    from stormshard.checkpoint.export import load_model
+
+    bundle = world.fresh(f"bundle_damaged_{damaged.replace('.', '_')}")
+    shutil.copytree(world.bundle, bundle)
+    target = bundle / damaged
+    target.write_bytes(target.read_bytes()[:40])
+    argv = ["--model", str(bundle), "--dataset", str(world.dataset), "--date", "2020-01-12T00", "--steps", "1",
+            "--no-scores", "--out", str(world.fresh("fc_damaged_file"))]
+    _refused(world, "forecast", argv, capsys, str(target), "cannot be read", "--verify")
+    with pytest.raises(ConversionError, match=damaged.replace(".", r"\.")):
+        load_model(bundle)
+    shutil.rmtree(bundle)

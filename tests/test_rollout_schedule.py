@@ -106,3 +106,14 @@ def test_explicit_test_range_is_evaluated(dataset, tmp_path):
                                                   "deepspeed": {}, "training.max_steps": 1, "training.warmup_steps": 0})
     result = run_training(cfg)
     assert set(result.test["rmse"]) == set(result.validation["rmse"]) and result.test["rmse"] != result.validation["rmse"]
+
+
+def test_gnn_activation_memory_counts_its_edges(dataset, tmp_path):
+    """A ``gnn`` model's estimate comes from its blocks' edges and widths: anemoi's options (edges embedded to the
+    node width, deeper MLPs) hold several times the plain GNN's activations (measured against simulated steps in
+    ``tests/test_memory_simulation.py``)."""
+    plain = load_experiment_config(tiny_config(dataset, tmp_path / "gnn", **{"model.name": "gnn"}))
+    section = {"edge_embedding": True, "mlp_hidden_layers": 2, "aggregate_updated_edges": True}
+    anemoi = load_experiment_config(tiny_config(dataset, tmp_path / "gnn", **{
+        "model.name": "gnn", "model.processor": section, "model.encoder": section, "model.decoder": section}))
+    assert activation_estimate(anemoi, 544, 1, 1).per_step > 3 * activation_estimate(plain, 544, 1, 1).per_step

@@ -106,15 +106,19 @@ def _open_bundle(p: Path, meta: dict[str, Any]) -> ModelSource:
     from safetensors import safe_open
 
     weights = p / "model.safetensors"
+    reading = weights
     try:
         with safe_open(str(weights), framework="pt") as f:
             names = tuple(f.keys())
             shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-        statistics = json.loads((p / "statistics.json").read_text())
-        graph = load_graph(p / "graph.pt")
+        reading = p / "statistics.json"
+        statistics = json.loads(reading.read_text())
+        reading = p / "graph.pt"
+        graph = load_graph(reading)
     except Exception as exc:  # noqa: BLE001 - any read error means a damaged bundle
-        raise ConversionError(f"{p}: a bundle file cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
-                              fix="the bundle is damaged: export it again") from None
+        raise ConversionError(f"{reading}: this bundle file cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
+                              fix="the bundle is damaged: export it again (`python launch/convert_checkpoint.py "
+                                  f"inspect {p} --verify` lists every damaged file)") from None
 
     def read_slice(name: str, part: Any) -> Tensor:
         with safe_open(str(weights), framework="pt") as f:

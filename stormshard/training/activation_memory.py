@@ -20,8 +20,10 @@ step, the elements autograd keeps:
   its keys, values and norms are remade in its own backward, after the peak). The lean figures apply
   with ``model.lean_activations`` above the blocks' thresholds
   (:mod:`stormshard.layers.norm_linear`, :mod:`stormshard.layers.row_chunked_mlp`);
-- GNN encoder and decoder: ``data_local * C * (8 + 2 * mlp_ratio)`` each, plus edge messages,
-  about 3 edges per data node of ``3 * C`` each.
+- the GNN model (``gnn``): its encoder, processor and decoder blocks by their edges and widths
+  (:mod:`~stormshard.training.gnn_activation_memory`; ``graph_mappers=False`` without a shape: the
+  older figure, ``data_local * C * (8 + 2 * mapper_mlp_ratio)`` per mapper plus 3 edges per data node
+  of ``3 C``).
 
 Once per run it adds the backward's transient at its peak (the decoder's activation gradients,
 and its MLP's hidden ones where the MLP is not row-chunked). It is meant to catch a rollout
@@ -44,6 +46,7 @@ from stormshard.graphs.grids import grid_from_name
 from stormshard.graphs.icosahedral import icosahedral_num_nodes
 from stormshard.layers.norm_linear import MIN_ELEMENTS as NORM_LINEAR_MIN_ELEMENTS
 from stormshard.layers.row_chunked_mlp import MIN_ELEMENTS as MLP_MIN_ELEMENTS
+from stormshard.training.gnn_activation_memory import GNNShape, gnn_activation_elements
 
 __all__ = ["ActivationEstimate", "estimate_activation_memory", "device_memory_bytes", "hidden_nodes"]
 
@@ -80,11 +83,19 @@ def estimate_activation_memory(*, data_cells: int, hidden: int, gpus_per_model: 
                                num_layers: int, mlp_ratio: float, mapper_mlp_ratio: float,
                                activation_checkpointing: bool | str, samples: int, rollout: int,
                                bytes_per_element: int = 4, graph_mappers: bool = True,
-                               lean: bool = True, encoder_checkpointing: bool | str = False) -> ActivationEstimate:
+                               lean: bool = True, encoder_checkpointing: bool | str = False,
+                               gnn: GNNShape | None = None) -> ActivationEstimate:
     """The estimate of the module docstring for one rank of a model group of ``gpus_per_model``:
     ``activation_checkpointing`` false, true / ``"full"`` or ``"selective"``, ``graph_mappers``
     graph-transformer encoder and decoder (False: GNN ones), ``lean`` the blocks' ``model.lean_activations``,
-    ``encoder_checkpointing`` ``model.encoder.activation_checkpointing``."""
+    ``encoder_checkpointing`` ``model.encoder.activation_checkpointing``, ``gnn`` the GNN model's shape
+    (:func:`~stormshard.training.gnn_activation_memory.gnn_shape`: its processor and mappers by their edges)."""
+    if gnn is not None:
+        per_sample, transient = gnn_activation_elements(
+            gnn, channels=num_channels, gpus_per_model=gpus_per_model, num_layers=num_layers,
+            checkpointing=activation_checkpointing, encoder_checkpointing=encoder_checkpointing, data_cells=data_cells)
+        return ActivationEstimate(per_step=int(np.ceil(per_sample * samples * bytes_per_element)), rollout=rollout,
+                                  samples=samples, transient=int(np.ceil(transient * samples * bytes_per_element)))
     data_local = -(-data_cells // gpus_per_model)
     hidden_local = -(-hidden // gpus_per_model)
     c = num_channels

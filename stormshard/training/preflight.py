@@ -87,6 +87,7 @@ from stormshard.training.config import ConfigError, ExperimentConfig, stored_con
 from stormshard.training.engine.build import check_engine_layout
 from stormshard.training.engine.settings import EngineSettings
 from stormshard.training.finetune import InitWeights, check_finetune_inputs
+from stormshard.training.gnn_activation_memory import gnn_shape
 from stormshard.training.rollout_schedule import max_rollout
 from stormshard.training.run_dir import METRICS_FILE, check_run_directory
 from stormshard.training.tasks import task_type
@@ -495,15 +496,17 @@ def activation_estimate(config: ExperimentConfig, data_cells: int, gpus_per_mode
     def kept_ratio(section: ProcessorConfig | MapperConfig) -> float:  # a gated MLP keeps fc1's gate and value too
         return section.mlp_ratio * (1 if section.mlp_implementation == "mlp" else 2)
 
+    hidden = hidden_nodes(config.graph.hidden)
     return estimate_activation_memory(
-        data_cells=data_cells, hidden=hidden_nodes(config.graph.hidden), gpus_per_model=gpus_per_model,
+        data_cells=data_cells, hidden=hidden, gpus_per_model=gpus_per_model,
         num_channels=m.num_channels, num_layers=m.processor.num_layers, mlp_ratio=kept_ratio(m.processor),
         mapper_mlp_ratio=max(kept_ratio(m.encoder), kept_ratio(m.decoder)),
         activation_checkpointing=m.activation_checkpointing, samples=config.micro_batch * members,
         rollout=max_rollout(config.training.rollout),
         bytes_per_element=2 if config.training.precision == "bf16" else 4,
         graph_mappers=m.name != "gnn", lean=m.lean_activations,
-        encoder_checkpointing=m.encoder.activation_checkpointing)
+        encoder_checkpointing=m.encoder.activation_checkpointing,
+        gnn=gnn_shape(m, config.graph, data_cells, hidden) if m.name == "gnn" else None)
 
 
 def check_activation_memory(config: ExperimentConfig, data_cells: int, gpus_per_model: int, members: int,
