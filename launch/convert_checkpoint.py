@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stormshard.checkpoint.anemoi_export import export_anemoi  # noqa: E402
 from stormshard.checkpoint.anemoi_import import import_anemoi  # noqa: E402
+from stormshard.checkpoint.averaged_weights import WEIGHT_CHOICES, choose_weights  # noqa: E402
 from stormshard.checkpoint.consolidate import (  # noqa: E402
     check_output_free,
     check_output_path,
@@ -65,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
+                   help="keep the training.weight_averaging average beside the trained weights (the default; "
+                        "'averaged' also requires one) or leave it out ('trained': what reads the result then takes "
+                        "the trained weights)")
     p = sub.add_parser("reshard", help="a training checkpoint for another gpus_per_model / shard strategy")
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True, help="a checkpoints directory (e.g. runs/NEW/checkpoints)")
@@ -78,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="an inference bundle for stormshard.load_model")
     p.add_argument("checkpoint")
     p.add_argument("--out", required=True)
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default=None,
+                   help="the checkpoint's training.weight_averaging average (the default where it has one) or the "
+                        "trained weights")
     p.add_argument("--dataset", default=None)
     p.add_argument("--graph", default=None)
     p.add_argument("--overwrite", action="store_true")
@@ -143,6 +151,10 @@ def _run(args: argparse.Namespace) -> None:
         check_output_path(args.checkpoint, args.out, args.overwrite)
         check_output_free(args.out, args.overwrite)  # before the checkpoint is read
         ckpt = consolidate_checkpoint(args.checkpoint)
+        if args.weights is not None:  # 'averaged' on a checkpoint without an average is an error
+            choose_weights(ckpt.model, ckpt.average, args.weights, str(args.checkpoint))
+        if args.weights == "trained":
+            ckpt.average, ckpt.average_info = None, {}
         out = save_consolidated(ckpt, args.out, overwrite=args.overwrite)
         print(f"consolidated step {ckpt.step} ({len(ckpt.model)} tensors) into {out}"
               + (f"\nnote: {ckpt.optimizer_note}" if ckpt.optimizer_note else ""))
@@ -166,7 +178,7 @@ def _run(args: argparse.Namespace) -> None:
               f"fine-tune it with launch/train.py --config {out / 'finetune_config.json'} data.path=DATASET")
     else:
         out = export_bundle(args.checkpoint, args.out, dataset=args.dataset, graph=args.graph,
-                            overwrite=args.overwrite, trust_model_code=args.trust_model_code)
+                            overwrite=args.overwrite, trust_model_code=args.trust_model_code, weights=args.weights)
         trust = ", trust_model_code=True" if args.trust_model_code else ""
         print(f"exported {out}: load it with stormshard.checkpoint.export.load_model({str(out)!r}{trust})")
 

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="graph-transformer attention kernel for this forecast (default: the model's own; a model "
                              "trained with 'triton' forecasts on a CPU with 'auto' or 'csr')")
     parser.add_argument("--graph", default=None, help="the graph file (checkpoints only; default: found or rebuilt)")
+    parser.add_argument("--weights", default=None, choices=["averaged", "trained"],
+                        help="a checkpoint's weights: its training.weight_averaging average (the default where it has "
+                             "one) or the trained ones")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the DeepSpeed launcher")
     add_trust_flag(parser)
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                          plot_steps=args.plot_steps, verify=not args.no_scores,
                          cells_per_chunk=args.cells_per_chunk, graph=args.graph, overwrite=args.overwrite,
                          attention_kernel=args.attention_kernel, graph_kernel=args.graph_kernel,
-                         trust_model_code=args.trust_model_code,
+                         trust_model_code=args.trust_model_code, weights=args.weights,
                          verbose=(dist.get_rank() if dist.is_initialized() else 0) == 0)
         finally:
             if owns_group:

@@ -81,6 +81,16 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
                                                      mlp_ratio=1.25, self_projection=True),
                                       encoder=dict(qk_norm=True, mlp_implementation="swiglu", mlp_ratio=2.5),
                                       decoder=dict(qk_norm=True, mlp_implementation="geglu")),
+    # anemoi's ensemble model (AnemoiEnsModelEncProcDec): its noise MLP (the norms conditioned on the 3 noise
+    # channels), the fcstep input (step 1 here: the channel is 1) and the residual's prognostic variables as data-node
+    # inputs, through the truncated residual (which communicates), latent skip, decoder embedding, trainable edges,
+    # query / key norms
+    "ensemble-anemoi": dict(name="ensemble", latent_skip=True, decoder_embedding=True, residual="truncated",
+                            relu_bounded=("u",), ensemble=dict(noise_channels=3, noise_embedding="anemoi",
+                                                               noise_mlp_hidden=5, fcstep_input=True,
+                                                               condition_on_residual=True),
+                            processor=dict(qk_norm=True), encoder=dict(trainable_edge_size=2),
+                            decoder=dict(trainable_edge_size=1)),
     "ensemble-qk-gated": dict(name="ensemble", strategy="shard_heads", ensemble=dict(noise_channels=3),
                               processor=dict(qk_norm=True, mlp_implementation="glu")),
     # the Triton graph kernel (Triton's interpreter on a CPU) in encoder, processor and decoder, against the
@@ -134,7 +144,7 @@ def _config(case: str) -> tuple[ModelConfig, str]:
 
 
 def _run(model, x, noise):
-    return model(x, noise) if noise is not None else model(x)
+    return model(x, noise, step=1) if noise is not None else model(x)
 
 
 # At world 1 a case is compared with an independent computation of the same model: no activation
@@ -185,6 +195,13 @@ def _check_model(rank, world, case):
     torch.manual_seed(7)
     sharded = build_model(config, graph, VARIABLES, group, shard_strategy=strategy).double()
 
+    if config.name == "ensemble":  # the conditional norms start at zero (noise-blind): give the noise a path
+        for model in (reference, sharded):
+            gen = torch.Generator().manual_seed(5)
+            for name, p in model.named_parameters():
+                if "scale_shift" in name:
+                    with torch.no_grad():
+                        p.copy_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     g = torch.Generator().manual_seed(3)
     n_data = graph["data"].num_nodes
     x = torch.randn(2, 2, n_data, len(VARIABLES.input_names), generator=g, dtype=torch.float64)

@@ -169,20 +169,34 @@ def save_anemoi_checkpoint(model: torch.nn.Module, metadata: dict[str, Any], pla
     return out
 
 
-def verify_anemoi_model(model: torch.nn.Module, predict: Callable[[torch.Tensor], torch.Tensor], plan: AnemoiExportPlan, source: Path,
+def verify_anemoi_model(model: torch.nn.Module, predict: Callable[..., torch.Tensor], plan: AnemoiExportPlan, source: Path,
                         tolerance: float = 1e-4) -> float:
     """Run anemoi's ``predict_step`` and stormshard's ``predict`` (``(batch, multistep, grid, inputs)``
     physical -> ``(batch, grid, outputs)``) on one random state (normalised N(0, 1) per variable); the
-    largest error relative to each output variable's spread, a :class:`ConversionError` above ``tolerance``."""
+    largest error relative to each output variable's spread, a :class:`ConversionError` above ``tolerance``.
+    An ensemble model runs one member at the forecast step 1 with the same noise ``(1, hidden, noise_channels)`` in
+    both (``predict(x, noise, step=1)``)."""
     g = torch.Generator().manual_seed(0)
     v = plan.variables
     idx = list(v.input_idx)
     z = torch.randn(1, plan.multistep, plan.nodes["data"]["x"].shape[0], len(idx), generator=g, dtype=torch.float64)
     x = ((z - torch.from_numpy(plan.norm_add[idx])) / torch.from_numpy(plan.norm_mul[idx])).float()
-    with torch.no_grad():
-        theirs = model.predict_step({"data": x.clone()})["data"]
+    injector = getattr(model.model, "noise_injector", None)
+    if injector is None:
+        with torch.no_grad():
+            theirs = model.predict_step({"data": x.clone()})["data"]
+        ours = predict(x.clone())
+    else:  # anemoi's ensemble model: one member with stormshard's noise (its noise MLP's input replaced), fcstep 1
+        noise = torch.randn(1, plan.nodes["hidden"]["x"].shape[0], injector.noise_channels, generator=g)
+        noise = noise * float(injector.noise_std)
+        hook = injector.noise_mlp.register_forward_pre_hook(lambda _m, args: (noise[0].to(args[0].dtype),))
+        try:
+            with torch.no_grad():
+                theirs = model.predict_step({"data": x.clone()}, fcstep=1)["data"]
+        finally:
+            hook.remove()
+        ours = predict(x.clone(), noise, step=1)
     theirs = theirs[:, 0, 0] if theirs.ndim == 5 else theirs
-    ours = predict(x.clone())
     diff = (theirs.double() - ours.double()).abs().amax(dim=(0, 1))
     spread = theirs.double().std(dim=(0, 1)).clamp_min(1e-30)
     errors = (diff / spread).tolist()

@@ -64,6 +64,13 @@ from stormshard.checkpoint.anemoi_bounding import (
     pickled_bounding,
     stormshard_boundings,
 )
+from stormshard.checkpoint.anemoi_ensemble import (
+    anemoi_ensemble_config,
+    as_ensemble,
+    check_ensemble_fields,
+    ensemble_members,
+    is_anemoi_ensemble,
+)
 from stormshard.checkpoint.anemoi_files import check_anemoi_file
 from stormshard.checkpoint.anemoi_gnn import GNN_PROCESSOR, gnn_model_sections, gnn_problems
 from stormshard.checkpoint.anemoi_layouts import (
@@ -87,6 +94,7 @@ from stormshard.checkpoint.anemoi_truncation import (
     add_truncation_graph,
     read_truncation,
 )
+from stormshard.checkpoint.anemoi_weight_averaging import stormshard_weight_averaging
 from stormshard.checkpoint.anemoi_weights import qkv_names, stormshard_weights
 from stormshard.checkpoint.consolidate import atomic_directory, check_output_free, save_safetensors
 from stormshard.checkpoint.errors import ConversionError
@@ -393,14 +401,19 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
     stormshard model; raises :class:`ConversionError` naming what does not map."""
     check_anemoi_file(source)
     ckpt = open_anemoi_checkpoint(source)
+    if is_anemoi_ensemble(ckpt, {}):  # its fields first: what stormshard cannot express, named
+        check_ensemble_fields(ckpt)
     canonical = canonical_tensors(ckpt)
     arch = anemoi_architecture(ckpt)
     kind = _check_kinds(ckpt, arch)
     variables, _ = _variables(ckpt)
     t = canonical.tensors
+    ensemble = anemoi_ensemble_config(ckpt, t) if is_anemoi_ensemble(ckpt, t) else None  # AIFS-ENS
     try:
         truncation = read_truncation(ckpt, arch, anemoi_latlon(t["model.node_attributes.latlons_data"]))
         config = _model_config(ckpt, t, kind, arch, truncation is not None, variables)
+        if ensemble is not None:
+            config = as_ensemble(config, ensemble)
         graph, weights_source = _graph(ckpt, t, kind, truncation)
         weights = stormshard_weights(t, config, len(variables.input_names))
     except KeyError as err:  # a tensor of the 0.19 layout is absent: a layout no migration rule maps
@@ -434,11 +447,14 @@ def read_anemoi(source: str | os.PathLike) -> ImportedAnemoi:
                    "metadata_version": ckpt.metadata.get("version"), "checkpoint": ckpt.kind,
                    "migrations": list(canonical.migrations), "architecture_from": arch.source,
                    "loss_node_weights": weights_source, "date_ranges": _date_ranges(ckpt.metadata),
+                   "ensemble_members": ensemble_members(ckpt.metadata) if ensemble is not None else None,
                    "training_loss": {**anemoi_training_loss(ckpt.metadata).as_metadata(),
                                      **_variable_weights(ckpt.metadata, variables.output_names)},
                    "truncation": None if truncation is None else {
                        "nodes": truncation.num_nodes, "matrices": truncation.source,
                        "coordinates": truncation.coordinates_source},
+                   "weight_averaging": dict(zip(("settings", "note"), stormshard_weight_averaging(config_json),
+                                                strict=True)),
                    "template": None if _not_exportable(ckpt, canonical) else TEMPLATE,
                    "not_exportable": _not_exportable(ckpt, canonical)},
     }
@@ -496,11 +512,16 @@ def finetune_config(imported: ImportedAnemoi, bundle: str | os.PathLike) -> dict
                  "timestep": imported.metadata.get("timestep"), "graph_file": str(b / "graph.pt"),
                  "statistics": str(b / "statistics.json"),
                  **(imported.metadata.get("anemoi") or {}).get("date_ranges", {})},
-        "parallel": {"gpus_per_model": 1, "shard_strategy": "shard_sequence"},
+        "parallel": {"gpus_per_model": 1, "shard_strategy": "shard_sequence",
+                     **({"ensemble_size_per_device": imported.metadata["anemoi"]["ensemble_members"]}
+                        if config.name == "ensemble" else {})},
         "training": {"max_steps": 1000, "lr": 1e-4, "lr_min": 1e-6, "warmup_steps": 100,
                      "output_dir": f"runs/finetune-{b.name}", "init_weights": str(b),
                      "freeze": [f"{name}.bias" for name in freeze],
-                     **{k: loss[k] for k in ("loss", "huber_delta", "loss_scaling") if loss.get(k) is not None}},
+                     **{k: loss[k] for k in ("loss", "huber_delta", "loss_scaling", "crps_alpha")
+                        if loss.get(k) is not None},
+                     "weight_averaging": ((imported.metadata.get("anemoi") or {}).get("weight_averaging")
+                                          or {}).get("settings")},
     }
 
 
@@ -516,7 +537,7 @@ def import_anemoi(source: str | os.PathLike, out: str | os.PathLike, *, overwrit
     imported = read_anemoi(source)
     meta = imported.metadata
     loss = meta["anemoi"]["training_loss"]
-    for note in [loss["note"], *loss["scaler_notes"]]:
+    for note in [loss["note"], *loss["scaler_notes"], (meta["anemoi"].get("weight_averaging") or {}).get("note")]:
         if note:
             warnings.warn(f"{imported.path}: {note}", stacklevel=2)
     with atomic_directory(out, overwrite) as tmp:

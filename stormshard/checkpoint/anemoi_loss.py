@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stormshard.checkpoint.anemoi_layouts import dataset_and_hidden_names
+from stormshard.checkpoint.anemoi_crps_loss import CRPS_LOSSES, crps_alpha, single_scale_loss
+from stormshard.checkpoint.anemoi_layouts import dataset_and_hidden_names, model_config_json
 
 __all__ = ["TrainingLoss", "VariableWeights", "anemoi_training_loss", "anemoi_variable_weights", "loss_scalers"]
 
@@ -54,9 +55,12 @@ class TrainingLoss:
     huber_delta: float = 1.0
     anemoi: str | None = None
     note: str | None = None
+    crps_alpha: float | None = None  # an ensemble model's CRPS (its training.loss stays the default)
 
     def training_section(self) -> dict[str, Any]:
         """The ``training`` keys of a fine-tuning config."""
+        if self.crps_alpha is not None:
+            return {"crps_alpha": self.crps_alpha}
         return {"loss": self.kind, **({"huber_delta": self.huber_delta} if self.kind == "huber" else {})}
 
     def as_metadata(self) -> dict[str, Any]:
@@ -71,7 +75,7 @@ def _training_section(metadata: dict[str, Any], key: str) -> Any:
     section = training.get(key) if isinstance(training, dict) else None
     if isinstance(section, dict) and isinstance(section.get("datasets"), dict):
         section = section["datasets"].get(dataset_and_hidden_names(metadata)[0])
-    return section
+    return single_scale_loss(section) if key == "training_loss" else section
 
 
 def loss_scalers(metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -125,6 +129,9 @@ def anemoi_training_loss(metadata: dict[str, Any]) -> TrainingLoss:
     if not isinstance(target, str):
         return TrainingLoss(note="the checkpoint's config names no training loss: fine-tuning trains mse")
     name = target.rsplit(".", 1)[-1]
+    inner = model_config_json(metadata).get("model")
+    if isinstance(inner, dict) and str(inner.get("_target_", "")).endswith("AnemoiEnsModelEncProcDec"):
+        return _ensemble_loss(loss, name, target)
     kind = _KINDS.get(name)
     if kind is None:
         return TrainingLoss(anemoi=target, note=f"anemoi trained with {name}, which stormshard has no equivalent of: "
@@ -134,6 +141,20 @@ def anemoi_training_loss(metadata: dict[str, Any]) -> TrainingLoss:
         return TrainingLoss(anemoi=target, note=f"anemoi's {name} has delta={delta!r}, not a positive number: "
                                                 "finetune_config.json trains mse (set training.loss to choose)")
     return TrainingLoss(kind, float(delta), target)
+
+
+def _ensemble_loss(loss: dict[str, Any], name: str, target: str) -> TrainingLoss:
+    """An ensemble model's loss: anemoi's CRPS as ``training.crps_alpha`` (:mod:`anemoi_crps_loss`); stormshard's
+    ensemble trains only the almost-fair CRPS, so any other loss keeps its default alpha, with a note."""
+    if name not in CRPS_LOSSES:
+        return TrainingLoss(anemoi=target, crps_alpha=0.95,
+                            note=f"anemoi trained the ensemble with {name}; stormshard's ensemble trains the almost-fair "
+                                 "CRPS: finetune_config.json trains it with crps_alpha 0.95 (set training.crps_alpha)")
+    alpha, why = crps_alpha(loss)
+    if alpha is None:
+        return TrainingLoss(anemoi=target, crps_alpha=0.95,
+                            note=f"{why}: finetune_config.json trains crps_alpha 0.95 (set training.crps_alpha)")
+    return TrainingLoss(anemoi=target, crps_alpha=alpha)
 
 
 _LEVEL_SCALERS = ("ReluVariableLevelScaler", "LinearVariableLevelScaler", "PolynomialVariableLevelScaler",
@@ -288,7 +309,7 @@ _SCALER_MODULE = "anemoi.training.losses.scalers"
 LEVEL_GROUP = "stormshard_levels"
 
 
-def anemoi_loss_config(training: dict[str, Any], output_names: list[str] | tuple[str, ...]
+def anemoi_loss_config(training: dict[str, Any], output_names: list[str] | tuple[str, ...], *, ensemble: bool = False
                        ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """anemoi-training's ``training_loss``, ``scalers`` and ``variable_groups`` (for dataset ``data``) of a stormshard
     run's ``training`` section (``loss``, ``huber_delta``, ``loss_scaling``), and notes on what they cannot say.
@@ -298,7 +319,8 @@ def anemoi_loss_config(training: dict[str, Any], output_names: list[str] | tuple
     pressure-level scaling a ``Relu`` / ``Linear`` / ``PolynomialVariableLevelScaler`` on a group of the
     parameters it applies to (``constant`` is folded into the parameter weights); the grid is weighted by the
     graph's ``area_weight`` (``unit-sum``), as the import reads it. :func:`anemoi_variable_weights` reads them
-    back to the same weights."""
+    back to the same weights. An ``ensemble`` model's loss is anemoi-training's ``CRPS`` with ``alpha`` =
+    ``crps_alpha`` (0.95 unless set)."""
     from stormshard.models.loss_weights import LossScalingSettings, level_weight, variable_loss_weights
 
     kind = str(training.get("loss") or "mse")
@@ -306,6 +328,8 @@ def anemoi_loss_config(training: dict[str, Any], output_names: list[str] | tuple
                             "scalers": ["general_variable", "node_weights"], "ignore_nans": True}
     if kind == "huber":
         loss["delta"] = float(training.get("huber_delta", 1.0))
+    if ensemble:
+        loss = {**loss, "_target_": "anemoi.training.losses.CRPS", "alpha": float(training.get("crps_alpha", 0.95))}
     scalers: dict[str, Any] = {"node_weights": {"_target_": f"{_SCALER_MODULE}.GraphNodeAttributeScaler",
                                                 "nodes_attribute_name": "area_weight", "norm": "unit-sum"}}
     groups: dict[str, Any] = {"default": "sfc"}

@@ -12,6 +12,8 @@ What maps (stormshard -> anemoi-models 0.19):
   (sliding window ``window_size``, scaled-dot-product attention); graph-transformer mappers both ways;
   ``name: gnn`` with anemoi's GNN options -> ``GNNProcessor``, ``GNNForwardMapper`` / ``GNNBackwardMapper``
   (``mlp_extra_layers`` = ``mlp_hidden_layers - 2``, :mod:`~stormshard.checkpoint.anemoi_gnn`);
+  ``name: ensemble`` with anemoi's ensemble options -> ``AnemoiEnsModelEncProcDec`` with ``NoiseConditioning`` and a
+  ``TransformerProcessor`` of ``ConditionalLayerNorm`` s (:mod:`~stormshard.checkpoint.anemoi_ensemble`);
 - channels, layers, heads, MLP ratios, ``trainable_size`` (``node_trainable_parameters``), trainable edge
   sizes (the graph providers' ``trainable_size``), ``latent_skip``, ``relu_bounded`` (``ReluBounding``) and
   ``bounding`` (anemoi's classes; the normalized kinds' thresholds in physical units for a variable normalised
@@ -35,8 +37,9 @@ What maps (stormshard -> anemoi-models 0.19):
   graph provider sorts them; trainable edge rows permuted alike), edge attributes
   ``[length, east, north]`` named ``edge_length`` and ``edge_dirs`` (any other width: ``edge_attr``).
 
-What does not (a :class:`ConversionError` naming the option and its value, before any work): the
-``ensemble`` model and custom builders, a ``gnn`` model without anemoi's GNN options
+What does not (a :class:`ConversionError` naming the option and its value, before any work): an
+``ensemble`` model without anemoi's ensemble options (:func:`~stormshard.checkpoint.anemoi_ensemble.
+check_ensemble_exportable`), custom builders, a ``gnn`` model without anemoi's GNN options
 (:func:`~stormshard.checkpoint.anemoi_gnn.check_gnn_exportable`), an MLP width anemoi rounds otherwise.
 """
 
@@ -55,9 +58,11 @@ from torch import Tensor
 
 from stormshard.checkpoint.anemoi_block_options import anemoi_block_options
 from stormshard.checkpoint.anemoi_bounding import anemoi_bounding_config
+from stormshard.checkpoint.anemoi_ensemble import check_ensemble_exportable, ensemble_model_section
 from stormshard.checkpoint.anemoi_gnn import check_gnn_exportable, gnn_component_configs
 from stormshard.checkpoint.anemoi_loss import anemoi_loss_config
 from stormshard.checkpoint.anemoi_truncation import EDGE_WEIGHT_ATTRIBUTE, truncation_residual_config
+from stormshard.checkpoint.anemoi_weight_averaging import anemoi_weight_averaging
 from stormshard.checkpoint.anemoi_weights import anemoi_weights
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.graphs.builder import DECODER, ENCODER, PROCESSOR, TRUNCATION_DOWN, TRUNCATION_UP
@@ -71,7 +76,8 @@ __all__ = ["ExportSource", "AnemoiExportPlan", "plan_anemoi_export", "check_expo
 #: stormshard model -> anemoi processor
 EXPORTABLE_MODELS = {"graphtransformer": "anemoi.models.layers.processor.GraphTransformerProcessor",
                      "transformer": "anemoi.models.layers.processor.TransformerProcessor",
-                     "gnn": "anemoi.models.layers.processor.GNNProcessor"}
+                     "gnn": "anemoi.models.layers.processor.GNNProcessor",
+                     "ensemble": "anemoi.models.layers.processor.TransformerProcessor"}
 _PROVIDERS = {ENCODER: "model.encoder_graph_provider.data", DECODER: "model.decoder_graph_provider.data",
               PROCESSOR: "model.processor_graph_provider"}
 _KERNELS = {"LayerNorm": {"_target_": "torch.nn.LayerNorm"}, "Linear": {"_target_": "torch.nn.Linear"},
@@ -123,12 +129,15 @@ def _fail(source: Path, what: str, fix: str) -> ConversionError:
 def check_exportable(config: ModelConfig, source: Path) -> None:
     """A :class:`ConversionError` naming the first option (and its value) anemoi's model lacks."""
     fix = ("export-anemoi writes graphtransformer, transformer and gnn models (anemoi's GraphTransformerProcessor / "
-           "TransformerProcessor / GNNProcessor); export other models as stormshard bundles (convert_checkpoint.py "
-           "export)")
+           "TransformerProcessor / GNNProcessor) and ensemble models with the anemoi options (AnemoiEnsModelEncProcDec:"
+           " ensemble.noise_embedding 'anemoi', fcstep_input); export other models as stormshard bundles "
+           "(convert_checkpoint.py export)")
     if config.name not in EXPORTABLE_MODELS:
-        what = "a custom model builder" if not config.is_builtin else "the noise-conditioned ensemble processor"
-        raise _fail(source, f"model.name={config.name!r} has no anemoi equivalent ({what}; anemoi export maps "
-                            f"{sorted(EXPORTABLE_MODELS)})", fix)
+        raise _fail(source, f"model.name={config.name!r} has no anemoi equivalent (a custom model builder; anemoi "
+                            f"export maps {sorted(EXPORTABLE_MODELS)})", fix)
+    ensemble = check_ensemble_exportable(config)
+    if ensemble:
+        raise _fail(source, f"model.name='ensemble': {ensemble[0]}", fix)
     c = config.num_channels
     for section in ("encoder", "decoder") + (("processor",) if config.name != "gnn" else ()):
         ratio = getattr(config, section).mlp_ratio
@@ -328,6 +337,9 @@ def _model_section(config: ModelConfig, graph: HeteroGraph, bounding: list[dict[
     mappers = "anemoi.models.layers.mapper.GraphTransformer{}Mapper"
     encoder = _mapper(config, "encoder", graph[ENCODER].edge_attr.shape[1], mappers.format("Forward"))
     decoder = _mapper(config, "decoder", graph[DECODER].edge_attr.shape[1], mappers.format("Backward"))
+    ensemble = ensemble_model_section(config)  # anemoi's AnemoiEnsModelEncProcDec: its noise and conditional norms
+    if ensemble:
+        processor["layer_kernels"] = {**_KERNELS, "LayerNorm": ensemble.pop("processor_norm")}
     if kind == "gnn":  # anemoi's GNN mappers and processor
         widths = {"processor": PROCESSOR, "encoder": ENCODER, "decoder": DECODER}
         gnn = gnn_component_configs(config, {k: list(_edge_attribute_names(graph[e].edge_attr.shape[1]))
@@ -349,7 +361,7 @@ def _model_section(config: ModelConfig, graph: HeteroGraph, bounding: list[dict[
                            "mapper": decoder}},
         "residual": {"datasets": {"data": truncation_residual_config() if config.residual == "truncated" else
                                   {"_target_": "anemoi.models.layers.residual.SkipConnection", "step": -1}}},
-        "compile": [], "recompile_limit": 8,
+        "compile": [], "recompile_limit": 8, **ensemble,
     }
 
 
@@ -396,7 +408,8 @@ def _training_config(source: ExportSource, model: dict[str, Any], run_id: str, l
         "task": {"_target_": "anemoi.training.tasks.Forecaster", "multistep_input": m, "multistep_output": 1,
                  "timestep": ts, "rollout": {"start": 1, "epoch_increment": 0, "maximum": 1}},
         "training": {"run_id": run_id, "fork_run_id": None, "precision": "32", "multistep_input": m,
-                     "max_steps": source.step, **loss},
+                     "max_steps": source.step, **loss,
+                     "weight_averaging": anemoi_weight_averaging(source.training.get("weight_averaging"))},
         "model": model,
         "graph": {"overwrite": False, "stormshard": {
             "note": "the graph of the stormshard model, stored in the model (graph_data); no recipe rebuilds it",
@@ -453,9 +466,10 @@ def plan_anemoi_export(source: ExportSource) -> AnemoiExportPlan:
                                  "in dataset order (anemoi's data indices keep it)",
                     "train with the variables in dataset order")
     parameters, notes = anemoi_parameters(source.weights, config, len(v.input_names), source.graph, source.path)
-    nodes, edges = _anemoi_graph(source.graph, config.name, config.residual == "truncated")
+    kind = "transformer" if config.name == "ensemble" else config.name  # no processor edges
+    nodes, edges = _anemoi_graph(source.graph, kind, config.residual == "truncated")
     run_id = str(uuid.uuid4())
-    loss, loss_notes = anemoi_loss_config(source.training, v.output_names)
+    loss, loss_notes = anemoi_loss_config(source.training, v.output_names, ensemble=config.name == "ensemble")
     notes = (*notes, *loss_notes)
     training = _training_config(source, _model_section(config, source.graph, _bounding(source)), run_id, loss)
     mul, add = _normaliser(source)

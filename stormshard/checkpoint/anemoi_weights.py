@@ -30,6 +30,11 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from stormshard.checkpoint.anemoi_ensemble import (
+    ensemble_anemoi_weights,
+    ensemble_stormshard_weights,
+    ensemble_weight_pairs,
+)
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.models.config import ModelConfig
 
@@ -78,14 +83,17 @@ def _gt_block(src: str, dst: str, mapper: bool, gated: bool) -> Pairs:
     return pairs
 
 
-def _transformer_block(src: str, dst: str, gated: bool) -> Pairs:
+def _transformer_block(src: str, dst: str, gated: bool, norms: bool = True) -> Pairs:
+    """A sliding-window transformer block; ``norms`` False: an ensemble block, whose conditional norms map apart
+    (:mod:`stormshard.checkpoint.anemoi_ensemble`)."""
     pairs = _mlp_pairs(f"{src}.mlp", f"{dst}.mlp", "fc1", "fc2", gated)
     for p in ("weight", "bias"):
         pairs += [(f"{dst}.attention.projection.{p}", f"{src}.attention.projection.{p}"),
-                  (f"{dst}.norm_attention.{p}", f"{src}.layer_norm_attention.{p}"),
-                  (f"{dst}.norm_mlp.{p}", f"{src}.layer_norm_mlp.{p}"),
                   (f"{dst}.attention.q_norm.{p}", f"{src}.attention.q_norm.{p}"),
                   (f"{dst}.attention.k_norm.{p}", f"{src}.attention.k_norm.{p}")]
+        if norms:
+            pairs += [(f"{dst}.norm_attention.{p}", f"{src}.layer_norm_attention.{p}"),
+                      (f"{dst}.norm_mlp.{p}", f"{src}.layer_norm_mlp.{p}")]
     return pairs
 
 
@@ -151,20 +159,24 @@ def parameter_pairs(config: ModelConfig, first: int) -> tuple[Pairs, Permuted]:
     for i in range(config.processor.num_layers):
         if config.name == "graphtransformer":
             same += _gt_block(f"model.processor.proc.{i}", f"processor.blocks.{i}", False, gated["processor"])
+        elif config.name == "ensemble":
+            same += _transformer_block(f"model.processor.proc.{i}", f"processor.blocks.{i}", gated["processor"],
+                                       norms=False)
         else:
             same += _transformer_block(f"model.processor.proc.{i}", f"processor.processor.blocks.{i}",
                                        gated["processor"])
     for p in ("weight", "bias"):
         same += [(f"head.0.{p}", f"model.decoder.0.node_data_extractor.0.{p}"),
                  (f"head.1.{p}", f"model.decoder.0.node_data_extractor.1.{p}")]
-    return same, permuted
+    return same + ensemble_weight_pairs(config), permuted
 
 
 def qkv_names(config: ModelConfig) -> list[tuple[str, str]]:
     """(stormshard ``lin_qkv`` prefix, anemoi attention prefix) of each transformer block."""
-    if config.name != "transformer":
+    if config.name not in ("transformer", "ensemble"):
         return []
-    return [(f"processor.processor.blocks.{i}.attention.lin_qkv", f"model.processor.proc.{i}.attention")
+    blocks = "processor.processor.blocks" if config.name == "transformer" else "processor.blocks"
+    return [(f"{blocks}.{i}.attention.lin_qkv", f"model.processor.proc.{i}.attention")
             for i in range(config.processor.num_layers)]
 
 
@@ -181,7 +193,8 @@ def gated_names(config: ModelConfig) -> list[tuple[str, str]]:
         for i in range(config.processor.num_layers):
             out.append((f"processor.blocks.{i}.mlp.0", f"model.processor.proc.{i}.node_dst_mlp.mlp.0")
                        if config.name == "graphtransformer" else
-                       (f"processor.processor.blocks.{i}.mlp.fc1", f"model.processor.proc.{i}.mlp.mlp.0"))
+                       (f"processor.{'processor.' if config.name == 'transformer' else ''}blocks.{i}.mlp.fc1",
+                        f"model.processor.proc.{i}.mlp.mlp.0"))
     return out
 
 
@@ -203,6 +216,8 @@ def stormshard_weights(t: dict[str, Tensor], config: ModelConfig, n_in: int) -> 
         for p in ("weight", "bias"):
             gate, value = t[f"{theirs}.gate_proj.{p}"], t[f"{theirs}.value_proj.{p}"]
             out[f"{ours}.{p}"] = torch.stack([gate, value], dim=1).flatten(0, 1)
+    if config.name == "ensemble":
+        out.update(ensemble_stormshard_weights(t, config))
     return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
 
 
@@ -226,4 +241,6 @@ def anemoi_weights(weights: dict[str, Tensor], config: ModelConfig, n_in: int) -
         for p in ("weight", "bias"):
             out[f"{theirs}.gate_proj.{p}"] = weights[f"{ours}.{p}"][0::2]
             out[f"{theirs}.value_proj.{p}"] = weights[f"{ours}.{p}"][1::2]
+    if config.name == "ensemble":
+        out.update(ensemble_anemoi_weights(weights, config))
     return {k: v.detach().contiguous() for k, v in out.items()}

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +56,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stormshard.checkpoint.averaged_weights import AVERAGE_STATE_KEY, average_info
+from stormshard.checkpoint.conversion_output import atomic_directory, check_output_free, save_safetensors
 from stormshard.checkpoint.errors import ConversionError, check_metadata
 from stormshard.checkpoint.format import FORMAT_VERSION as TRAINING_FORMAT
 from stormshard.checkpoint.format import (
@@ -78,7 +79,6 @@ from stormshard.checkpoint.zero import (
     unflatten_zero,
     zero_extras,
 )
-from stormshard.errors import disk_full_error, is_disk_full
 from stormshard.parallel.partition import Partition
 from stormshard.parallel.topology import ParallelLayout
 from stormshard.progress import note as progress_note
@@ -117,6 +117,8 @@ class ConsolidatedCheckpoint:
     optimizer_note: str = ""
     engine: dict[str, Any] = field(default_factory=dict)  # engine name, zero stage, counters, scheduler
     replicas: list[dict[str, Any]] = field(default_factory=list)  # per model group: {"data", "rng"}
+    average: dict[str, Tensor] | None = None  # training.weight_averaging's full fp32 tensors, by parameter name
+    average_info: dict[str, Any] = field(default_factory=dict)  # its settings and counters (averaged_weights)
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,6 +327,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
             raise ConversionError(f"the module weights of {src} disagree with its fp32 master weights:", problems,
                                   fix="the checkpoint is damaged: convert an intact one")
 
+    average, info = _consolidate_average(layout, tables, [p["state"].get(AVERAGE_STATE_KEY) for p in payloads], src)
     first = engines[0]
     engine = {k: v for k, v in first.items() if k not in ("module", "optimizer")}
     if is_zero_state(first["optimizer"]):
@@ -334,7 +337,31 @@ def consolidate_checkpoint(path: str | os.PathLike) -> ConsolidatedCheckpoint:
     replicas = [{"data": payloads[g[0]]["state"].get("data"), "rng": payloads[g[0]].get("rng")}
                 for g in layout.model_groups()]
     return ConsolidatedCheckpoint(int(metadata["step"]), metadata["config"], metadata["layout"], replicas_full[0],
-                                  optimizer, note, engine, replicas)
+                                  optimizer, note, engine, replicas, average, info)
+
+
+def _consolidate_average(layout: ParallelLayout, tables: list[dict[str, dict]], stored: list[Any],
+                         src: Path) -> tuple[dict[str, Tensor] | None, dict[str, Any]]:
+    """The full weight average (``training.weight_averaging``) from every rank's slices, gathered by the
+    parameters' partitions (data-parallel replicas must agree), and its settings; ``(None, {})`` without one."""
+    if all(s is None for s in stored):
+        return None, {}
+    problems = [f"rank {r}: holds no weight average, unlike rank {stored.index(next(s for s in stored if s))}"
+                for r, s in enumerate(stored) if s is None]
+    full: list[dict[str, Tensor]] = []
+    for ranks in ([] if problems else layout.model_groups()):
+        group = [tables[r] for r in ranks]
+        values = {n: _gather_group(n, group, [stored[r]["tensors"].get(n) for r in ranks], problems, " (average)")
+                  for n in tables[ranks[0]] if all(n in stored[r]["tensors"] for r in ranks)}
+        full.append({n: v for n, v in values.items() if v is not None})
+        problems += [f"{n}: no weight average on a rank of model group {ranks}" for n in tables[ranks[0]]
+                     if n not in values]
+    problems += [f"{n} (average): data-parallel replica {d} differs from replica 0" for d, f in enumerate(full[1:], 1)
+                 for n in f if not torch.equal(f[n], full[0][n])]
+    if problems:
+        raise ConversionError(f"cannot consolidate the weight average of {src}:", problems,
+                              fix="the checkpoint is damaged: convert an intact one")
+    return full[0], average_info(stored[0])
 
 
 def _master_weights(module: dict[str, Tensor], master: dict[str, Tensor], problems: list[str]) -> dict[str, Tensor]:
@@ -479,69 +506,6 @@ def check_output_path(source: str | os.PathLike, out: str | os.PathLike, overwri
                                   fix="choose an --out that does not contain the checkpoint being converted")
 
 
-def check_output_free(out: str | os.PathLike, overwrite: bool = False) -> None:
-    """A :class:`ConversionError` naming ``--out`` unless it may be written: absent, an empty directory,
-    or ``overwrite``. The check :class:`atomic_directory` makes, for the callers to make before they
-    read their source (an existing output is bad input: no work first)."""
-    p = Path(out)
-    if p.exists() and not overwrite and (not p.is_dir() or any(p.iterdir())):
-        raise ConversionError(f"--out {out} exists already", fix="choose a new output path or pass --overwrite")
-
-
-class atomic_directory:  # noqa: N801 - used as a context manager
-    """``with atomic_directory(out) as tmp:`` write into ``tmp``; on success it is renamed to
-    ``out`` (which must not exist unless ``overwrite``: then the old ``out``, a directory, a file or a link, is
-    moved aside, put back if the rename fails, and deleted once the new one is in place); on an exception
-    ``tmp`` is deleted."""
-
-    def __init__(self, out: str | os.PathLike, overwrite: bool = False) -> None:
-        self.out = Path(out)
-        self.overwrite = overwrite
-        check_output_free(self.out, overwrite)
-        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
-
-    def __enter__(self) -> Path:
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.created = [p for p in reversed(self.tmp.parents) if not p.exists()]
-        self.tmp.mkdir(parents=True)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            for parent in reversed(self.created):  # leave no empty directories behind either
-                try:
-                    parent.rmdir()
-                except OSError:
-                    break
-            if is_disk_full(exc):  # name the output, not the temporary file write() hit
-                raise disk_full_error(exc, self.out) from exc
-            return
-        if not (self.out.exists() or self.out.is_symlink()):
-            os.replace(self.tmp, self.out)
-            return
-        old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-        os.replace(self.out, old)  # a file, a link or a directory (--overwrite): kept until the new one is in place
-        try:
-            os.replace(self.tmp, self.out)
-        except BaseException:
-            os.replace(old, self.out)
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-
-
-def save_safetensors(tensors: Mapping[str, Tensor], path: Path, metadata: Mapping[str, str] | None = None) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}, str(path),
-              metadata=dict(metadata or {}))
-
-
 def save_consolidated(ckpt: ConsolidatedCheckpoint, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Write ``ckpt`` as a consolidated checkpoint directory (atomically: temp dir, then rename)."""
     meta = {
@@ -550,11 +514,14 @@ def save_consolidated(ckpt: ConsolidatedCheckpoint, out: str | os.PathLike, over
         "parameters": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
                        for n, t in ckpt.model.items()],
         "optimizer": ckpt.optimizer is not None, "optimizer_note": ckpt.optimizer_note,
+        "weight_average": ckpt.average_info if ckpt.average is not None else None,
     }
     with atomic_directory(out, overwrite) as tmp:
         save_safetensors(ckpt.model, tmp / "model.safetensors", {"step": str(ckpt.step)})
         if ckpt.optimizer is not None:
             write_state_file(ckpt.optimizer, tmp / "optimizer.pt")
+        if ckpt.average is not None:  # training.weight_averaging: full fp32 tensors, the model's names
+            save_safetensors(ckpt.average, tmp / "average.safetensors", {"step": str(ckpt.step)})
         write_state_file({"engine": ckpt.engine, "replicas": ckpt.replicas}, tmp / "trainer.pt")
         meta[FILES] = record_files(sorted(tmp.iterdir()))
         (tmp / METADATA).write_text(json.dumps(meta, indent=1))
@@ -577,6 +544,7 @@ def load_consolidated(path: str | os.PathLike) -> ConsolidatedCheckpoint:
         model = load_file(str(p / "model.safetensors"))
         optimizer = read_state_file(p / "optimizer.pt") if meta["optimizer"] else None
         trainer = read_state_file(p / "trainer.pt")
+        average = load_file(str(p / "average.safetensors")) if meta.get("weight_average") else None
     except Exception as exc:  # noqa: BLE001 - a damaged file, named by the reader or here
         raise ConversionError(f"{p}: a file cannot be read ({type(exc).__name__}: {str(exc)[:240]})",
                               fix="the consolidated checkpoint is damaged: consolidate again") from None
@@ -586,10 +554,13 @@ def load_consolidated(path: str | os.PathLike) -> ConsolidatedCheckpoint:
     problems += [f"{n}: in model.safetensors, not in metadata.json" for n in sorted(set(model) - set(want))]
     problems += [f"{n}: shape {list(model[n].shape)}, metadata.json says {want[n]}"
                  for n in sorted(set(want) & set(model)) if list(model[n].shape) != want[n]]
+    problems += [f"{n}: average.safetensors holds {list(t.shape)}, metadata.json says {want.get(n)}"
+                 for n, t in (average or {}).items() if list(t.shape) != want.get(n)]
     if problems:
         raise ConversionError(f"{p} does not match its metadata:", problems)
     return ConsolidatedCheckpoint(int(meta["step"]), meta["config"], meta["source_layout"], model, optimizer,
-                                  meta.get("optimizer_note", ""), trainer["engine"], trainer["replicas"])
+                                  meta.get("optimizer_note", ""), trainer["engine"], trainer["replicas"], average,
+                                  meta.get("weight_average") or {})
 
 
 def load_any(path: str | os.PathLike) -> ConsolidatedCheckpoint:

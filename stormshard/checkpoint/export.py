@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from stormshard.checkpoint.averaged_weights import check_weight_choice, choose_weights
 from stormshard.checkpoint.consolidate import (
     atomic_directory,
     check_output_free,
@@ -82,19 +83,29 @@ class InferenceModel:
         return self.config.multistep_input
 
     @torch.no_grad()
-    def predict(self, states: Tensor) -> Tensor:
+    def predict(self, states: Tensor, noise: Tensor | None = None, step: int = 0) -> Tensor:
         """Physical input states ``(batch, multistep_input, grid, input_variables)`` -> the next
-        physical state ``(batch, grid, output_variables)``."""
+        physical state ``(batch, grid, output_variables)``. An ensemble model (one member per batch
+        entry) takes its ``noise`` ``(batch, hidden, noise_channels)`` (None: drawn) and the rollout
+        ``step`` (its ``fcstep_input``); other models take neither."""
         x = self.normaliser.normalise(states.double()).float()
-        return self.output_normaliser.denormalise(self.model(x).double())
+        if self.config.name != "ensemble":
+            if noise is not None or step:
+                raise ValueError(f"noise / step are for ensemble models; this model is {self.config.name!r}")
+            return self.output_normaliser.denormalise(self.model(x).double())
+        noise = None if noise is None else noise.float()
+        return self.output_normaliser.denormalise(self.model(x, noise, step=step).double())
 
 
 def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
                   graph: str | os.PathLike | None = None, overwrite: bool = False,
-                  trust_model_code: bool = False) -> Path:
+                  trust_model_code: bool = False, weights: str | None = None) -> Path:
     """Write an inference bundle from a training or consolidated checkpoint (any layout); never into
     the source (:func:`~stormshard.checkpoint.consolidate.check_output_path`). A builder the stored
-    config names as ``"package.module:attribute"`` is imported only with ``trust_model_code``."""
+    config names as ``"package.module:attribute"`` is imported only with ``trust_model_code``. ``weights``:
+    ``"averaged"`` (the checkpoint's weight average, the default where it has one), ``"trained"`` (the default
+    without one); the bundle's ``metadata.json`` says which (``weights``, ``weight_average``)."""
+    check_weight_choice(weights)
     check_output_path(source, out, overwrite)
     check_output_free(out, overwrite)  # before the checkpoint is read
     check_checkpoint_builder(source, trust_model_code)
@@ -102,7 +113,8 @@ def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset:
     src = model_sources(ckpt.config, resolve_checkpoint(source), dataset, graph)
     cfg = src.config
     target = model_on_meta(cfg.model, cfg.shard_strategy, src.graph, src.variables, 0, 1)
-    problems = state_differences(ckpt.model, full_shapes(target))
+    tensors, which = choose_weights(ckpt.model, ckpt.average, weights, str(source))
+    problems = state_differences(tensors, full_shapes(target))
     if problems:
         raise ConversionError(f"{source} does not match the model of its config:", problems,
                               fix="export with the config, dataset and graph the checkpoint was trained with")
@@ -113,11 +125,12 @@ def export_bundle(source: str | os.PathLike, out: str | os.PathLike, *, dataset:
         "variables": {"dataset": list(v.variables), "forcing": list(v.forcing), "diagnostic": list(v.diagnostic)},
         "normalisation": {"default": cfg.data.normalisation, "methods": dict(cfg.data.normalisation_methods)},
         "timestep": cfg.data.timestep, "dataset": {"path": str(ds.path), "resolution": ds.resolution},
-        "parameters": [{"name": n, "shape": list(t.shape)} for n, t in ckpt.model.items()],
+        "parameters": [{"name": n, "shape": list(t.shape)} for n, t in tensors.items()],
+        "weights": which, "weight_average": ckpt.average_info if which == "averaged" else None,
     }
     stats = {name: {s: float(getattr(ds.statistics, s)[i]) for s in _STATS} for i, name in enumerate(ds.variables)}
     with atomic_directory(out, overwrite) as tmp:
-        save_safetensors(ckpt.model, tmp / "model.safetensors", {"step": str(ckpt.step)})
+        save_safetensors(tensors, tmp / "model.safetensors", {"step": str(ckpt.step)})
         (tmp / "statistics.json").write_text(json.dumps(stats, indent=1))
         shutil.copyfile(src.graph_path, tmp / "graph.pt")
         write_bundle_metadata(tmp, meta, ("model.safetensors", "statistics.json", "graph.pt"))

@@ -35,6 +35,7 @@ from typing import Any
 
 from torch import Tensor
 
+from stormshard.checkpoint.averaged_weights import AVERAGE_STATE_KEY
 from stormshard.checkpoint.consolidate import (
     ConsolidatedCheckpoint,
     atomic_directory,
@@ -200,6 +201,8 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
                for r in range(gpus_per_model)]
     shapes = full_shapes(targets[0])
     problems = state_differences(ckpt.model, shapes)
+    if ckpt.average is not None:
+        problems += [f"{p} (weight average)" for p in state_differences(ckpt.average, shapes)]
     if ckpt.optimizer is not None:
         have = set(ckpt.optimizer["state"])
         problems += [f"{n}: no optimizer state" for n in sorted(set(shapes) - have)]
@@ -245,8 +248,12 @@ def reshard_checkpoint(source: str | os.PathLike, out: str | os.PathLike, gpus_p
                 else:
                     engine["optimizer"] = _optimizer_for_rank(ckpt.optimizer, names, parts, shapes)
                 rep = ckpt.replicas[replica]
-                payload = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world,
-                           "state": {"engine": engine, "data": rep["data"], "step": step}, "rng": rep["rng"]}
+                state = {"engine": engine, "data": rep["data"], "step": step}
+                if ckpt.average is not None:  # training.weight_averaging: sliced as its parameters are
+                    state[AVERAGE_STATE_KEY] = {**ckpt.average_info,
+                                                "tensors": {n: _slice(ckpt.average[n], parts[n]) for n in names}}
+                payload = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world": world, "state": state,
+                           "rng": rep["rng"]}
                 name = rank_name(rank)
                 write_state_file(payload, tmp / f"{name}.pt")
                 save_safetensors(module, tmp / f"{name}.safetensors", {"step": str(step), "rank": str(rank)})

@@ -108,14 +108,15 @@ class _Model:
     train_range: tuple[Any, Any]
 
 
-def _describe(source: str | os.PathLike | InferenceModel, dataset: Any, graph: Any, trust_model_code: bool) -> _Model:
+def _describe(source: str | os.PathLike | InferenceModel, dataset: Any, graph: Any, trust_model_code: bool,
+              weights: str | None = None) -> _Model:
     if isinstance(source, InferenceModel):
         dtype = next(source.model.parameters()).dtype
         precision = next(k for k, v in PRECISIONS.items() if v == dtype)
         train = ((source.metadata.get("experiment") or {}).get("data") or {}).get("train") or {}
         return _Model(None, source, source.variables, source.graph, source.timestep, source.metadata,
                       source.config.name, source.multistep_input, precision, (train.get("start"), train.get("end")))
-    src = open_model_source(source, dataset=dataset, graph=graph, trust_model_code=trust_model_code)
+    src = open_model_source(source, dataset=dataset, graph=graph, trust_model_code=trust_model_code, weights=weights)
     return _Model(src, None, src.variables, src.graph, src.timestep, src.metadata, src.config.name,
                   src.config.multistep_input, src.precision, src.train_range)
 
@@ -132,7 +133,7 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                  plot_steps: Sequence[int] | None = None, verify: bool = True, cells_per_chunk: int | None = None,
                  graph: str | os.PathLike | None = None, overwrite: bool = False, verbose: bool = True,
                  attention_kernel: str | None = None, graph_kernel: str | None = None,
-                 trust_model_code: bool = False) -> ForecastResult:
+                 trust_model_code: bool = False, weights: str | None = None) -> ForecastResult:
     """Forecast ``steps`` lead times from each of ``dates`` (the last input state) and write the
     outputs under ``out`` (see the module docstring). Call it on every rank of the process group.
 
@@ -146,7 +147,8 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
     a bundle or checkpoint whose stored config names its builder as ``"package.module:attribute"`` may
     import that module (refused otherwise, before any work); ``verify``: scores and plots; ``verbose``:
     rank 0 prints its progress (a line per phase, per forecast step at most every few seconds, on
-    standard error) and the scores table.
+    standard error) and the scores table. ``weights``: a checkpoint's ``"averaged"`` weights (its
+    ``training.weight_averaging`` average, the default where it has one) or ``"trained"`` ones.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     # a failure (a full disk included, named with out) leaves no partial forecast: rank 0 removes what it wrote,
@@ -157,7 +159,8 @@ def run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.P
                              seed=seed, precision=precision, formats=formats, plot_variables=plot_variables,
                              plot_steps=plot_steps, verify=verify, cells_per_chunk=cells_per_chunk, graph=graph,
                              overwrite=overwrite, verbose=verbose, attention_kernel=attention_kernel,
-                             graph_kernel=graph_kernel, trust_model_code=trust_model_code, replaced=replaced)
+                             graph_kernel=graph_kernel, trust_model_code=trust_model_code, replaced=replaced,
+                             weights=weights)
 
 
 def _lacks_window_attention(info: Any) -> bool:
@@ -185,7 +188,8 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
                   plot_variables: Sequence[str] | None, plot_steps: Sequence[int] | None, verify: bool,
                   cells_per_chunk: int | None, graph: str | os.PathLike | None, overwrite: bool, verbose: bool,
                   attention_kernel: str | None = None, graph_kernel: str | None = None,
-                  trust_model_code: bool = False, replaced: contextlib.ExitStack | None = None) -> ForecastResult:
+                  trust_model_code: bool = False, replaced: contextlib.ExitStack | None = None,
+                  weights: str | None = None) -> ForecastResult:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_environment()  # every STORMSHARD_* variable, before any work (an EnvError names it)
     flex_options_from_env()
@@ -194,7 +198,7 @@ def _run_forecast(source: str | os.PathLike | InferenceModel, dataset: str | os.
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     with phase(f"forecast: opened the model {source if not isinstance(source, InferenceModel) else '(loaded)'}"):
-        info = _describe(source, dataset, graph, trust_model_code)
+        info = _describe(source, dataset, graph, trust_model_code, weights)
     ds = AnemoiDataset.open(dataset)
     date_list = [dates] if isinstance(dates, (str, np.datetime64)) or not isinstance(dates, Sequence) else list(dates)
     if info.prebuilt is not None and (world > 1 or gpus_per_model != 1 or precision not in (None, info.precision)):

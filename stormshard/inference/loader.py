@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from stormshard.checkpoint.averaged_weights import check_weight_choice
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.export import (
     InferenceModel,
@@ -136,7 +137,9 @@ def _open_bundle(p: Path, meta: dict[str, Any]) -> ModelSource:
                        _precision_of(experiment), meta.get("step"), meta, read_slice, names, shapes)
 
 
-def _open_checkpoint(path: Path, dataset: str | os.PathLike | None, graph: str | os.PathLike | None) -> ModelSource:
+def _open_checkpoint(path: Path, dataset: str | os.PathLike | None, graph: str | os.PathLike | None,
+                     weights: str | None = None) -> ModelSource:
+    from stormshard.checkpoint.averaged_weights import choose_weights
     from stormshard.checkpoint.consolidate import load_any, resolve_checkpoint
     from stormshard.checkpoint.sources import model_sources
     from stormshard.parallel.tensor import slice_partition
@@ -146,14 +149,14 @@ def _open_checkpoint(path: Path, dataset: str | os.PathLike | None, graph: str |
     cfg, ds = src.config, src.dataset
     stats = {name: {s: float(getattr(ds.statistics, s)[i]) for s in ("mean", "stdev", "minimum", "maximum")}
              for i, name in enumerate(ds.variables)}
-    full = ckpt.model
+    full, which = choose_weights(ckpt.model, ckpt.average, weights, str(path))  # the average by default
 
     def read_slice(name: str, part: Any) -> Tensor:
         return full[name] if part is None else slice_partition(full[name], part)
 
     experiment = cfg.raw
     meta = {"format": "stormshard-checkpoint", "step": ckpt.step, "source": str(path), "experiment": experiment,
-            "source_layout": ckpt.source_layout}
+            "source_layout": ckpt.source_layout, "weights": which}
     return ModelSource(path, "checkpoint", cfg.model, cfg.shard_strategy, src.variables, src.graph, stats,
                        {"default": cfg.data.normalisation, "methods": dict(cfg.data.normalisation_methods)},
                        cfg.data.timestep, _train_range(experiment), _precision_of(experiment), ckpt.step, meta,
@@ -161,11 +164,15 @@ def _open_checkpoint(path: Path, dataset: str | os.PathLike | None, graph: str |
 
 
 def open_model_source(source: str | os.PathLike, *, dataset: str | os.PathLike | None = None,
-                      graph: str | os.PathLike | None = None, trust_model_code: bool = False) -> ModelSource:
+                      graph: str | os.PathLike | None = None, trust_model_code: bool = False,
+                      weights: str | None = None) -> ModelSource:
     """An exported bundle directory, or a training checkpoint (a ``step_NNNNNNNN`` directory or a
     run's ``checkpoints`` directory, any layout) or a consolidated checkpoint. ``dataset`` /
     ``graph`` replace the checkpoint config's dataset path / graph cache (checkpoints only);
-    ``trust_model_code``: the stored config may name a builder module to import."""
+    ``trust_model_code``: the stored config may name a builder module to import; ``weights``: a checkpoint's
+    ``"averaged"`` weights (its ``training.weight_averaging`` average: the default where it has one) or
+    ``"trained"`` ones; a bundle holds one set, and asking for the other is an error."""
+    check_weight_choice(weights)
     p = Path(source)
     if not p.exists():
         raise ConversionError(f"the model source {p} does not exist",
@@ -173,9 +180,14 @@ def open_model_source(source: str | os.PathLike, *, dataset: str | os.PathLike |
     if (p / "metadata.json").is_file():
         meta = read_bundle_metadata(p, trust_model_code=trust_model_code, other_formats=True)
         if meta is not None:
+            held = meta.get("weights", "trained")
+            if weights is not None and weights != held:
+                raise ConversionError(f"--weights {weights}: the bundle {p} holds its checkpoint's {held} weights",
+                                      fix="leave --weights out, or export the checkpoint again with --weights "
+                                          f"{weights}")
             return _open_bundle(p, meta)
     check_checkpoint_builder(p, trust_model_code)
-    return _open_checkpoint(p, dataset, graph)
+    return _open_checkpoint(p, dataset, graph, weights)
 
 
 def build_forecaster(source: ModelSource, model_group: dist.ProcessGroup | None = None,
@@ -203,10 +215,12 @@ def build_forecaster(source: ModelSource, model_group: dist.ProcessGroup | None 
 
 def load_forecaster(source: str | os.PathLike, model_group: dist.ProcessGroup | None = None,
                     precision: str | None = None, *, dataset: str | os.PathLike | None = None,
-                    graph: str | os.PathLike | None = None, trust_model_code: bool = False) -> InferenceModel:
+                    graph: str | os.PathLike | None = None, trust_model_code: bool = False,
+                    weights: str | None = None) -> InferenceModel:
     """:func:`open_model_source` then :func:`build_forecaster` in ``precision`` (a key of
-    :data:`PRECISIONS`; None: the precision the model trained in)."""
-    src = open_model_source(source, dataset=dataset, graph=graph, trust_model_code=trust_model_code)
+    :data:`PRECISIONS`; None: the precision the model trained in); ``weights``: ``"averaged"`` / ``"trained"``
+    (None: a checkpoint's weight average where it has one)."""
+    src = open_model_source(source, dataset=dataset, graph=graph, trust_model_code=trust_model_code, weights=weights)
     name = precision or src.precision
     if name not in PRECISIONS:
         raise ValueError(f"precision {name!r} is unknown: use one of {sorted(PRECISIONS)}")

@@ -64,7 +64,8 @@ def rollout_steps(forecaster: InferenceModel, states: Tensor, forcings: Tensor,
     ``(batch, steps - 1, grid, input_variables)`` physical (only the forcing columns are read);
     ``grid`` is the whole grid or this rank's slice. Yields ``(batch, grid, output_variables)``
     ``steps`` times. The model runs in its parameters' dtype; normalisation in float64.
-    ``noise(step)``: the ensemble noise of that step (None: deterministic model).
+    ``noise(step)``: the ensemble noise of that step (None: deterministic model); an ensemble model
+    also gets the step index (its ``fcstep_input``).
     """
     v = forecaster.variables
     dtype = next(forecaster.model.parameters()).dtype
@@ -72,7 +73,7 @@ def rollout_steps(forecaster: InferenceModel, states: Tensor, forcings: Tensor,
     f = forecaster.normaliser.normalise(forcings.double())
     prog_in, prog_out = v.prognostic_in_input, v.prognostic_in_output
     for k in range(f.shape[1] + 1):
-        pred = forecaster.model(x) if noise is None else forecaster.model(x, noise(k))
+        pred = forecaster.model(x) if noise is None else forecaster.model(x, noise(k), step=k)
         yield forecaster.output_normaliser.denormalise(pred.double())
         if k < f.shape[1]:
             x = advance_window(x, f[:, k].to(dtype), pred, prog_in, prog_out)

@@ -209,10 +209,44 @@ class BoundingConfig(_Strict):
 
 
 class EnsembleConfig(_Strict):
-    """Noise injected into the processor through conditional layer norms (AIFS-CRPS)."""
+    """Noise injected into the processor through conditional layer norms (AIFS-CRPS).
+
+    The anemoi options (off by default, an imported anemoi ensemble model sets them; anemoi-models'
+    ``AnemoiEnsModelEncProcDec``): ``noise_embedding: "anemoi"`` (its ``NoiseConditioning`` MLP),
+    ``fcstep_input`` and ``condition_on_residual`` (extra data-node inputs).
+    """
 
     noise_channels: int = Field(8, ge=1)
     noise_std: float = Field(1.0, gt=0)
+    noise_embedding: Literal["mlp", "anemoi"] = Field(
+        "mlp", description="the noise embedding the conditional norms read: 'mlp' (Linear(noise_channels, C), GELU, "
+        "Linear(C, C); condition C = num_channels wide) or 'anemoi' (anemoi's NoiseConditioning MLP: "
+        "Linear(noise_channels, noise_mlp_hidden), GELU, Linear(noise_mlp_hidden, noise_channels), LayerNorm; "
+        "condition noise_channels wide)")
+    noise_mlp_hidden: int | None = Field(
+        None, ge=1, description="noise_embedding 'anemoi': the MLP's hidden width (anemoi's noise_mlp_hidden_dim)")
+    fcstep_input: bool = Field(
+        False, description="one more data-node input channel, the forecast step min(1, step) of the rollout "
+        "(0 on the first step, 1 after: anemoi's fcstep)")
+    condition_on_residual: bool = Field(
+        False, description="the residual's prognostic variables (the last input state, truncated with "
+        "residual 'truncated') as more data-node inputs, after the fcstep channel (anemoi's condition_on_residual)")
+
+    @model_validator(mode="after")
+    def _check_noise_embedding(self) -> EnsembleConfig:
+        if self.noise_embedding == "anemoi" and self.noise_mlp_hidden is None:
+            raise ValueError("model.ensemble.noise_embedding='anemoi' needs model.ensemble.noise_mlp_hidden (the noise "
+                             "MLP's hidden width, anemoi's noise_mlp_hidden_dim): set it, e.g. 32")
+        if self.noise_embedding != "anemoi" and self.noise_mlp_hidden is not None:
+            raise ValueError(f"model.ensemble.noise_mlp_hidden={self.noise_mlp_hidden} is set but "
+                             f"noise_embedding={self.noise_embedding!r}: it sizes the 'anemoi' embedding only; drop it "
+                             "or set noise_embedding='anemoi'")
+        return self
+
+    @property
+    def condition_channels(self) -> int | None:
+        """Width of the condition the norms read: ``noise_channels`` ('anemoi'), None: ``num_channels``."""
+        return self.noise_channels if self.noise_embedding == "anemoi" else None
 
 
 class ModelConfig(_Strict):

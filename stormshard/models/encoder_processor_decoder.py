@@ -81,11 +81,11 @@ class EncoderProcessorDecoder(nn.Module):
                              persistent=False)
         self.data_embedding = nn.Parameter(torch.randn(self.plan.num_data, t) * 0.02)
         self.hidden_embedding = nn.Parameter(torch.randn(self.plan.num_hidden, t) * 0.02)
-        self.embed_data = self._node_embedding(config.multistep_input * n_in + 4 + t)
+        data_inputs = config.multistep_input * n_in + 4 + t + self.extra_data_inputs()
+        self.embed_data = self._node_embedding(data_inputs)
         self.embed_hidden = self._node_embedding(4 + t)
         # anemoi's decoder emb_nodes_dst: its own embedding of the data-node inputs (else: the encoder's)
-        self.embed_data_decoder = (self._node_embedding(config.multistep_input * n_in + 4 + t)
-                                   if config.decoder_embedding else None)
+        self.embed_data_decoder = self._node_embedding(data_inputs) if config.decoder_embedding else None
 
         enc_attr, dec_attr = graph[ENCODER].edge_attr, graph[DECODER].edge_attr
         if config.encoder.trainable_edge_size or config.decoder.trainable_edge_size:
@@ -179,6 +179,10 @@ class EncoderProcessorDecoder(nn.Module):
                                            lean=self.config.lean_activations, qk_norm=cfg.qk_norm,
                                            mlp_kind=cfg.mlp_implementation)
 
+    def extra_data_inputs(self) -> int:
+        """Data-node input channels after the trainable ones (``encode``'s ``extra``); none here."""
+        return 0
+
     def check_input(self, x: Tensor) -> None:
         expect = (self.config.multistep_input, self.plan.data_sizes[self.plan.rank], len(self.variables.input_names))
         if x.dim() != 4 or tuple(x.shape[1:]) != expect:
@@ -187,8 +191,10 @@ class EncoderProcessorDecoder(nn.Module):
                 f"grid_local={expect[1]}, input_variables={expect[2]})"
             )
 
-    def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Steps 1-3: ``x`` -> data-node latents ``(grid_local, batch, C)`` and hidden latents ``(hidden_local, batch, C)``."""
+    def encode(self, x: Tensor, extra: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Steps 1-3: ``x`` -> data-node latents ``(grid_local, batch, C)`` and hidden latents ``(hidden_local, batch, C)``.
+
+        ``extra``: ``(grid_local, batch, extra_data_inputs())`` more data-node inputs, after the trainable ones."""
         self.check_input(x)
         batch = x.shape[0]
         data_slice, hidden_slice = self.plan.data_slice, self.plan.hidden_slice
@@ -197,6 +203,8 @@ class EncoderProcessorDecoder(nn.Module):
         states = rearrange(x, "b t g v -> g b (t v)").to(dtype)
         data_static = torch.cat([self.data_coords.to(dtype), self.data_embedding[data_slice]], dim=-1)
         data_in = torch.cat([states, data_static.unsqueeze(1).expand(-1, batch, -1)], dim=-1)
+        if extra is not None:
+            data_in = torch.cat([data_in, extra.to(dtype)], dim=-1)
         x_data = self.embed_data(data_in)
         hidden_static = torch.cat([self.hidden_coords.to(dtype), self.hidden_embedding[hidden_slice]], dim=-1)
         x_hidden = self.embed_hidden(hidden_static).unsqueeze(1).expand(-1, batch, -1)
@@ -212,8 +220,18 @@ class EncoderProcessorDecoder(nn.Module):
         module = getattr(self, f"{which}_edges", None)
         return module() if module is not None else getattr(self, f"{which}_edge_attr")
 
-    def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor) -> Tensor:
-        """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``."""
+    def carried_state(self, x: Tensor) -> Tensor:
+        """The residual's prognostic part ``(batch, grid_local, prognostic)`` (``prognostic_in_input`` order) of an
+        input ``x`` ``(batch, time, grid_local, input_variables)``: its last state, through the truncation grid
+        and back with ``residual: "truncated"`` (which communicates over the model group)."""
+        carried = x[:, -1].index_select(-1, self.prognostic_in_input)
+        if self.truncation is not None:  # anemoi's TruncatedConnection: through the coarse grid and back
+            carried = self.truncation(carried)
+        return carried
+
+    def decode(self, x_hidden: Tensor, x_data: Tensor, x: Tensor, carried: Tensor | None = None) -> Tensor:
+        """Steps 5-6: processed hidden latents -> the next state ``(batch, grid_local, output_variables)``;
+        ``carried``: :meth:`carried_state` of ``x`` when the caller has it already."""
         x_data = self.decoder(x_hidden, x_data, self.edges("decoder"))
         if self.config.head == "mlp":
             head = self.head(x_data)
@@ -224,9 +242,7 @@ class EncoderProcessorDecoder(nn.Module):
         out = rearrange(head, "g b v -> b g v")
         # the carried state is added in the input's dtype (fp32 in training), never rounded to bf16
         last = x[:, -1]
-        carried = last.index_select(-1, self.prognostic_in_input)
-        if self.truncation is not None:  # anemoi's TruncatedConnection: through the coarse grid and back
-            carried = self.truncation(carried)
+        carried = self.carried_state(x) if carried is None else carried
         residual = last.new_zeros(out.shape).index_copy(-1, self.prognostic_in_output, carried)
         out = out.to(last.dtype) + residual
         if self.relu_columns.numel():  # anemoi's ReluBounding, after the residual (normalised units)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["advance_window"]
+__all__ = ["advance_window", "forecast_step_flag"]
 
 
 def _index(indices: Tensor | Sequence[int], device: torch.device) -> Tensor:
@@ -56,3 +56,12 @@ def advance_window(window: Tensor, forcing: Tensor, prediction: Tensor, prognost
                          "pass VariableIndex.prognostic_in_input and prognostic_in_output")
     newest = forcing.to(window.dtype).index_copy(-1, prog_in, prediction[..., prog_out].to(window.dtype))
     return torch.cat([window[:, 1:], newest.unsqueeze(1)], dim=1)
+
+
+def forecast_step_flag(step: int) -> int:
+    """The forecast-step input of an ensemble model with ``ensemble.fcstep_input`` (anemoi's ``fcstep``): 0 on
+    the first step of a rollout (``step`` 0, from the initial state), 1 on every later step. Training's rollout
+    and inference's forecast pass their step index (0-based) to the model, which reads it through this."""
+    if step < 0:
+        raise ValueError(f"step={step}: the rollout step index counts from 0")
+    return min(1, step)

@@ -55,6 +55,7 @@ from stormshard.training.engine.settings import (
 from stormshard.training.loss_kinds import LossKind
 from stormshard.training.rollout_schedule import RolloutSchedule
 from stormshard.training.schedule import LRScheduleSettings
+from stormshard.training.weight_averaging_config import WeightAveragingSettings
 
 if TYPE_CHECKING:  # this module imports no torch: launch/train.py validates a config before torch loads
     from stormshard.parallel.topology import ParallelLayout
@@ -182,6 +183,7 @@ class TrainingSection(_Strict):
                                        "parameters (another architecture): the others start fresh, with a warning")
     freeze: list[str] = Field(default_factory=list, description="parameter name prefixes not trained "
                               "(e.g. [\"encoder\", \"processor.blocks.0\"]); each must match a parameter")
+    weight_averaging: WeightAveragingSettings | None = None  # null, or ema / swa: training/weight_averaging_config.py
     loss: LossKind = Field(
         "mse", description="the deterministic models' pointwise loss, area- and variable-weighted: mse, mae, huber, "
         "logcosh or rmse (anemoi-training's losses of those names); ensembles train the almost-fair CRPS")
@@ -197,7 +199,6 @@ class TrainingSection(_Strict):
         "(stormshard.models.compile.compile_blocks; names and numbers unchanged): true, false, or 'auto' (the "
         "default: on CUDA, where it measured 1.3-1.6x faster per step; not on a CPU, where a step is mostly "
         "compile-free python)")
-
     cuda_graphs: bool = Field(
         False, strict=True, description="record the compiled blocks' forward and backward as CUDA graphs and "
         "replay them (torch.compile mode 'reduce-overhead'; stormshard.models.compile): one launch per block "

@@ -59,11 +59,12 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def check_checkpoint_space(directory: str | Path, model: nn.Module, step: int, zero_partitions: int = 1,
-                           device: torch.device | None = None, last_checkpoint: str | None = None) -> int:
+                           device: torch.device | None = None, last_checkpoint: str | None = None,
+                           extra_bytes: int = 0) -> int:
     """Raise :class:`DiskSpaceError` (on every rank) when ``directory`` lacks room for the checkpoint
-    of ``step``; returns the estimated size of the whole checkpoint in bytes. Collective when a process
-    group exists."""
-    mine = checkpoint_bytes_estimate(model, zero_partitions)
+    of ``step``; returns the estimated size of the whole checkpoint in bytes. ``extra_bytes``: this rank's state
+    beyond the model and optimizer (a weight average). Collective when a process group exists."""
+    mine = checkpoint_bytes_estimate(model, zero_partitions) + extra_bytes
     base = _nearest_existing(Path(directory))
     free = shutil.disk_usage(base).free
     total = mine

@@ -97,9 +97,11 @@ def read_init_weights(path: str | os.PathLike) -> dict[str, Tensor]:
         from stormshard.checkpoint.anemoi_import import read_anemoi
 
         return read_anemoi(path).weights
+    from stormshard.checkpoint.averaged_weights import choose_weights
     from stormshard.checkpoint.consolidate import load_any
 
-    return dict(load_any(path).model)
+    ckpt = load_any(path)  # its weight average (training.weight_averaging) where it has one, as export takes it
+    return choose_weights(ckpt.model, ckpt.average, None, str(path))[0]
 
 
 def statistics_from_file(path: str | os.PathLike, dataset: AnemoiDataset) -> Statistics:

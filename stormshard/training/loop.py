@@ -61,6 +61,7 @@ from stormshard.training.rank_zero import rank_zero_first
 from stormshard.training.rollout_schedule import rollout_at
 from stormshard.training.run_dir import METRICS_FILE
 from stormshard.training.tasks import ForecastTask, NoiseKey, build_task
+from stormshard.training.weight_averaging import AVERAGE_STATE_KEY, WeightAverage, resume_average
 
 __all__ = ["Trainer", "TrainResult", "train"]
 
@@ -148,6 +149,9 @@ class Trainer:
             compile_blocks(model, cuda_graphs=t.cuda_graphs)
         self.graphed = t.cuda_graphs  # steps and validation batches are marked for the CUDA graph trees
         self.engine = build_engine(model, self.groups, self.settings)
+        # training.weight_averaging: this rank's fp32 average of its parameters (after the engine placed them)
+        self.average = (WeightAverage(t.weight_averaging, self.engine.module, self.engine.fp32_master_views())
+                        if t.weight_averaging else None)
         self.dtype = torch.float32  # data, targets, loss and ensemble noise at every training.precision
 
         stats, names = self.dataset.statistics, self.dataset.variables
@@ -284,8 +288,11 @@ class Trainer:
                                    f"{step} micro {micro}: call train_step once per step, in order")
             loss = self.task.forecast_loss(self.engine, batch, step, micro)       # forward + loss (rollout)
             self.engine.backward(loss * self.task.loss_scale)                     # backward
-            self.engine.step()                                                    # step (at the boundary)
+            skipped = self.engine.skipped_steps
+            stepped = self.engine.step() and self.engine.skipped_steps == skipped  # step (at the boundary)
             step_loss += loss.detach().double() / self.settings.accumulation
+        if self.average is not None:  # an optimizer step the engine skipped (non-finite gradients) is no update
+            self.average.update(step, stepped)
         return self._replica_mean(step_loss)
 
     def _replica_mean(self, value: Tensor) -> Tensor:
@@ -299,8 +306,19 @@ class Trainer:
         """Labels of the lead times of ``samples``' windows: ``["6h", "12h", ...]``."""
         return [frequency_to_string(samples.timestep * (r + 1)) for r in range(samples.rollout)]
 
-    @torch.no_grad()
     def validate(self, samples: WindowedSampleDataset | None = None, count: int | None = None) -> dict[str, dict[str, Any]]:
+        """:meth:`validate_weights` of the averaged weights (``training.weight_averaging``; swapped in, then the
+        trained ones back bit for bit, as Lightning's weight averaging validates), else of the trained ones; the
+        result's ``"averaged"`` says which (``{"kind", "updates"}``, or empty)."""
+        if self.average is None:
+            return {**self.validate_weights(samples, count), "averaged": {}}
+        with self.average.swapped_in():
+            metrics = self.validate_weights(samples, count)
+        return {**metrics, "averaged": {"kind": self.average.settings.kind, "updates": self.average.updates}}
+
+    @torch.no_grad()
+    def validate_weights(self, samples: WindowedSampleDataset | None = None,
+                         count: int | None = None) -> dict[str, dict[str, Any]]:
         """Area-weighted RMSE per output variable (physical units) and lead time of the model's
         rollout (``training.validation_rollout`` steps) and of persistence (the initial state), over
         ``count`` windows of ``samples`` (default: ``data.validation_samples`` validation windows)
@@ -357,6 +375,8 @@ class Trainer:
             out.update({f"{prefix}_rmse/{k}/{lead}": x for k, x in values.items()})
         for lead, values in metrics["persistence_by_lead"].items():
             out.update({f"{prefix}_persistence/{k}/{lead}": x for k, x in values.items()})
+        if metrics.get("averaged"):  # validated with the weight average: how many updates it holds
+            out[f"{prefix}_averaged_weights_updates"] = metrics["averaged"]["updates"]
         return out
 
     def validation_table(self, metrics: dict[str, dict[str, Any]]) -> str:
@@ -386,11 +406,14 @@ class Trainer:
         last = latest_checkpoint(checkpoint_dir(self.config))
         check_checkpoint_space(checkpoint_dir(self.config), self.engine.module, step,
                                zero_partitions=self.layout.data_parallel_size if zero > 0 else 1,
-                               device=self.device, last_checkpoint=None if last is None else str(last))
+                               device=self.device, last_checkpoint=None if last is None else str(last),
+                               extra_bytes=0 if self.average is None else self.average.nbytes)
 
     def save(self, step: int) -> Path:
         self.check_checkpoint_space(step)  # before anything of this checkpoint is written
         state = {"engine": self.engine.state_dict(), "data": self.data_state(), "step": step}
+        if self.average is not None:
+            state[AVERAGE_STATE_KEY] = self.average.state_dict()
         world, _ = _world()
         return save_checkpoint(checkpoint_dir(self.config), step, state, self._config_dict(), self._layout_dict(),
                                self.rank, world, model=self.engine.module,
@@ -409,6 +432,7 @@ class Trainer:
         self.resumed_from = loaded.path  # printed by fit
         self.engine.load_state_dict(loaded.state["engine"])
         self.sampler.load_state_dict(loaded.state["data"])
+        self.notes = (*self.notes, *resume_average(self.average, loaded.state.get(AVERAGE_STATE_KEY)))
         self._keys, self._last_key = None, None  # the key stream restarts from the restored position
         return int(loaded.state["step"])
 
@@ -460,6 +484,10 @@ class Trainer:
                                             - done.started,
                                             "data_wait": (after.waited if after else self.data_wait) - done.waited},
                             samples=samples_per_step * lg.log_interval)
+
+    def _weights_note(self) -> str:
+        """What validation ran with, for its log lines: empty for the trained weights."""
+        return "" if self.average is None else f"; the averaged weights: {self.average.describe()}"
 
     def describe(self) -> str:
         b = self.plan_batch
@@ -518,7 +546,8 @@ class Trainer:
                     metrics = self.validate()
                     self.logger.log(step + 1, self.validation_metrics(metrics))
                     count = min(self.config.data.validation_samples, len(self.val_samples))
-                    self.logger.write(f"validation RMSE against persistence at step {step + 1} ({count} windows):\n"
+                    self.logger.write(f"validation RMSE against persistence at step {step + 1} ({count} windows"
+                                      f"{self._weights_note()}):\n"
                                       f"{self.validation_table(metrics)}")
                 if (step + 1) % t.checkpoint_interval == 0:
                     last_saved = self.save(step + 1)
@@ -543,7 +572,7 @@ class Trainer:
                 self.logger.log(self.total_steps, metrics)  # final validation (before logging it) logs it now
             table = self.validation_table(result.validation)
             count = min(self.config.data.validation_samples, len(self.val_samples))
-            self.logger.write(f"\nvalidation RMSE against persistence ({count} windows):\n{table}")
+            self.logger.write(f"\nvalidation RMSE against persistence ({count} windows{self._weights_note()}):\n{table}")
             if self.test_samples is not None:
                 count = min(self.config.data.validation_samples, len(self.test_samples))
                 result.test = self.validate(self.test_samples)

@@ -104,7 +104,8 @@ RESUME_MAY_CHANGE = ("name", "training.max_steps", "training.epochs", "training.
                      "data.worker_type", "data.test", "training.validation_rollout",
                      "training.init_weights", "training.init_weights_partial",  # a resumed run continues its weights
                      "training.compile", "training.cuda_graphs",
-                     "model.graph_kernel", "model.lean_activations")  # how the same model runs, not what it computes
+                     "model.graph_kernel", "model.lean_activations",  # how the same model runs, not what it computes
+                     "training.weight_averaging")  # an average beside the trained weights (see training/weight_averaging)
 
 
 def checkpoint_dir(config: ExperimentConfig) -> Path:

@@ -270,12 +270,13 @@ class EnsembleForecastTask(ForecastTask):
         return rearrange(torch.stack(fields), "e b n c -> (b e) n c")
 
     def forward(self, model: Model, x: Tensor, key: NoiseKey) -> Tensor:
-        """``x``: ``(batch members, ...)`` (after :meth:`repeat_members`)."""
-        return model(x, self.noise(x.shape[0] // self.members, key, self.members))
+        """``x``: ``(batch members, ...)`` (after :meth:`repeat_members`); the model gets the rollout step
+        (``key.rollout``: anemoi's fcstep input, ``model.ensemble.fcstep_input``)."""
+        return model(x, self.noise(x.shape[0] // self.members, key, self.members), step=key.rollout)
 
     def predict_step(self, model: Model, x: Tensor, key: NoiseKey) -> Tensor:
         """One step of this rank's first member per initial state (validation)."""
-        return model(x, self.noise(x.shape[0], key, 1))
+        return model(x, self.noise(x.shape[0], key, 1), step=key.rollout)
 
     def loss(self, pred: Tensor, target: Tensor, mask: Tensor | None = None) -> Tensor:
         ens = rearrange(pred.float(), "(b e) g v -> b e g v", e=self.members)

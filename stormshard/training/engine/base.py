@@ -64,6 +64,18 @@ class TrainingEngine(ABC):
     def micro_steps(self) -> int:
         """Micro-batches stepped so far."""
 
+    def fp32_master_views(self) -> dict[int, Tensor]:
+        """``{id(parameter): its fp32 master}`` (views, the parameter's shape) where the engine keeps the master
+        apart from the parameters and this rank holds all of it; empty where the parameters are the master (fp32
+        parameters) or where the master is spread over ranks."""
+        return {}
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the engine skipped at an accumulation boundary (DeepSpeed: a non-finite gradient with a
+        loss scaler); 0 for engines that never skip. A boundary ``step()`` that raises this count took no step."""
+        return 0
+
     @property
     def micro_batch_size(self) -> int:
         """Samples per model replica per micro-step (``EngineSettings.micro_batch_size``)."""

@@ -135,6 +135,26 @@ class DeepSpeedEngine(TrainingEngine):
     def micro_steps(self) -> int:
         return int(self.ds.micro_steps)
 
+    def fp32_master_views(self) -> dict[int, Tensor]:
+        """bf16 at ZeRO 1/2 with one data-parallel rank: DeepSpeed's fp32 master of each parameter, a view into its
+        flat partition (DeepSpeed's ``_hp_mapping`` fragment), which that rank holds whole. Empty otherwise: fp32 and
+        ZeRO 0 parameters are the master; with several data-parallel ranks each holds a part of it."""
+        if not deepspeed_bf16(self.settings) or group_size(self.groups.data_parallel_group) != 1:
+            return {}
+        views: dict[int, Tensor] = {}
+        for p in self._params:
+            mapping = getattr(p, "_hp_mapping", None)
+            fragment = None if mapping is None else mapping.get_hp_fragment()
+            if fragment is None or fragment.numel() != p.numel() or fragment.dtype != torch.float32:
+                return {}
+            views[id(p)] = fragment.view(p.shape)
+        return views
+
+    @property
+    def skipped_steps(self) -> int:
+        """DeepSpeed's count of skipped optimizer steps (an overflow its loss scaler or bf16 check found)."""
+        return int(self.ds.skipped_steps)
+
     @property
     def micro_batch_size(self) -> int:
         """DeepSpeed's ``train_micro_batch_size_per_gpu`` (generated from ``micro_batch_size``)."""
