@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from stormshard.kernels.dispatch import sliding_window_attention
-from stormshard.kernels.flex import separate_cpu_buffers
+from stormshard.kernels.flex import cpu_key_padding, separate_cpu_buffers
 from stormshard.kernels.reference import dense_window_attention
 from stormshard.layers import set_attention_kernel
 from stormshard.layers.attention import SlidingWindowAttention
@@ -43,6 +43,19 @@ def test_flex_kernel_matches_banded_and_dense_with_offsets():
             banded = sliding_window_attention(q, k, v, window, q_offset=shift, kernel="banded")
         torch.testing.assert_close(flex, banded, **CLOSE, msg=f"lq={lq} lk={lk} w={window} shift={shift}")
         torch.testing.assert_close(flex, dense_window_attention(q, k, v, window, q_offset=shift), **CLOSE)
+
+
+def test_flex_pads_cpu_keys_past_inductors_small_key_bug():
+    """torch 2.13's compiled CPU flex is wrong for head dims 8 / 16 with 24, 40, ..., 120 keys (8 mod 16): the
+    kernel pads the keys to a multiple of 16, masked out, and matches the banded kernel there."""
+    assert [cpu_key_padding("cpu", n) for n in (1, 16, 24, 40, 129)] == [15, 0, 8, 8, 15]
+    assert cpu_key_padding("cuda", 40) == 0
+    for dim, lk in itertools.product([8, 16], [24, 40, 88, 120]):
+        q, k, v = _rand((1, 2, 8, dim), 8), _rand((1, 2, lk, dim), 9), _rand((1, 2, lk, dim), 10)
+        with torch.no_grad():
+            flex = sliding_window_attention(q, k, v, 3, q_offset=lk - 8, kernel="flex")
+        torch.testing.assert_close(flex, dense_window_attention(q, k, v, 3, q_offset=lk - 8), **CLOSE,
+                                   msg=f"dim={dim} lk={lk}")
 
 
 def test_flex_rows_without_keys_are_zero():

@@ -14,7 +14,9 @@ compiled once per process (a first call costs seconds to tens of seconds; furthe
 Triton tiles come from :data:`TUNED_KERNEL_OPTIONS` (measured per device, dtype and head dim) unless
 :func:`set_flex_kernel_options` or ``STORMSHARD_FLEX_KERNEL_OPTIONS`` say otherwise.
 
-torch 2.13's flex attention has a CPU forward but no CPU backward: on a CPU this kernel serves
+On a CPU the keys are padded to a multiple of 16 with masked-out zeros (:func:`cpu_key_padding`: torch 2.13's
+compiled CPU kernel is wrong for some short key lengths otherwise). torch 2.13's flex attention has a CPU forward but
+no CPU backward: on a CPU this kernel serves
 forecasts and forward checks, and asking for a gradient through it raises a ValueError before any
 work. On CUDA it trains (Triton kernels, softmax statistics in fp32 for bf16 inputs).
 
@@ -33,7 +35,7 @@ from stormshard.env import env_json_object
 
 __all__ = ["flex_attention_unavailable", "flex_problem", "flex_unusable", "flex_window_attention", "window_block_mask", "band_blocks",
            "flex_kernel_options", "set_flex_kernel_options", "flex_option_keys", "flex_options_from_env",
-           "separate_cpu_buffers", "SHARED_BUFFER_CPU_TORCH"]
+           "separate_cpu_buffers", "SHARED_BUFFER_CPU_TORCH", "cpu_key_padding", "CPU_KEY_MULTIPLE"]
 
 _MASK_CACHE_SIZE = 64
 _BLOCK = 128  # flex attention's default tile
@@ -174,11 +176,14 @@ def flex_kernel_options(q: Tensor) -> dict | None:
     return TUNED_KERNEL_OPTIONS.get(key)
 
 
-def window_block_mask(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device) -> object:
+def window_block_mask(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device,
+                      key_padding: int = 0) -> object:
     """The band ``|i + shift - j| <= window_size`` over ``(num_q, num_k)`` as a flex ``BlockMask``.
 
-    Cached (least recently used, 64 entries) per ``(num_q, num_k, shift, window_size, device)``. Inside
-    compiled code the mask's tensors come from the custom op ``stormshard::window_block_tensors``,
+    ``key_padding`` keys past ``num_k`` (zeros appended by :func:`flex_window_attention`, see
+    :func:`cpu_key_padding`) are in the mask's shape ``(num_q, num_k + key_padding)`` but never attended.
+    Cached (least recently used, 64 entries) per ``(num_q, num_k, shift, window_size, device, key_padding)``.
+    Inside compiled code the mask's tensors come from the custom op ``stormshard::window_block_tensors``,
     built eagerly and cached the same way: nothing of the mask is traced (no side effect inside a
     compiled, checkpointed block; no index arithmetic for Inductor to lower).
     """
@@ -186,36 +191,46 @@ def window_block_mask(num_q: int, num_k: int, shift: int, window_size: int, devi
 
     if torch.compiler.is_compiling():
         *blocks, shift_t, window_t = torch.ops.stormshard.window_block_tensors(num_q, num_k, shift, window_size,
-                                                                               device)
-        return BlockMask(
-            (num_q, num_k), *blocks, BLOCK_SIZE=(_BLOCK, _BLOCK),
-            mask_mod=lambda b, h, q_idx, k_idx: (q_idx + shift_t - k_idx).abs() <= window_t,
-        )
-    return _cached_block_mask(num_q, num_k, shift, window_size, device)[0]
+                                                                               device, key_padding)
+        return BlockMask((num_q, num_k + key_padding), *blocks, BLOCK_SIZE=(_BLOCK, _BLOCK),
+                         mask_mod=_band_mask_mod(shift_t, window_t, num_k if key_padding else None))
+    return _cached_block_mask(num_q, num_k, shift, window_size, device, key_padding)[0]
 
 
-def _cached_block_mask(num_q: int, num_k: int, shift: int, window_size: int,
-                       device: torch.device) -> tuple[object, Tensor, Tensor]:
+def _band_mask_mod(shift_t: Tensor, window_t: Tensor, key_limit: int | None) -> Callable[..., Tensor]:
+    """flex's ``mask_mod`` of the band; with ``key_limit`` also ``k_idx < key_limit`` (padded keys out)."""
+    if key_limit is None:
+        def in_window(batch: Tensor, head: Tensor, q_idx: Tensor, k_idx: Tensor) -> Tensor:
+            return (q_idx + shift_t - k_idx).abs() <= window_t
+    else:
+        def in_window(batch: Tensor, head: Tensor, q_idx: Tensor, k_idx: Tensor) -> Tensor:
+            return ((q_idx + shift_t - k_idx).abs() <= window_t) & (k_idx < key_limit)
+    return in_window
+
+
+def _cached_block_mask(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device,
+                       key_padding: int = 0) -> tuple[object, Tensor, Tensor]:
     """``(BlockMask, shift tensor, window tensor)`` from the cache, built eagerly when missing."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    key = (num_q, num_k, shift, window_size, str(device))
+    key = (num_q, num_k, shift, window_size, str(device), key_padding)
     entry = _block_masks.get(key)
     if entry is not None:
         _block_masks.move_to_end(key)
         return entry
     shift_t = torch.tensor(shift, device=device)
     window_t = torch.tensor(window_size, device=device)
+    in_window = _band_mask_mod(shift_t, window_t, num_k if key_padding else None)
 
-    def in_window(batch: Tensor, head: Tensor, q_idx: Tensor, k_idx: Tensor) -> Tensor:
-        return (q_idx + shift_t - k_idx).abs() <= window_t
-
+    # the tiles of the real keys: padding stays within the last key block (cpu_key_padding), whose tiles are then
+    # ragged and so partial (the mask, with its key limit, is evaluated there)
     partial, full = band_blocks(num_q, num_k, shift, window_size, _BLOCK)
     # per query block its key tiles, and per key block its query tiles (the transpose), partial and full
     # (built directly: BlockMask.from_kv_blocks' vmap fails inside a custom op called from compiled code)
     lists = [t.to(device) for tiles in (partial, full, partial.T, full.T) for t in _kv_block_lists(tiles)]
     kv, full_kv, q, full_q = lists[0:2], lists[2:4], lists[4:6], lists[6:8]
-    mask = BlockMask((num_q, num_k), *kv, *full_kv, *q, *full_q, BLOCK_SIZE=(_BLOCK, _BLOCK), mask_mod=in_window)
+    mask = BlockMask((num_q, num_k + key_padding), *kv, *full_kv, *q, *full_q, BLOCK_SIZE=(_BLOCK, _BLOCK),
+                     mask_mod=in_window)
     entry = (mask, shift_t, window_t)
     _block_masks[key] = entry
     if len(_block_masks) > _MASK_CACHE_SIZE:
@@ -224,19 +239,19 @@ def _cached_block_mask(num_q: int, num_k: int, shift: int, window_size: int,
 
 
 @torch.library.custom_op("stormshard::window_block_tensors", mutates_args=())
-def _window_block_tensors(num_q: int, num_k: int, shift: int, window_size: int,
-                          device: torch.device) -> list[Tensor]:
+def _window_block_tensors(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device,
+                          key_padding: int) -> list[Tensor]:
     """The band mask's tensors for compiled code: kv_num_blocks, kv_indices, full_kv_num_blocks,
     full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks, full_q_indices (int32, ``(1, 1, ...)``),
     then the 0-dim shift and window. Copies of the cached mask's (outputs are the caller's to reuse)."""
-    mask, shift_t, window_t = _cached_block_mask(num_q, num_k, shift, window_size, device)
+    mask, shift_t, window_t = _cached_block_mask(num_q, num_k, shift, window_size, device, key_padding)
     blocks = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
               mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
     return [t.clone() for t in (*blocks, shift_t, window_t)]
 
 
 @_window_block_tensors.register_fake
-def _(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device) -> list[Tensor]:
+def _(num_q: int, num_k: int, shift: int, window_size: int, device: torch.device, key_padding: int) -> list[Tensor]:
     q_blocks, k_blocks = -(-num_q // _BLOCK), -(-num_k // _BLOCK)
     shapes = [(1, 1, q_blocks), (1, 1, q_blocks, k_blocks)] * 2 + [(1, 1, k_blocks), (1, 1, k_blocks, q_blocks)] * 2
     blocks = [torch.empty(shape, dtype=torch.int32, device=device) for shape in shapes]
@@ -290,6 +305,20 @@ def separate_cpu_buffers(device_type: str, version: str | None = None) -> bool:
 
 _CPU_SEPARATE_BUFFERS = separate_cpu_buffers("cpu")  # once, outside any compiled region
 
+#: keys on a CPU are padded to a multiple of this (see :func:`cpu_key_padding`)
+CPU_KEY_MULTIPLE = 16
+
+
+def cpu_key_padding(device_type: str, num_k: int) -> int:
+    """How many masked-out zero keys :func:`flex_window_attention` appends on ``device_type`` to ``num_k`` keys.
+
+    torch 2.13's compiled CPU flex attention (Inductor's C++ template) returns wrong rows or NaN for head dims
+    of 8 and 16 when fewer than 128 keys number 8 mod 16 (24, 40, ..., 120: measured on an AVX2 host; eager flex
+    and CUDA are exact). On a CPU the keys are padded to a multiple of :data:`CPU_KEY_MULTIPLE` (at most 15 zero
+    keys, none attended: the mask stops at ``num_k``), which avoids it; nothing on CUDA.
+    """
+    return -num_k % CPU_KEY_MULTIPLE if device_type == "cpu" else 0
+
 
 def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_offset: int = 0,
                           k_offset: int = 0, *, scale: float) -> Tensor:
@@ -306,7 +335,13 @@ def flex_window_attention(q: Tensor, k: Tensor, v: Tensor, window_size: int, q_o
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     shift = int(q_offset) - int(k_offset)
-    mask = window_block_mask(q.shape[-2], k.shape[-2], shift, window_size, q.device)
+    num_k = k.shape[-2]
+    key_padding = cpu_key_padding(q.device.type, num_k)
+    if key_padding:
+        if torch.compiler.is_compiling():  # Inductor's CPU lowering then reads q's base as 4-d: a buffer of its own
+            q = q.contiguous()
+        k, v = (torch.nn.functional.pad(t, (0, 0, 0, key_padding)) for t in (k, v))
+    mask = window_block_mask(q.shape[-2], num_k, shift, window_size, q.device, key_padding)
     # q, k, v as they are (views of one projection, :func:`~stormshard.layers.attention.split_qkv`): flex reads
     # any strides, and writes its output and gradients in their memory order
     if _CPU_SEPARATE_BUFFERS and q.device.type == "cpu":
