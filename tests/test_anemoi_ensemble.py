@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -35,8 +34,9 @@ from stormshard.training.config import load_experiment_config
 from stormshard.training.launch import run_training
 from stormshard.training.losses import almost_fair_crps
 from tests.anemoi_repickle import rewrite_metadata
+from tests.anemoi_runner import run_in_anemoi_env
 from tests.test_anemoi_end_to_end import _first_loss, dataset  # noqa: F401 (a fixture)
-from tests.test_anemoi_export import ANEMOI_PYTHON, needs_anemoi
+from tests.test_anemoi_export import needs_anemoi
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
 ENS = FIXTURES / "ens"
@@ -255,9 +255,8 @@ def test_imported_ensemble_exports_back_into_its_anemoi_checkpoint(tmp_path):
     out = export_anemoi(bundle, tmp_path / "out.ckpt")
     ref = np.load(ENS / "reference.npz")
     np.savez(tmp_path / "in.npz", **{k: ref[k] for k in ("input", "noise_fcstep0", "noise_fcstep1")})
-    run = subprocess.run([str(ANEMOI_PYTHON), str(FIXTURES / "anemoi_ens_predict.py"), str(out),
-                          str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_in_anemoi_env([str(FIXTURES / "anemoi_ens_predict.py"), str(out), str(tmp_path / "in.npz"),
+                             str(tmp_path / "out.npz")], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     theirs, model = np.load(tmp_path / "out.npz"), stormshard.load_model(bundle)
     for step in (0, 1):
@@ -327,9 +326,8 @@ def test_export_of_a_stormshard_ensemble_builds_anemois_ensemble_model(tmp_path)
     x = model.normaliser.denormalise(x.double()).float()
     noise = {f"noise_fcstep{k}": torch.randn(2, model.graph["hidden"].num_nodes, 3, generator=g) for k in (0, 1)}
     np.savez(tmp_path / "in.npz", input=x.numpy(), **{k: v.numpy() for k, v in noise.items()})
-    run = subprocess.run([str(ANEMOI_PYTHON), str(FIXTURES / "anemoi_ens_predict.py"), str(out),
-                          str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = run_in_anemoi_env([str(FIXTURES / "anemoi_ens_predict.py"), str(out), str(tmp_path / "in.npz"),
+                             str(tmp_path / "out.npz")], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = np.load(tmp_path / "out.npz")
     with warnings.catch_warnings():

@@ -25,18 +25,20 @@ from stormshard.checkpoint.anemoi_plan import fold_qkv_bias
 from stormshard.checkpoint.errors import ConversionError
 from stormshard.checkpoint.export import export_bundle
 from stormshard.data.synthetic import generate_synthetic_dataset
+from tests.anemoi_runner import ANEMOI_PYTHON, run_in_anemoi_env
 from tests.tiny_run import tiny_config, train_losses
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "anemoi"
-ANEMOI_PYTHON = Path(os.environ.get("ANEMOI_TRAINING_ENV", Path.home() / "anemoi-training-env")) / "bin" / "python"
 
 
 def _anemoi_importable() -> bool:
     if not ANEMOI_PYTHON.exists():
         return False
-    probe = subprocess.run([str(ANEMOI_PYTHON), "-c", "import anemoi.models.interface, anemoi.utils.checkpoints"],
-                           capture_output=True)
+    # forked from the session's anemoi fork server (started here, so its one import of torch and anemoi is this
+    # probe's); OMP_NUM_THREADS as the server's, for no other reason than to share it
+    probe = run_in_anemoi_env(["-c", "import anemoi.models.interface, anemoi.utils.checkpoints"],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     return probe.returncode == 0
 
 
@@ -96,9 +98,10 @@ def trained(tmp_path_factory) -> dict[str, Path]:
 
 
 def _anemoi(*args: str) -> subprocess.CompletedProcess:
-    """Run a command with the anemoi venv's python (stormshard from this checkout on its path)."""
+    """Run a command with the anemoi venv's python (stormshard from this checkout on its path), forked from the
+    session's anemoi fork server (``tests/anemoi_runner.py``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([str(ANEMOI_PYTHON), *args], env=env, capture_output=True, text=True, cwd=REPO)
+    return run_in_anemoi_env(list(args), env=env, cwd=REPO)
 
 
 def _reference_input(model, dataset: Path) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from launch.convert_checkpoint import main as convert_main
 from stormshard.checkpoint.anemoi_import import import_anemoi
 from stormshard.checkpoint.anemoi_pickle import module_tensors, open_anemoi_checkpoint
 from stormshard.checkpoint.errors import ConversionError
+from tests.anemoi_runner import ANEMOI_PYTHON, run_in_anemoi_env
 
 FIXTURES = Path(__file__).parent / "fixtures" / "anemoi"
 #: fixture variant -> stormshard model name (gt_truncated: gt with anemoi's TruncatedConnection residual;
@@ -216,9 +216,6 @@ def test_imported_bundle_forecasts_sharded_as_one_process(variant, tmp_path):
     np.testing.assert_allclose(b, a, rtol=1e-9, atol=1e-9)
 
 
-ANEMOI_PYTHON = Path(os.environ.get("ANEMOI_TRAINING_ENV", Path.home() / "anemoi-training-env")) / "bin" / "python"
-
-
 @pytest.mark.skipif(not ANEMOI_PYTHON.exists(), reason="needs an anemoi-training venv (ANEMOI_TRAINING_ENV)")
 @pytest.mark.parametrize("variant", list(KINDS))
 def test_export_round_trip_in_anemoi(variant, tmp_path):
@@ -237,9 +234,8 @@ def test_export_round_trip_in_anemoi(variant, tmp_path):
     out = tmp_path / "exported.ckpt"
     assert convert_main(["export-anemoi", str(bundle), "--out", str(out)]) == 0
     x = FIXTURES / variant / "input.npy"
-    subprocess.run([str(ANEMOI_PYTHON), str(FIXTURES / "anemoi_predict.py"), str(out), str(x),
-                    str(tmp_path / "y.npy"), str(tmp_path / "meta.json")], check=True,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
+    run_in_anemoi_env([str(FIXTURES / "anemoi_predict.py"), str(out), str(x), str(tmp_path / "y.npy"),
+                       str(tmp_path / "meta.json")], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), text=False)
     theirs = np.load(tmp_path / "y.npy")
     ours = stormshard.load_model(bundle).predict(torch.from_numpy(np.load(x))).numpy()
     spread = theirs.reshape(-1, theirs.shape[-1]).std(axis=0)

@@ -28,7 +28,8 @@ from stormshard.checkpoint.export import export_bundle
 from stormshard.data.anemoi_layout import AnemoiDataset
 from stormshard.data.synthetic import generate_synthetic_dataset
 from tests.anemoi_repickle import rewrite_metadata
-from tests.test_anemoi_export import ANEMOI_PYTHON, FIXTURES, REPO, needs_anemoi
+from tests.anemoi_runner import run_in_anemoi_env
+from tests.test_anemoi_export import FIXTURES, REPO, needs_anemoi
 from tests.tiny_run import tiny_config, train_losses
 
 #: fixture -> (model name, {section: (qk_norm, mlp_implementation, mlp_ratio)})
@@ -48,9 +49,9 @@ def _parameter_count(module: object) -> int:
 
 
 def run_in_anemoi(*args: str) -> subprocess.CompletedProcess:
-    """``args`` run by the anemoi venv's python, with this checkout's stormshard importable."""
-    return subprocess.run([str(ANEMOI_PYTHON), *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    """``args`` run by the anemoi venv's python, with this checkout's stormshard importable (forked from the
+    session's anemoi fork server, ``tests/anemoi_runner.py``)."""
+    return run_in_anemoi_env(list(args), cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
 
 
 def _relative_error(got: np.ndarray, expected: np.ndarray) -> float:

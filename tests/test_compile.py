@@ -248,10 +248,13 @@ def test_compiled_training_equals_eager(dataset, tmp_path, case):
         _close(c, e, 1e-3 if "bf16" in case else 1e-5)
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3])
 def test_compiled_sharded_training_equals_one_process(dataset, tmp_path, world):
     """The transformer compiled (aot_eager) and sharded over 3 ranks (uneven: 544 cells, 208 hidden nodes)
-    and 4 ranks takes the eager single-process steps within fp32 round-off."""
+    takes the eager single-process steps within fp32 round-off. 3 ranks hold every role a rank can have (first,
+    middle with two halo neighbours, last) with uneven shards; more ranks trace the same graphs with other sizes
+    (4 ranks: 90 s on a 2-core host, left out for the suite's time; sharded numerics at 4 are proven eagerly in
+    tests/test_models.py)."""
     changes = {"engine": "local", "deepspeed": {}, "training.max_steps": 3}
     single = run_distributed(_train, 1, tiny_config(dataset, tmp_path / "single", **changes))[0][0]
     sharded = run_distributed(_train, world, tiny_config(dataset, tmp_path / "sharded", **changes, **{

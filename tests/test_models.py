@@ -95,7 +95,8 @@ CASES = {  # ModelConfig fields, plus "strategy": the build_model shard_strategy
                               processor=dict(qk_norm=True, mlp_implementation="glu")),
     # the Triton graph kernel (Triton's interpreter on a CPU) in encoder, processor and decoder, against the
     # csr kernel's single-process model; trainable edge features give the attribute gradients a path
-    # (small: the interpreter runs every Triton program in numpy; o2 data, ico0 hidden, one processor block)
+    # (small: the interpreter runs every Triton program, one per node, head group and batch entry, in numpy; o1
+    # data (40 nodes: 20 / 14, 13, 13 / 10 per rank, uneven at 3 ranks as O2's 88), ico0 hidden, one processor block)
     "graphtransformer-triton": dict(name="graphtransformer", graph_kernel="triton",
                                     processor=dict(num_layers=1, num_chunks=2, self_projection=True,
                                                    trainable_edge_size=2),
@@ -119,8 +120,8 @@ def _cases(names: list[str]) -> list:
 
 @functools.lru_cache(maxsize=4)
 def _graph(graph_processor: bool, small: bool = False, truncated: bool = False):
-    if small:
-        cfg = GraphConfig(data_grid="o2", hidden="ico0")
+    if small:  # the Triton case: 40 data nodes (encoder destinations have 4-5 edges, decoder sources 7-12)
+        cfg = GraphConfig(data_grid="o1", hidden="ico0")
     elif graph_processor:
         cfg = GraphConfig(data_grid="o4", hidden="ico1")
     else:
@@ -170,13 +171,15 @@ def _world_one_differs(case: str) -> bool:
 
 
 def _head_groups(config: ModelConfig):  # noqa: ANN202 - a context manager
-    """The Triton case runs its kernels with 4 heads per program: the processor's 12 heads in 3 programs per
-    node (its own tiles would take them in one at this head size), so sharding meets the head groups."""
+    """The Triton case runs its kernels with 8 heads per program: the processor's 12 heads in 2 programs per
+    node, the second group half empty (its own tiles would take them in one at this head size), so sharding
+    meets the head groups; and 4-edge tiles, so that the O1 graph's nodes with 5 edges (encoder destinations,
+    every processor node) and the decoder's sources (7-12 edges) walk more than one tile."""
     if config.graph_kernel != "triton":
         return contextlib.nullcontext()
     from stormshard.kernels.graph_triton import Tiles, tile_override
 
-    return tile_override(Tiles(heads_per_program=4, block_e=8, num_warps=2))
+    return tile_override(Tiles(heads_per_program=8, block_e=4, num_warps=2))
 
 
 def _selective(config: ModelConfig) -> bool:

@@ -76,8 +76,10 @@ def test_layer_norm_keeps_the_compute_dtype_under_autocast():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_bf16_with_the_triton_kernel_casts_activations_only_at_the_model_boundary():
     """The GPU's default graph kernel (here under Triton's interpreter) reads bf16 nodes and fp32 edge
-    attributes as they are: no cast inside the blocks, forward or backward."""
-    result = _steady_census("graphtransformer", "bf16", "triton", grid="o2", hidden="o1", warmup=1)
+    attributes as they are: no cast inside the blocks, forward or backward. The smallest graphs (O1 data, 40
+    nodes; ico0 hidden, 12): Triton's interpreter runs one program per node in numpy, and where a cast happens
+    does not depend on the size."""
+    result = _steady_census("graphtransformer", "bf16", "triton", grid="o1", hidden="ico0", warmup=1)
     ours = _ours(result.activation_casts)
     assert all(where.startswith("stormshard/models/encoder_processor_decoder.py") for where in ours), result.table()
     assert sum(ours.values()) <= 3, result.table()

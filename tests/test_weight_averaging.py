@@ -320,6 +320,26 @@ def test_export_reshard_consolidate_take_the_average_by_default(runs, tmp_path):
     assert same(resharded.average, ckpt.average) and same(resharded.model, ckpt.model)
 
 
+def test_inspect_shows_the_weight_average(runs, tmp_path):
+    """``inspect`` says which checkpoint holds an average, of which kind, and a bundle which weights it holds."""
+    from stormshard.checkpoint.export import export_bundle
+    from stormshard.checkpoint.inspect import format_inspection, inspect_checkpoint
+
+    source, plain = runs
+    assert inspect_checkpoint(plain)["weight_average"] is None
+    assert "weight average" not in format_inspection(inspect_checkpoint(plain), parameters=False)
+    text = format_inspection(inspect_checkpoint(source), parameters=False)
+    assert "weight average: EMA (decay 0.6, from step 0, every 1 step(s)), in the rank files" in text, text
+    cli = _launcher("convert_checkpoint")
+    assert cli.main(["consolidate", source, "--out", str(tmp_path / "full")]) == 0
+    full = inspect_checkpoint(tmp_path / "full")["weight_average"]
+    assert (full["updates"], full["where"]) == (3, "average.safetensors"), full
+    export_bundle(source, tmp_path / "avg")
+    export_bundle(source, tmp_path / "trained", weights="trained")
+    assert "EMA (decay 0.6" in format_inspection(inspect_checkpoint(tmp_path / "avg"), parameters=False)
+    assert "weights: as trained" in format_inspection(inspect_checkpoint(tmp_path / "trained"), parameters=False)
+
+
 def test_forecast_takes_the_average_by_default(runs, tmp_path):
     from stormshard.inference.loader import load_forecaster
 

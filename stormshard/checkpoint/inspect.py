@@ -1,5 +1,6 @@
 """Describe a checkpoint (training, consolidated, or an inference bundle) from its metadata:
-layout, step, parameter names, local and full shapes, partitions and sizes. Reads no tensors."""
+layout, step, parameter names, local and full shapes, partitions and sizes, and its weight average
+(``training.weight_averaging``) where it has one. Reads no tensors."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                 raise ConversionError(f"{p}/metadata.json has no rank tables: not a stormshard training checkpoint")
             kind, layout, world = "training", meta["layout"], int(meta["world_size"])
             params = [dict(r) for r in meta["ranks"][0]["parameters"]]
+    average = _weight_average(kind, meta, experiment)
     numel = sum(_numel(r["full_shape"]) for r in params)
     nbytes = sum(_numel(r["full_shape"]) * _ITEMSIZE.get(r.get("dtype", "float32"), 4) for r in params)
     files = _files(p)
@@ -88,8 +90,35 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         if kind == "training" else None,
         "num_parameters": numel, "model_bytes": nbytes,
         "partitioned": sum(1 for r in params if r.get("partition")),
-        "parameters": params, "files": files, "files_bytes": sum(files.values()),
+        "parameters": params, "files": files, "files_bytes": sum(files.values()), "weight_average": average,
     }
+
+
+def _weight_average(kind: str, meta: dict[str, Any], experiment: dict[str, Any]) -> dict[str, Any] | None:
+    """What the metadata says of a weight average (``training.weight_averaging``), None when there is none:
+    ``{"where", "settings"}`` plus ``updates`` / ``last_step`` where recorded (consolidated, bundle). A training
+    checkpoint's rank files hold one when its run's config (saved with it) has the setting on."""
+    if kind == "inference bundle":
+        info = meta.get("weight_average") if meta.get("weights") == "averaged" else None
+        return None if not isinstance(info, dict) else {"where": "model.safetensors (the bundle's weights)", **info}
+    if kind == "consolidated":
+        info = meta.get("weight_average")
+        return None if not isinstance(info, dict) else {"where": "average.safetensors", **info}
+    settings = (experiment.get("training") or {}).get("weight_averaging")
+    return {"where": "the rank files", "settings": settings} if isinstance(settings, dict) else None
+
+
+def _describe_average(average: dict[str, Any]) -> str:
+    settings = average.get("settings") or {}
+    parts = [str(settings.get("kind", "?")).upper()]
+    if settings.get("kind") == "ema" and "decay" in settings:
+        parts.append(f"decay {settings['decay']}")
+    if "start_step" in settings:
+        parts.append(f"from step {settings['start_step']}, every {settings.get('every_n_steps', 1)} step(s)")
+    text = f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
+    if "updates" in average:
+        text += f", {average['updates']} updates (last at step {average.get('last_step')})"
+    return f"{text}, in {average['where']}"
 
 
 def format_inspection(info: dict[str, Any], parameters: bool = True) -> str:
@@ -104,6 +133,13 @@ def format_inspection(info: dict[str, Any], parameters: bool = True) -> str:
         f"{info['partitioned']} tensors sliced per rank",
         f"  files: {len(info['files'])}, {human_bytes(info['files_bytes'])} on disk",
     ]
+    average = info.get("weight_average")
+    if average is not None:
+        lines.append(f"  weight average: {_describe_average(average)}" + (
+            "; export, consolidate, reshard and forecasts take it (--weights trained: the trained weights)"
+            if info["kind"] != "inference bundle" else ""))
+    elif info["kind"] == "inference bundle":
+        lines.append("  weights: as trained (no weight average)")
     if info.get("verified"):
         v = info["verified"]
         lines.append(f"  verified: {v['files']} files, {human_bytes(v['bytes'])}: sizes and sha256 as recorded")
