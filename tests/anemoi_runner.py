@@ -62,7 +62,7 @@ class _ForkServer:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
-        self.log_path: str | None = None
+        self.log = None  # the server's stderr: an unnamed temporary file, nothing left behind
         self.ready: dict = {}
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -72,18 +72,27 @@ class _ForkServer:
     def start(self) -> None:
         self.stop()
         self.env = _server_env()
-        fd, self.log_path = tempfile.mkstemp(prefix="anemoi-fork-server-", suffix=".log")
+        self.log = tempfile.TemporaryFile(prefix="anemoi-fork-server-")
+        self.proc = subprocess.Popen([str(ANEMOI_PYTHON), str(SERVER_SCRIPT)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=self.env, cwd=SERVER_SCRIPT.parent)
         try:
-            self.proc = subprocess.Popen([str(ANEMOI_PYTHON), str(SERVER_SCRIPT)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=fd, env=self.env, cwd=SERVER_SCRIPT.parent)
-        finally:
-            os.close(fd)
-        self.ready = self._receive(time.monotonic() + _SERVER_START_TIMEOUT)
+            self.ready = self._receive(time.monotonic() + _SERVER_START_TIMEOUT)
+        except BaseException:
+            self.stop(kill=True)
+            raise
         if not self.ready.get("ready"):
-            raise ServerError(f"the anemoi fork server did not start: {self.ready}\n{self.log_tail()}")
+            message = f"the anemoi fork server did not start: {self.ready}\n{self.log_tail()}"
+            self.stop(kill=True)
+            raise ServerError(message)
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False, child: int | None = None) -> None:
+        """End the server: asked (EOF on its stdin), or killed with ``kill``, ``child`` (a call's pid) too."""
         proc, self.proc = self.proc, None
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        if proc is not None and kill:
+            proc.kill()
         if proc is not None:
             with contextlib.suppress(OSError):
                 proc.stdin.close()  # the server's loop ends on EOF
@@ -93,18 +102,16 @@ class _ForkServer:
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
-        if self.log_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
-            self.log_path = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     def log_tail(self, n: int = 4000) -> str:
-        if self.log_path is None:
+        if self.log is None:
             return ""
-        try:
-            return Path(self.log_path).read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        fd = self.log.fileno()
+        size = os.fstat(fd).st_size  # pread: the offset the server writes at stays where it is
+        return os.pread(fd, n, max(0, size - n)).decode(errors="replace")
 
     # -- protocol --------------------------------------------------------------------------------------
     def _send(self, message: dict) -> None:
@@ -144,6 +151,7 @@ class _ForkServer:
                 self.start()
                 self._send(request)
             deadline = None if timeout is None else time.monotonic() + timeout
+            pid = None
             try:
                 pid = self._receive(deadline)["pid"]
                 try:
@@ -151,14 +159,16 @@ class _ForkServer:
                 except TimeoutError:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    self._receive(time.monotonic() + 60)
+                    self._receive(time.monotonic() + 60)  # the server is in step again
                     raise subprocess.TimeoutExpired([str(ANEMOI_PYTHON), *args], timeout,
                                                     *self._outputs(outdir)) from None
+            except subprocess.TimeoutExpired:
+                raise
             except TimeoutError:  # the server itself is stuck: replaced on the next call
-                self.stop()
+                self.stop(kill=True, child=pid)
                 raise subprocess.TimeoutExpired([str(ANEMOI_PYTHON), *args], timeout, *self._outputs(outdir)) from None
-            except ServerError:
-                self.stop()
+            except BaseException:  # it died, or the wait was interrupted (pytest-timeout, ^C): its replies are out of
+                self.stop(kill=True, child=pid)  # step with the requests, so it is replaced on the next call
                 raise
             return (returncode, *self._outputs(outdir))
         finally:

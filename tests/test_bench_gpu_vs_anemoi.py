@@ -56,12 +56,26 @@ def _finite(*values: float) -> bool:
     return all(isinstance(v, float | int) and math.isfinite(v) for v in values)
 
 
-@pytest.mark.timeout(600)
-def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
-    out = tmp_path / "smoke.json"
-    done = _run("--cpu-smoke", "--tables", "model:micro,attention:micro", "--anemoi-python", "none", "--warmup", "1", "--steps", "1",
-                "--cuda-graphs", "micro", "--json", str(out))
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """One ``--cpu-smoke`` run for both smoke tests (a process start, the imports and the graphs once): the micro
+    size's model table (with its CUDA-graphs row asked for) and attention table, then the checkpointed tiny-ckpt
+    size's model table with its selective-checkpointing row; its output and its JSON report."""
+    out = tmp_path_factory.mktemp("smoke") / "smoke.json"
+    done = _run("--cpu-smoke", "--tables", "model:micro,attention:micro,model:tiny-ckpt", "--anemoi-python", "none",
+                "--warmup", "1", "--steps", "1", "--cuda-graphs", "micro", "--selective", "tiny-ckpt",
+                "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
+def _model_rows(report: dict, size: str) -> dict[str, dict]:
+    return {r["impl"]: r for r in report["model_rows"] if r["size"] == size}
+
+
+@pytest.mark.timeout(600)
+def test_cpu_smoke_prints_stormshards_rows_of_both_tables(smoke):
+    done, report = smoke
     text = done.stdout
     assert "anemoi rows not asked for" in text
     lines = [line for line in text.splitlines() if line.startswith("| micro | stormshard")]
@@ -74,8 +88,7 @@ def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
         csr = [line for line in text.splitlines() if line.startswith(f"| {graph} |") and "stormshard csr" in line]
         assert len(csr) == 1, text
         assert all(float(c) > 0 for c in csr[0].split("|")[4:7]), csr  # fwd, bwd, fwd+bwd ms
-    report = json.loads(out.read_text())
-    rows = {r["impl"]: r for r in report["model_rows"]}
+    rows = _model_rows(report, "micro")
     assert "anemoi not available" in rows["anemoi-models 0.19"]["note"]
     assert "skipped" in rows[f"stormshard {h2h.GRAPHED}"]["note"]
     for impl in ("stormshard eager", "stormshard compiled"):
@@ -94,13 +107,12 @@ def test_cpu_smoke_prints_stormshards_rows_of_both_tables(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_cpu_smoke_selective_checkpointing_row(tmp_path):
-    """A checkpointed size gets the compiled row with selective checkpointing, and it trains the same model."""
-    out = tmp_path / "smoke.json"
-    done = _run("--cpu-smoke", "--tables", "model:tiny-ckpt", "--selective", "tiny-ckpt", "--cuda-graphs", "none",
-                "--anemoi-python", "none", "--warmup", "1", "--steps", "1", "--json", str(out))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {r["impl"]: r for r in json.loads(out.read_text())["model_rows"]}
+def test_cpu_smoke_selective_checkpointing_row(smoke):
+    """A checkpointed size gets the compiled row with selective checkpointing (the unchecked micro size none), and
+    it trains the same model."""
+    done, report = smoke
+    assert f"stormshard {h2h.SELECTIVE}" not in _model_rows(report, "micro")
+    rows = _model_rows(report, "tiny-ckpt")
     assert list(rows) == ["anemoi-models 0.19", "stormshard eager", "stormshard compiled",
                           f"stormshard {h2h.SELECTIVE}"]
     selective, compiled = rows[f"stormshard {h2h.SELECTIVE}"], rows["stormshard compiled"]
@@ -174,12 +186,12 @@ def test_busy_fraction_helpers_on_cpu_events():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-CUDA message needs a machine without CUDA")
-def test_without_cuda_it_says_so_and_exits_0():
-    done = _run(timeout=300)
-    assert done.returncode == 0 and "no CUDA device here" in done.stdout
+def test_without_cuda_it_says_so_and_exits_0(capsys):
+    assert h2h.main([]) == 0  # in this process: the smoke tests run the script itself
+    assert "no CUDA device here" in capsys.readouterr().out
 
 
-def test_tile_sweep_arguments():
+def test_tile_sweep_arguments(capsys):
     """``--triton-tiles`` parses as heads-per-program x edges x warps [x nodes per program] (powers of two); the tile
     table needs it."""
     from stormshard.kernels.graph_triton import Tiles
@@ -189,7 +201,12 @@ def test_tile_sweep_arguments():
     for bad in ("4x8", "4x8x3", "axbxc", "4x4x4x3", "4x4x4x4x4"):
         with pytest.raises(ValueError):
             h2h.parse_tiles(bad)
-    run = _run("--cpu-smoke", "--tables", "tiles:micro", timeout=120)
-    assert run.returncode == 2 and "--triton-tiles" in run.stderr, run.stderr[-2000:]
-    run = _run("--cpu-smoke", "--tables", "attention:micro", "--triton-tiles", "4x8", timeout=120)
-    assert run.returncode == 2 and "heads-per-program x edges-per-tile x warps" in run.stderr, run.stderr[-2000:]
+    # the command line's errors, in this process (argparse exits 2 before anything runs)
+    with pytest.raises(SystemExit) as exit_:
+        h2h.main(["--cpu-smoke", "--tables", "tiles:micro"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--triton-tiles" in err, err[-2000:]
+    with pytest.raises(SystemExit) as exit_:
+        h2h.main(["--cpu-smoke", "--tables", "attention:micro", "--triton-tiles", "4x8"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "heads-per-program x edges-per-tile x warps" in err, err[-2000:]

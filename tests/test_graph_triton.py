@@ -109,7 +109,9 @@ CASES = {
     "1 head, d 64, 7 features, batch 2 per-batch attrs": dict(num_src=8, num_dst=10, heads=1, d=64, fdim=7,
                                                                batch=(2,), attr_batched=True),
     "16 heads, d 24, 3 features, no bias": dict(num_src=7, num_dst=5, heads=16, d=24, fdim=3, bias=False),
-    "16 heads, d 64, 16 features, batch (2, 2)": dict(num_src=4, num_dst=4, heads=16, d=64, fdim=16, batch=(2, 2),
+    # 3 destinations (one without edges, the hub with 20 edges: 3 tiles), 3 sources: the interpreter runs a program
+    # per destination, head group (4 of them) and batch entry (4), and loops over the 17 columns of W in each
+    "16 heads, d 64, 16 features, batch (2, 2)": dict(num_src=3, num_dst=3, heads=16, d=64, fdim=16, batch=(2, 2),
                                                      attr_batched=True, hub_edges=20),
     # 2 head groups of 4 (tile_config), the second one half empty; attributes shared by the batch
     "6 heads, d 64, 2 features, batch 2 shared attrs": dict(num_src=6, num_dst=7, heads=6, d=64, fdim=2, batch=(2,),
@@ -206,10 +208,11 @@ def test_every_tile_override_computes_the_same_function():
     """The benchmark's tile sweep (``tile_override``): one head per program with 2-edge tiles, all heads in one
     program, and 2 or 4 nodes per program equal the float64 reference like the default tiles; bad tiles are an
     error."""
-    inputs, edge_index, grad_out = make_inputs(num_src=6, num_dst=7, heads=6, d=24, fdim=2, batch=(2,), hub_edges=9,
+    inputs, edge_index, grad_out = make_inputs(num_src=3, num_dst=5, heads=6, d=24, fdim=2, batch=(2,), hub_edges=9,
                                                seed=8)
     ref_out, ref_grads = run(reference, inputs, edge_index, grad_out)
-    # several nodes per program, the last block partly past the 7 destinations and 6 sources
+    # several nodes per program, the last block partly past the 5 destinations and 3 sources (at 2 and 4 nodes per
+    # program both); the hub's 9 edges walk several tiles
     for tiles in (gt.Tiles(1, 2, 2), gt.Tiles(8, 4, 4), gt.Tiles(4, 2, 2, 4), gt.Tiles(2, 4, 2, 2)):
         with gt.tile_override(tiles):
             assert gt.tile_config(6, 24, 2)["HP"] == tiles.heads_per_program
@@ -237,8 +240,10 @@ def test_gradients_of_some_inputs_only():
 
 @pytest.mark.parametrize("heads, d", [(3, 12), (6, 64)], ids=["one head group", "head groups"])
 def test_backward_is_deterministic(heads, d):
-    inputs, edge_index, grad_out = make_inputs(num_src=6, num_dst=5, heads=heads, d=d, fdim=3, batch=(2,),
-                                               dtype=torch.float32, seed=3)
+    # a destination with 24 edges (3 tiles of 8 at 6 heads of 64, more at 3 of 12), 4 per source on average: the
+    # float32 sums run over many terms in every kernel (smaller than the default hub: the interpreter is slow)
+    inputs, edge_index, grad_out = make_inputs(num_src=6, num_dst=3, heads=heads, d=d, fdim=3, batch=(2,),
+                                               hub_edges=24, dtype=torch.float32, seed=3)
     first = run(gt.triton_graph_attention, inputs, edge_index, grad_out)
     second = run(gt.triton_graph_attention, inputs, edge_index, grad_out)
     assert torch.equal(first[0], second[0])
